@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineConfig(BaseModel):
+    """vLLM engine settings. A GPU is a config, not a fork of the code."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dtype: str = Field("float32", pattern="^(float32|bfloat16|float16|auto)$")
+    max_model_len: int = Field(512, ge=16)
+    kv_cache_bytes: int = Field(256 << 20, ge=1 << 20, description="KV cache size (CPU); see notes/vllm-cpu.md")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    multiprocess: bool = Field(False, description="vLLM's multiprocess engine; in-process starts faster")
+    enforce_eager: bool = True
+    proofs: bool = Field(True, description="build TOPLOC-style proofs during generation")
+
+
+class WorkerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    orchestrator_url: str = "http://127.0.0.1:8000"
+    join_token: str = ""
+    name: str = "worker"
+    work_dir: str = Field("", description="weights download folder; a temporary one if empty")
+    engine: EngineConfig = EngineConfig()
+    max_prompts_per_lease: int = Field(8, ge=1)
+    backoff_initial_s: float = Field(0.5, gt=0)
+    backoff_max_s: float = Field(30.0, gt=0)
+    request_timeout_s: float = Field(30.0, gt=0)
+    num_threads: int = Field(0, ge=0, description="torch threads; 0 leaves torch's default")

@@ -1,0 +1,92 @@
+"""The `swarmrl` command line. Every subcommand imports its package lazily, so that a volunteer's
+install (`swarmrl[worker]`, no Ray, no fastapi) can run `swarmrl worker`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from orchestrator.logs import configure_logging
+
+app = typer.Typer(
+    name="swarmrl",
+    help="Asynchronous, decentralized RL post-training with untrusted vLLM workers.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console(stderr=True)
+OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.toml"
+
+
+def _load(config: Optional[Path], extra: list[str]):
+    from orchestrator.config import load_config
+
+    path = config if config is not None else (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
+    return load_config(path, extra)
+
+
+def _print_config(cfg) -> None:
+    from orchestrator.config import dump_toml
+
+    sys.stdout.write(dump_toml(cfg))
+
+
+@app.command(context_settings=OVERRIDES)
+def run(
+    ctx: typer.Context,
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="run config (TOML); default configs/demo.toml"),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster address; default: local Ray"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved config and exit"),
+) -> None:
+    """Run the whole loop: Ray, orchestrator, verifiers, trainer, shardcast and local workers.
+
+    Any config field can be overridden: --trainer.lr 1e-6 --orchestrator.async_level 0
+    """
+    extra = list(ctx.args) + ([f"--ray_address={ray_address}"] if ray_address else [])
+    cfg = _load(config, extra)
+    if dry_run:
+        _print_config(cfg)
+        return
+    configure_logging(cfg.log_level)
+    console.print(
+        "[yellow]swarmrl run:[/] the end-to-end loop is not built yet (issue 8). "
+        "The config resolved; see it with --dry-run."
+    )
+    raise typer.Exit(3)
+
+
+@app.command("init-model")
+def init_model(
+    out: Path = typer.Option(..., "--out", help="folder to write the model and tokenizer to"),
+    size: str = typer.Option("tiny", "--size", help="tiny | small"),
+    seed: int = typer.Option(0, "--seed"),
+    tie_embeddings: bool = typer.Option(True, "--tie-embeddings/--no-tie-embeddings"),
+) -> None:
+    """Write a tiny Qwen2-architecture model and tokenizer, made locally (no hub)."""
+    from trainer.tiny_model import SIZES, init_model as make
+
+    if size not in SIZES:
+        raise typer.BadParameter(f"choose one of {', '.join(SIZES)}", param_hint="--size")
+    path = make(out, size, seed, tie_embeddings)  # type: ignore[arg-type]
+    console.print(f"wrote a {size} model (seed {seed}, tied={tie_embeddings}) to {path}")
+
+
+def main() -> None:
+    from orchestrator.config import ConfigError
+
+    try:
+        app()
+    except ConfigError as exc:
+        console.print(f"[red]config error:[/] {exc}")
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

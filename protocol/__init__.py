@@ -1,0 +1,5 @@
+"""The wire contract between the trusted cluster and untrusted workers. Imports nothing of ours."""
+
+from protocol import api, limits
+from protocol.arrays import PackedArray, pack, unpack
+from protocol.models import *  # noqa: F401,F403

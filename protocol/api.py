@@ -1,0 +1,62 @@
+"""The HTTP API contract: one definition of paths, methods, models and auth, used by the
+orchestrator's server and by the worker's client.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from pydantic import BaseModel
+
+from protocol import models as m
+
+
+class Auth(str, Enum):
+    none = "none"
+    join = "join"  # Authorization: Bearer <join token>
+    worker = "worker"  # Authorization: Bearer <worker secret>; the worker acts only as itself
+    admin = "admin"  # Authorization: Bearer <admin token>; worker secrets are refused
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    method: str
+    path: str
+    request: type[BaseModel] | None
+    response: type[BaseModel] | None
+    auth: Auth
+    summary: str
+
+    def url(self, base: str, **params: str) -> str:
+        return base.rstrip("/") + self.path.format(**params)
+
+
+AUTH_HEADER = "Authorization"
+# The submit body may be zstd-compressed (Content-Encoding: zstd); it is capped before and after.
+SUBMIT_CONTENT_ENCODING = "zstd"
+
+REGISTER = Endpoint("POST", "/v1/workers", m.WorkerRegistration, m.WorkerRegistered, Auth.join, "Register a worker with a join token")
+HEARTBEAT = Endpoint("POST", "/v1/workers/{worker_id}/heartbeat", m.Heartbeat, m.HeartbeatAck, Auth.worker, "Worker heartbeat")
+LEASE = Endpoint("POST", "/v1/tasks/lease", m.LeaseRequest, m.LeaseResponse, Auth.worker, "Lease a task")
+RELEASE = Endpoint("POST", "/v1/tasks/{lease_id}/release", m.ReleaseRequest, m.ReleaseAck, Auth.worker, "Give a leased task back")
+SUBMIT = Endpoint("POST", "/v1/rollouts", m.RolloutSubmission, m.SubmissionReceipt, Auth.worker, "Submit rollouts for a lease")
+VERDICT = Endpoint("GET", "/v1/rollouts/{submission_id}", None, m.Verdict, Auth.worker, "Verdict of one of your submissions")
+
+STATUS = Endpoint("GET", "/v1/status", None, m.RunStatus, Auth.admin, "Run status")
+WORKERS = Endpoint("GET", "/v1/workers", None, m.WorkerList, Auth.admin, "All workers")
+BAN = Endpoint("POST", "/v1/workers/{worker_id}/ban", m.BanRequest, m.WorkerRecord, Auth.admin, "Ban a worker")
+UNBAN = Endpoint("POST", "/v1/workers/{worker_id}/unban", m.BanRequest, m.WorkerRecord, Auth.admin, "Unban a worker")
+METRICS = Endpoint("GET", "/metrics", None, None, Auth.admin, "Prometheus metrics")
+
+HEALTH = Endpoint("GET", "/healthz", None, m.HealthStatus, Auth.none, "Liveness")
+READY = Endpoint("GET", "/readyz", None, m.HealthStatus, Auth.none, "Readiness: 503 until the run is serving")
+
+WORKER_ENDPOINTS = (REGISTER, HEARTBEAT, LEASE, RELEASE, SUBMIT, VERDICT)
+OPERATOR_ENDPOINTS = (STATUS, WORKERS, BAN, UNBAN, METRICS)
+ALL_ENDPOINTS = WORKER_ENDPOINTS + OPERATOR_ENDPOINTS + (HEALTH, READY)
+
+# shardcast servers (origin and relays) serve this read-only API.
+SHARDCAST_VERSIONS = "/v1/versions"  # -> VersionList
+SHARDCAST_MANIFEST = "/v1/versions/{version}/manifest"  # -> PolicyManifest
+SHARDCAST_SHARD = "/v1/versions/{version}/shards/{name}"  # -> bytes, supports Range

@@ -1,0 +1,88 @@
+"""Packing of token and float arrays for the wire.
+
+Large arrays travel as base64 of little-endian int32 / float32 bytes instead of JSON lists of numbers:
+4 bytes per value instead of up to 20 characters, and decoding is one `np.frombuffer`.
+In Python, fields hold `numpy.ndarray`; in JSON, they hold base64 strings.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from pydantic_core import PydanticCustomError, core_schema
+
+
+def pack(values: Any, dtype: str) -> str:
+    """Encode a 1-D array as base64 of little-endian `dtype` bytes."""
+    return base64.b64encode(np.ascontiguousarray(values, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()).decode()
+
+
+def unpack(text: str | bytes, dtype: str, max_len: int | None = None) -> np.ndarray:
+    """Decode base64 of little-endian `dtype` bytes into a native-endian 1-D array."""
+    dt = np.dtype(dtype).newbyteorder("<")
+    if max_len is not None and len(text) > 4 * ((max_len * dt.itemsize + 2) // 3) + 4:
+        raise ValueError(f"array longer than {max_len} values")
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"not valid base64: {exc}") from None
+    if len(raw) % dt.itemsize:
+        raise ValueError(f"{len(raw)} bytes is not a whole number of {dt.itemsize}-byte values")
+    return np.frombuffer(raw, dtype=dt).astype(np.dtype(dtype), copy=True)
+
+
+@dataclass(frozen=True)
+class PackedArray:
+    """Pydantic annotation: `Annotated[np.ndarray, PackedArray("int32", max_len=...)]`.
+
+    Accepts a base64 string (from JSON), or a list / ndarray (from Python). Always yields a 1-D ndarray
+    of exactly `dtype`; serializes to base64 in JSON mode.
+    """
+
+    dtype: str
+    max_len: int
+
+    def _validate(self, value: Any) -> np.ndarray:
+        if isinstance(value, (str, bytes)):
+            try:
+                arr = unpack(value, self.dtype, self.max_len)
+            except ValueError as exc:
+                raise PydanticCustomError("packed_array", "{msg}", {"msg": str(exc)}) from None
+        elif isinstance(value, (list, tuple, np.ndarray)):
+            arr = np.asarray(value)
+            if arr.ndim != 1:
+                raise PydanticCustomError("packed_array", "expected a 1-D array, got {ndim} dimensions", {"ndim": arr.ndim})
+            if arr.size and np.issubdtype(np.dtype(self.dtype), np.integer):
+                if not np.issubdtype(arr.dtype, np.integer):
+                    raise PydanticCustomError("packed_array", "expected integers, got {dtype}", {"dtype": str(arr.dtype)})
+                info = np.iinfo(self.dtype)
+                if arr.min() < info.min or arr.max() > info.max:
+                    raise PydanticCustomError("packed_array", "value out of {dtype} range", {"dtype": self.dtype})
+            try:
+                arr = arr.astype(self.dtype)
+            except (TypeError, ValueError) as exc:
+                raise PydanticCustomError("packed_array", "cannot convert to {dtype}: {msg}", {"dtype": self.dtype, "msg": str(exc)}) from None
+        else:
+            raise PydanticCustomError("packed_array", "expected base64 string or array, got {t}", {"t": type(value).__name__})
+        if arr.size > self.max_len:
+            raise PydanticCustomError("packed_array", "array has {n} values, limit is {limit}", {"n": int(arr.size), "limit": self.max_len})
+        return arr
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> core_schema.CoreSchema:
+        return core_schema.no_info_plain_validator_function(
+            self._validate,
+            serialization=core_schema.plain_serializer_function_ser_schema(
+                lambda arr: pack(arr, self.dtype), when_used="json"
+            ),
+        )
+
+    def __get_pydantic_json_schema__(self, schema: Any, handler: Any) -> dict[str, Any]:
+        return {
+            "type": "string",
+            "contentEncoding": "base64",
+            "description": f"base64 of little-endian {self.dtype} values (at most {self.max_len})",
+        }

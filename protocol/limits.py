@@ -1,0 +1,32 @@
+"""Hard limits shared by the orchestrator (which enforces them) and the worker (which respects them).
+
+Every limit that bounds memory or work on the trusted side lives here, so that both sides of the wire
+agree on one number.
+"""
+
+# Tokens
+MAX_PROMPT_TOKENS = 4096
+MAX_COMPLETION_TOKENS = 8192
+MAX_VOCAB_SIZE = 1 << 20
+
+# Shape of a task / submission
+MAX_PROMPTS_PER_TASK = 64
+MAX_SAMPLES_PER_PROMPT = 64
+MAX_COMPLETIONS_PER_SUBMISSION = 256
+MAX_STOP_TOKEN_IDS = 16
+
+# TOPLOC-style proofs: one proof per chunk of generated tokens (Ong et al., 2025: 32 tokens, 258 bytes).
+PROOF_CHUNK_TOKENS = 32
+MAX_PROOF_BYTES = 258
+
+# HTTP bodies. The compressed cap is checked before decompression, the decompressed cap while
+# decompressing, so a zstd bomb is cut off after MAX_DECOMPRESSED_BODY_BYTES.
+MAX_BODY_BYTES = 8 << 20
+MAX_DECOMPRESSED_BODY_BYTES = 64 << 20
+
+# Identifiers and free text
+MAX_ID_CHARS = 64
+MAX_NAME_CHARS = 64
+MAX_MESSAGE_CHARS = 2048
+MAX_SHARDS_PER_MANIFEST = 10_000
+MAX_SHARD_NAME_CHARS = 128

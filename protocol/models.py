@@ -1,0 +1,426 @@
+"""Pydantic models of everything that crosses the trust boundary.
+
+Rules every model keeps:
+- unknown fields are an error (`extra="forbid"`), so a typo or an injected field never passes silently;
+- every size is bounded by a constant from `protocol.limits`;
+- token ids are checked against the vocabulary when the caller passes `context={"vocab_size": V}`
+  to `model_validate` / `model_validate_json`.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from enum import Enum
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from protocol import limits
+from protocol.arrays import PackedArray
+
+Id = Annotated[str, Field(min_length=1, max_length=limits.MAX_ID_CHARS, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")]
+Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+Message = Annotated[str, Field(max_length=limits.MAX_MESSAGE_CHARS)]
+Version = Annotated[int, Field(ge=0, le=2**31 - 1)]
+PromptTokens = Annotated[np.ndarray, PackedArray("int32", limits.MAX_PROMPT_TOKENS)]
+CompletionTokens = Annotated[np.ndarray, PackedArray("int32", limits.MAX_COMPLETION_TOKENS)]
+Logprobs = Annotated[np.ndarray, PackedArray("float32", limits.MAX_COMPLETION_TOKENS)]
+
+
+class WireModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, ser_json_inf_nan="constants")
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+
+def _check_token_ids(ids: np.ndarray, info: ValidationInfo, what: str) -> np.ndarray:
+    if ids.size and int(ids.min()) < 0:
+        raise ValueError(f"{what}: negative token id {int(ids.min())}")
+    vocab = (info.context or {}).get("vocab_size")
+    if vocab is not None and ids.size and int(ids.max()) >= vocab:
+        raise ValueError(f"{what}: token id {int(ids.max())} is outside the vocabulary of {vocab}")
+    return ids
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors: every 4xx carries one of these codes, so a client can act on it without parsing prose.
+
+
+class ErrorCode(str, Enum):
+    invalid_request = "invalid_request"
+    unauthorized = "unauthorized"
+    forbidden = "forbidden"
+    banned = "banned"
+    not_found = "not_found"
+    lease_expired = "lease_expired"
+    lease_mismatch = "lease_mismatch"
+    version_too_old = "version_too_old"
+    duplicate = "duplicate"
+    payload_too_large = "payload_too_large"
+    rate_limited = "rate_limited"
+    too_many_leases = "too_many_leases"
+    unsupported_encoding = "unsupported_encoding"
+
+
+class ErrorBody(WireModel):
+    error: ErrorCode
+    detail: Message
+    # For version_too_old: the lowest policy version the orchestrator accepts now.
+    min_policy_version: Version | None = None
+    retry_after_s: float | None = None
+
+
+# --------------------------------------------------------------------------------------------------
+# Workers: registration and heartbeat
+
+
+class WorkerRegistration(WireModel):
+    name: Annotated[str, Field(min_length=1, max_length=limits.MAX_NAME_CHARS, pattern=r"^[\w.@-]+$")]
+    client_version: Annotated[str, Field(max_length=32)] = "0"
+    device: Annotated[str, Field(max_length=64)] = "cpu"
+
+
+class WorkerRegistered(WireModel):
+    worker_id: Id
+    # Bearer secret for every later request. The orchestrator stores only its hash.
+    secret: Annotated[str, Field(min_length=16, max_length=256)]
+    heartbeat_interval_s: Annotated[float, Field(gt=0)]
+    async_level: Annotated[int, Field(ge=0)]
+    policy_version: Version
+    # Where to pull weights from, and the key that signs every manifest (base64 raw ed25519 public key).
+    relay_urls: Annotated[list[Annotated[str, Field(max_length=512)]], Field(max_length=64)]
+    manifest_public_key: Annotated[str, Field(max_length=128)]
+
+
+class WorkerState(str, Enum):
+    starting = "starting"
+    downloading = "downloading"
+    generating = "generating"
+    idle = "idle"
+    draining = "draining"
+
+
+class Heartbeat(WireModel):
+    state: WorkerState
+    loaded_policy_version: Version | None = None
+    tokens_per_s: Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)] = 0.0
+
+
+class HeartbeatAck(WireModel):
+    policy_version: Version
+    min_policy_version: Version
+    heartbeat_interval_s: Annotated[float, Field(gt=0)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Tasks and leases
+
+
+class SamplingParams(WireModel):
+    temperature: Annotated[float, Field(ge=0.0, le=10.0, allow_inf_nan=False)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 1.0
+    top_k: Annotated[int, Field(ge=-1, le=limits.MAX_VOCAB_SIZE)] = -1  # -1 disables top-k
+    max_tokens: Annotated[int, Field(ge=1, le=limits.MAX_COMPLETION_TOKENS)] = 64
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=limits.MAX_STOP_TOKEN_IDS)] = []
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_not_zero(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError("top_k must be -1 (disabled) or >= 1")
+        return v
+
+
+class TaskPrompt(WireModel):
+    prompt_id: Id
+    token_ids: PromptTokens
+    # One seed per sample, chosen by the orchestrator so that sampling is reproducible.
+    seeds: Annotated[list[Annotated[int, Field(ge=0, lt=2**63)]], Field(min_length=1, max_length=limits.MAX_SAMPLES_PER_PROMPT)]
+
+    @field_validator("token_ids")
+    @classmethod
+    def _tokens(cls, v: np.ndarray, info: ValidationInfo) -> np.ndarray:
+        if v.size == 0:
+            raise ValueError("prompt has no tokens")
+        return _check_token_ids(v, info, "prompt")
+
+
+class TaskLease(WireModel):
+    lease_id: Id
+    prompts: Annotated[list[TaskPrompt], Field(min_length=1, max_length=limits.MAX_PROMPTS_PER_TASK)]
+    samples_per_prompt: Annotated[int, Field(ge=1, le=limits.MAX_SAMPLES_PER_PROMPT)]
+    sampling: SamplingParams
+    policy_version: Version  # the orchestrator's current version when the lease was issued
+    min_policy_version: Version  # generation must use at least this version
+    deadline: Annotated[float, Field(gt=0, allow_inf_nan=False)]  # unix seconds
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "TaskLease":
+        if self.min_policy_version > self.policy_version:
+            raise ValueError("min_policy_version is above policy_version")
+        for p in self.prompts:
+            if len(p.seeds) != self.samples_per_prompt:
+                raise ValueError(f"prompt {p.prompt_id}: {len(p.seeds)} seeds for {self.samples_per_prompt} samples")
+        return self
+
+    @property
+    def num_completions(self) -> int:
+        return len(self.prompts) * self.samples_per_prompt
+
+
+class LeaseRequest(WireModel):
+    loaded_policy_version: Version
+    max_prompts: Annotated[int, Field(ge=1, le=limits.MAX_PROMPTS_PER_TASK)] = 1
+
+
+class LeaseResponse(WireModel):
+    lease: TaskLease | None = None
+    # When no task is available: how long to wait before asking again.
+    retry_after_s: Annotated[float, Field(ge=0)] = 0.0
+
+
+class ReleaseRequest(WireModel):
+    reason: Message = ""
+
+
+class ReleaseAck(WireModel):
+    lease_id: Id
+    released: bool
+
+
+# --------------------------------------------------------------------------------------------------
+# Rollouts
+
+
+class FinishReason(str, Enum):
+    stop = "stop"  # ended on EOS or a stop token, which is the last token
+    length = "length"  # hit max_tokens exactly
+
+
+ProofBlob = Annotated[bytes, Field(min_length=1, max_length=limits.MAX_PROOF_BYTES)]
+
+
+class Completion(WireModel):
+    prompt_index: Annotated[int, Field(ge=0, lt=limits.MAX_PROMPTS_PER_TASK)]
+    sample_index: Annotated[int, Field(ge=0, lt=limits.MAX_SAMPLES_PER_PROMPT)]
+    token_ids: CompletionTokens
+    logprobs: Logprobs  # logprob of each sampled token under the behaviour policy
+    finish_reason: FinishReason
+    # One TOPLOC-style proof per PROOF_CHUNK_TOKENS generated tokens (the last chunk may be partial).
+    proofs: Annotated[list[ProofBlob], Field(max_length=limits.MAX_COMPLETION_TOKENS // limits.PROOF_CHUNK_TOKENS + 1)]
+
+    model_config = ConfigDict(ser_json_bytes="base64", val_json_bytes="base64")
+
+    @field_validator("token_ids")
+    @classmethod
+    def _tokens(cls, v: np.ndarray, info: ValidationInfo) -> np.ndarray:
+        if v.size == 0:
+            raise ValueError("completion has no tokens")
+        return _check_token_ids(v, info, "completion")
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v: np.ndarray) -> np.ndarray:
+        if v.size and not np.isfinite(v).all():
+            raise ValueError(f"logprobs contain NaN or infinity at index {int(np.argmin(np.isfinite(v)))}")
+        if v.size and float(v.max()) > 0.0:
+            raise ValueError(f"logprobs must be <= 0, got {float(v.max())} at index {int(np.argmax(v))}")
+        return v
+
+    @model_validator(mode="after")
+    def _lengths(self) -> "Completion":
+        n = int(self.token_ids.size)
+        if self.logprobs.size != n:
+            raise ValueError(f"{n} tokens but {self.logprobs.size} logprobs")
+        want = math.ceil(n / limits.PROOF_CHUNK_TOKENS)
+        if len(self.proofs) != want:
+            raise ValueError(f"{n} tokens need {want} proofs, got {len(self.proofs)}")
+        return self
+
+
+class RolloutSubmission(WireModel):
+    lease_id: Id
+    policy_version: Version  # the version the worker claims it generated with
+    model_hash: Sha256Hex  # hash of the weights it generated with (PolicyManifest.model_hash)
+    completions: Annotated[list[Completion], Field(min_length=1, max_length=limits.MAX_COMPLETIONS_PER_SUBMISSION)]
+
+    @model_validator(mode="after")
+    def _unique(self) -> "RolloutSubmission":
+        seen: set[tuple[int, int]] = set()
+        for c in self.completions:
+            key = (c.prompt_index, c.sample_index)
+            if key in seen:
+                raise ValueError(f"completion for prompt {key[0]} sample {key[1]} appears twice")
+            seen.add(key)
+        return self
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(int(c.token_ids.size) for c in self.completions)
+
+
+class SubmissionReceipt(WireModel):
+    submission_id: Id
+    lease_id: Id
+    num_completions: int
+
+
+# --------------------------------------------------------------------------------------------------
+# Verdicts
+
+
+class RejectionCode(str, Enum):
+    proof_mismatch = "proof_mismatch"  # hidden states do not match the claimed model / version / prompt
+    proof_malformed = "proof_malformed"
+    logprob_mismatch = "logprob_mismatch"
+    token_outside_support = "token_outside_support"  # not allowed by temperature / top-p / top-k
+    token_implausible = "token_implausible"
+    bad_termination = "bad_termination"  # finish_reason does not match the tokens
+    wrong_model_hash = "wrong_model_hash"
+    lease_mismatch = "lease_mismatch"
+
+
+class Rejection(WireModel):
+    code: RejectionCode
+    message: Message
+    completion_index: int | None = None
+    chunk_index: int | None = None
+    # Per-chunk statistics behind the decision (e.g. exponent mismatches, mantissa mean / median error).
+    stats: Annotated[dict[str, float], Field(max_length=32)] = {}
+
+
+class VerdictStatus(str, Enum):
+    pending = "pending"
+    accepted = "accepted"
+    rejected = "rejected"
+
+
+class Verdict(WireModel):
+    submission_id: Id
+    status: VerdictStatus
+    rejections: Annotated[list[Rejection], Field(max_length=1024)] = []
+    # Trusted rewards, one per completion, in submission order. Only set when accepted.
+    rewards: list[float] | None = None
+    verified_tokens: int = 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Policy manifests (shardcast)
+
+ShardName = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=limits.MAX_SHARD_NAME_CHARS,
+        # A bare file name: no separators, no leading dot, so it can never escape its version folder.
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+    ),
+]
+
+
+class ShardEntry(WireModel):
+    name: ShardName
+    sha256: Sha256Hex
+    size: Annotated[int, Field(ge=0, le=1 << 40)]
+
+    @field_validator("name")
+    @classmethod
+    def _no_dotdot(cls, v: str) -> str:
+        if ".." in v:
+            raise ValueError(f"shard name {v!r} contains '..'")
+        return v
+
+
+class PolicyManifest(WireModel):
+    version: Version
+    model_hash: Sha256Hex
+    shards: Annotated[list[ShardEntry], Field(min_length=1, max_length=limits.MAX_SHARDS_PER_MANIFEST)]
+    created_at: Annotated[float, Field(ge=0, allow_inf_nan=False)]
+    # base64 ed25519 signature over `signing_payload()`; empty until signed.
+    signature: Annotated[str, Field(max_length=128)] = ""
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "PolicyManifest":
+        names = [s.name for s in self.shards]
+        if len(set(names)) != len(names):
+            raise ValueError("shard names are not unique")
+        return self
+
+    def signing_payload(self) -> bytes:
+        """Canonical bytes that the signature covers: every field but the signature, sorted, compact."""
+        body = self.model_dump(mode="json", exclude={"signature"})
+        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.size for s in self.shards)
+
+    def signature_bytes(self) -> bytes:
+        try:
+            return base64.b64decode(self.signature, validate=True)
+        except ValueError:
+            return b""
+
+
+class VersionList(WireModel):
+    versions: list[Version]  # ascending; every listed version has a complete manifest
+
+
+# --------------------------------------------------------------------------------------------------
+# Status records (operator API)
+
+
+class WorkerRecord(WireModel):
+    worker_id: Id
+    name: str
+    device: str = "cpu"
+    online: bool
+    banned: bool
+    strikes: int
+    loaded_policy_version: Version | None = None
+    state: WorkerState | None = None
+    last_seen: float | None = None
+    submissions_accepted: int = 0
+    submissions_rejected: int = 0
+    verified_tokens: int = 0  # contribution ledger
+    tokens_per_s: float = 0.0
+
+
+class WorkerList(WireModel):
+    workers: list[WorkerRecord]
+
+
+class BanRequest(WireModel):
+    reason: Message = ""
+
+
+class RunStatus(WireModel):
+    run_name: str
+    step: int  # optimizer steps done
+    policy_version: Version
+    async_level: int
+    buffer_depth: int  # verified samples waiting for the trainer
+    workers_online: int
+    acceptance_rate: float  # accepted / verified submissions, over the run
+    submissions_accepted: int
+    submissions_rejected: int
+    groups_dropped_zero_signal: int
+    samples_dropped_stale: int
+    rollout_tokens_per_s: float
+    trained_samples_per_s: float
+    mean_reward: float | None = None
+    staleness_histogram: dict[str, int] = {}  # version gap -> trained samples
+    finished: bool = False
+    error: str | None = None
+
+
+class HealthStatus(WireModel):
+    ok: bool
+    detail: Message = ""
+
+
+Json = dict[str, Any]

@@ -1,0 +1,20 @@
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ShardcastConfig(BaseModel):
+    """Broadcast of policy versions: origin -> relays -> workers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    shard_bytes: int = Field(64 << 20, ge=1 << 10, description="target size of one safetensors shard")
+    keep_versions: int = Field(3, ge=1, description="versions kept by the origin and each relay")
+    host: str = "127.0.0.1"
+    origin_port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
+    num_relays: int = Field(1, ge=0, description="relays started by `swarmrl run`")
+    relay_poll_interval_s: float = Field(0.5, gt=0)
+    client_parallelism: int = Field(8, ge=1, le=64)
+    client_retries: int = Field(5, ge=0)
+    request_timeout_s: float = Field(30.0, gt=0)
+    signing_key_path: str | None = Field(None, description="ed25519 private key (PEM); a new one per run if unset")

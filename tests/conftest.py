@@ -1,0 +1,38 @@
+"""Shared test set-up: environment for vLLM / Ray on CPU (see shared/notes/vllm-cpu.md) and tiny models."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+_TMP = Path(tempfile.mkdtemp(prefix="swarmrl-tests-"))
+os.environ.setdefault("VLLM_CACHE_ROOT", str(_TMP / "vllm-cache"))
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen2 model with tied embeddings (made locally, deterministic)."""
+    from trainer.tiny_model import init_model
+
+    return init_model(tmp_path_factory.mktemp("tiny-tied"), "tiny", seed=0, tie_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_untied_model_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen2 model with a separate lm_head."""
+    from trainer.tiny_model import init_model
+
+    return init_model(tmp_path_factory.mktemp("tiny-untied"), "tiny", seed=1, tie_embeddings=False)

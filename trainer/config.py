@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class LossConfig(BaseModel):
+    """The staleness-aware clipped objective (see ARCHITECTURE.md, "The objective")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    epsilon_low: float = Field(0.2, ge=0, le=1)
+    epsilon_high: float = Field(0.2, ge=0, description="DAPO clip-higher uses 0.28")
+    ratio_cap: float = Field(4.0, gt=1, description="delta: cap on u for negative advantages (INTELLECT-2)")
+    importance_cap: float = Field(2.0, gt=0, description="c: truncation of pi_prox / mu")
+    normalizer: Literal["tokens", "sequence", "constant"] = "tokens"
+    constant_normalizer: float = Field(1024.0, gt=0)
+    advantage_std: bool = Field(True, description="divide by the group std (False: Dr. GRPO)")
+    kl_coef: float = Field(0.0, ge=0, description="k3 KL to the frozen reference model")
+    entropy_coef: float = Field(0.0, ge=0)
+
+
+class TrainerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    loss: LossConfig = LossConfig()
+    lr: float = Field(1e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["constant", "cosine"] = "constant"
+    max_steps: int = Field(100, ge=1)
+    samples_per_step: int = Field(64, ge=1, description="verified samples per optimizer step")
+    micro_batch_tokens: int = Field(4096, ge=16, description="token budget of one packed micro-batch")
+    grad_clip: float = Field(1.0, gt=0)
+    bf16: bool = Field(False, description="bf16 autocast (CPU and GPU)")
+    max_staleness: int = Field(2, ge=0, description="samples older than this many versions are dropped")
+    checkpoint_every: int = Field(10, ge=1)
+    keep_checkpoints: int = Field(2, ge=1)
+    num_threads: int = Field(0, ge=0, description="torch threads; 0 leaves torch's default")
