@@ -24,7 +24,7 @@ def pack(values: Any, dtype: str) -> str:
 def unpack(text: str | bytes, dtype: str, max_len: int | None = None) -> np.ndarray:
     """Decode base64 of little-endian `dtype` bytes into a native-endian 1-D array."""
     dt = np.dtype(dtype).newbyteorder("<")
-    if max_len is not None and len(text) > 4 * ((max_len * dt.itemsize + 2) // 3) + 4:
+    if max_len is not None and len(text) > 4 * ((max_len * dt.itemsize + 2) // 3):  # checked before decoding
         raise ValueError(f"array longer than {max_len} values")
     try:
         raw = base64.b64decode(text, validate=True)

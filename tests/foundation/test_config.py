@@ -1,0 +1,108 @@
+"""Config: one TOML describes a run; any field can be overridden; errors name the key and the source."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from orchestrator.config import ConfigError, RunConfig, dump_toml, load_config, parse_overrides
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "configs" / "demo.toml"
+
+
+def test_demo_config_loads_and_sets_values():
+    cfg = load_config(DEMO, environ={})
+    raw = tomllib.loads(DEMO.read_text())
+    assert cfg.name == raw["name"]
+    assert cfg.trainer.lr == raw["trainer"]["lr"]
+    assert cfg.orchestrator.sampling.max_tokens == raw["orchestrator"]["sampling"]["max_tokens"]
+
+
+def test_every_configs_toml_resolves():
+    for path in sorted((REPO / "configs").glob("*.toml")):
+        load_config(path, environ={})
+
+
+def test_overrides_take_precedence_and_are_typed():
+    cfg = load_config(DEMO, ["--trainer.lr", "1e-6", "--orchestrator.async_level=0", "--trainer.loss.normalizer", "sequence"], environ={})
+    assert cfg.trainer.lr == 1e-6
+    assert cfg.orchestrator.async_level == 0
+    assert cfg.trainer.loss.normalizer == "sequence"
+
+
+def test_list_override_is_parsed_as_json():
+    cfg = load_config(DEMO, ["--orchestrator.join_tokens", '["a", "b"]'], environ={})
+    assert cfg.orchestrator.join_tokens == ["a", "b"]
+
+
+def test_environment_between_file_and_command_line():
+    env = {"SWARMRL_TRAINER__LR": "0.5", "SWARMRL_ORCHESTRATOR__ADMIN_TOKEN": "from-env", "SWARMRL_LOG_LEVEL": "DEBUG", "UNRELATED": "x"}
+    cfg = load_config(DEMO, environ=env)
+    assert cfg.trainer.lr == 0.5 and cfg.orchestrator.admin_token == "from-env" and cfg.log_level == "DEBUG"
+    cfg = load_config(DEMO, ["--trainer.lr", "0.25"], environ=env)
+    assert cfg.trainer.lr == 0.25
+
+
+def test_unknown_key_in_file_names_key_and_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[trainer]\nlearning_rate = 0.1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(bad, environ={})
+    assert "trainer.learning_rate" in str(err.value) and str(bad) in str(err.value)
+
+
+def test_wrong_type_names_key_and_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[orchestrator]\nasync_level = "two"\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(bad, environ={})
+    assert "orchestrator.async_level" in str(err.value) and str(bad) in str(err.value)
+
+
+def test_bad_override_names_the_flag():
+    with pytest.raises(ConfigError, match=r"trainer\.lr.*command-line override --trainer\.lr"):
+        load_config(DEMO, ["--trainer.lr", "fast"], environ={})
+    with pytest.raises(ConfigError, match=r"unknown key 'trainer\.nope'"):
+        load_config(DEMO, ["--trainer.nope", "1"], environ={})
+
+
+def test_parse_overrides_errors():
+    assert parse_overrides(["--a.b=1", "--c", "2"]) == {"a.b": "1", "c": "2"}
+    with pytest.raises(ConfigError, match="has no value"):
+        parse_overrides(["--a.b"])
+    with pytest.raises(ConfigError, match="unexpected argument"):
+        parse_overrides(["a.b", "1"])
+
+
+def test_missing_file_and_bad_toml(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.toml", environ={})
+    bad = tmp_path / "broken.toml"
+    bad.write_text("[trainer\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad, environ={})
+
+
+def test_dump_round_trips():
+    cfg = load_config(DEMO, ["--trainer.lr", "3e-4"], environ={})
+    again = RunConfig.model_validate(tomllib.loads(dump_toml(cfg)))
+    assert again == cfg
+
+
+def test_cli_dry_run_prints_resolved_config_and_errors_exit_2(tmp_path):
+    swarmrl = [sys.executable, "-m", "orchestrator.cli"]
+    out = subprocess.run(swarmrl + ["run", "--dry-run", "--trainer.lr", "7e-5"], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    resolved = tomllib.loads(out.stdout)
+    assert resolved["trainer"]["lr"] == 7e-5
+    assert RunConfig.model_validate(resolved).trainer.lr == 7e-5
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[shardcast]\nkeep = 3\n")
+    out = subprocess.run(swarmrl + ["run", "--config", str(bad), "--dry-run"], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 2
+    assert "shardcast.keep" in out.stderr and "bad.toml" in out.stderr

@@ -1,0 +1,247 @@
+"""Round-trip and rejection tests for every wire model."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+import protocol as p
+from protocol import limits
+
+
+def completion(n: int = 40, **kw) -> dict:
+    out = dict(
+        prompt_index=0,
+        sample_index=0,
+        token_ids=list(range(3, 3 + n)),
+        logprobs=[-0.5] * n,
+        finish_reason="length",
+        proofs=[b"\x01" * 258] * math.ceil(n / limits.PROOF_CHUNK_TOKENS),
+    )
+    out.update(kw)
+    return out
+
+
+def submission(**kw) -> dict:
+    out = dict(lease_id="lease-1", policy_version=3, model_hash="ab" * 32, completions=[completion()])
+    out.update(kw)
+    return out
+
+
+def lease(**kw) -> dict:
+    out = dict(
+        lease_id="lease-1",
+        prompts=[dict(prompt_id="p0", token_ids=[5, 6, 7], seeds=[1, 2])],
+        samples_per_prompt=2,
+        sampling=dict(temperature=1.0, max_tokens=16, stop_token_ids=[2]),
+        policy_version=4,
+        min_policy_version=2,
+        deadline=1.8e9,
+    )
+    out.update(kw)
+    return out
+
+
+def manifest(**kw) -> dict:
+    out = dict(
+        version=1,
+        model_hash="cd" * 32,
+        shards=[dict(name="model-00001.safetensors", sha256="ef" * 32, size=123)],
+        created_at=1.7e9,
+        signature=base64.b64encode(b"s" * 64).decode(),
+    )
+    out.update(kw)
+    return out
+
+
+VALID = [
+    (p.WorkerRegistration, dict(name="vol-1", client_version="0.1.0", device="cpu")),
+    (
+        p.WorkerRegistered,
+        dict(
+            worker_id="w-1",
+            secret="s" * 32,
+            heartbeat_interval_s=5.0,
+            async_level=2,
+            policy_version=0,
+            relay_urls=["http://127.0.0.1:9000"],
+            manifest_public_key="k" * 44,
+        ),
+    ),
+    (p.Heartbeat, dict(state="generating", loaded_policy_version=3, tokens_per_s=120.5)),
+    (p.HeartbeatAck, dict(policy_version=3, min_policy_version=1, heartbeat_interval_s=5.0)),
+    (p.LeaseRequest, dict(loaded_policy_version=3, max_prompts=4)),
+    (p.TaskLease, lease()),
+    (p.LeaseResponse, dict(lease=lease())),
+    (p.LeaseResponse, dict(lease=None, retry_after_s=1.0)),
+    (p.ReleaseRequest, dict(reason="sigterm")),
+    (p.ReleaseAck, dict(lease_id="lease-1", released=True)),
+    (p.Completion, completion()),
+    (p.RolloutSubmission, submission()),
+    (p.SubmissionReceipt, dict(submission_id="sub-1", lease_id="lease-1", num_completions=1)),
+    (
+        p.Verdict,
+        dict(
+            submission_id="sub-1",
+            status="rejected",
+            rejections=[dict(code="proof_mismatch", message="exponents", completion_index=0, chunk_index=1, stats={"exp_mismatch": 40.0})],
+        ),
+    ),
+    (p.Verdict, dict(submission_id="sub-1", status="accepted", rewards=[1.0, 0.0], verified_tokens=80)),
+    (p.PolicyManifest, manifest()),
+    (p.VersionList, dict(versions=[0, 1, 2])),
+    (p.WorkerRecord, dict(worker_id="w-1", name="vol", online=True, banned=False, strikes=0)),
+    (p.WorkerList, dict(workers=[dict(worker_id="w-1", name="vol", online=True, banned=False, strikes=1)])),
+    (p.BanRequest, dict(reason="tampering")),
+    (
+        p.RunStatus,
+        dict(
+            run_name="demo",
+            step=3,
+            policy_version=3,
+            async_level=2,
+            buffer_depth=10,
+            workers_online=2,
+            acceptance_rate=0.9,
+            submissions_accepted=9,
+            submissions_rejected=1,
+            groups_dropped_zero_signal=4,
+            samples_dropped_stale=0,
+            rollout_tokens_per_s=100.0,
+            trained_samples_per_s=3.0,
+            staleness_histogram={"0": 5, "1": 3},
+        ),
+    ),
+    (p.ErrorBody, dict(error="version_too_old", detail="too old", min_policy_version=2)),
+    (p.HealthStatus, dict(ok=True)),
+]
+
+
+@pytest.mark.parametrize("model,data", VALID, ids=[f"{m.__name__}-{i}" for i, (m, _) in enumerate(VALID)])
+def test_round_trip(model, data):
+    obj = model.model_validate(data)
+    text = obj.model_dump_json()
+    again = model.model_validate_json(text)
+    assert again.model_dump(mode="json") == obj.model_dump(mode="json")
+    # Python-mode validation of the JSON-mode dump gives the same object too.
+    assert model.model_validate(json.loads(text)).model_dump(mode="json") == obj.model_dump(mode="json")
+
+
+@pytest.mark.parametrize("model,data", VALID, ids=[f"{m.__name__}-{i}" for i, (m, _) in enumerate(VALID)])
+def test_unknown_field_rejected(model, data):
+    with pytest.raises(ValidationError, match="[Ee]xtra inputs are not permitted"):
+        model.model_validate({**data, "reward": 1.0})
+
+
+def test_arrays_travel_packed():
+    text = p.RolloutSubmission.model_validate(submission()).model_dump_json()
+    body = json.loads(text)
+    tokens = body["completions"][0]["token_ids"]
+    assert isinstance(tokens, str)
+    raw = base64.b64decode(tokens)
+    assert np.frombuffer(raw, "<i4").tolist() == list(range(3, 43))
+    assert np.frombuffer(base64.b64decode(body["completions"][0]["logprobs"]), "<f4").tolist() == [-0.5] * 40
+
+
+def test_pack_unpack_little_endian():
+    arr = np.array([1, -2, 2**31 - 1], dtype=np.int32)
+    assert p.pack(arr, "int32") == base64.b64encode(arr.astype("<i4").tobytes()).decode()
+    assert p.unpack(p.pack(arr, "int32"), "int32").tolist() == arr.tolist()
+    with pytest.raises(ValueError, match="whole number"):
+        p.unpack(base64.b64encode(b"abc").decode(), "int32")
+    with pytest.raises(ValueError, match="base64"):
+        p.unpack("not base64!!", "int32")
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(token_ids=[-1] + list(range(39))), "negative token id"),
+        (dict(logprobs=[float("nan")] + [-0.5] * 39), "NaN"),
+        (dict(logprobs=[0.3] + [-0.5] * 39), "must be <= 0"),
+        (dict(logprobs=[-0.5] * 39), "40 tokens but 39 logprobs"),
+        (dict(proofs=[b"x"]), "need 2 proofs"),
+        (dict(proofs=[b"x" * 259, b"x"]), "at most 258"),
+        (dict(token_ids=[], logprobs=[], proofs=[]), "no tokens"),
+        (dict(finish_reason="abort"), "finish_reason"),
+        (dict(token_ids=[1.5] * 40), "expected integers"),
+        (dict(token_ids=[2**40] + list(range(39))), "out of int32 range"),
+    ],
+)
+def test_completion_rejections(change, message):
+    with pytest.raises(ValidationError, match=message):
+        p.Completion.model_validate(completion(**change))
+
+
+def test_out_of_vocabulary_rejected_with_context():
+    data = json.loads(p.RolloutSubmission.model_validate(submission()).model_dump_json())
+    p.RolloutSubmission.model_validate(data, context={"vocab_size": 64})
+    with pytest.raises(ValidationError, match="outside the vocabulary of 20"):
+        p.RolloutSubmission.model_validate(data, context={"vocab_size": 20})
+    with pytest.raises(ValidationError, match="outside the vocabulary"):
+        p.TaskLease.model_validate(lease(), context={"vocab_size": 6})
+
+
+def test_oversize_arrays_rejected():
+    n = limits.MAX_COMPLETION_TOKENS + 1
+    with pytest.raises(ValidationError, match="limit is|longer than"):
+        p.Completion.model_validate(completion(n=n))
+    packed = p.pack(np.zeros(n, np.int32), "int32")
+    with pytest.raises(ValidationError, match="longer than"):
+        p.Completion.model_validate(completion(token_ids=packed))
+
+
+def test_submission_rules():
+    with pytest.raises(ValidationError, match="appears twice"):
+        p.RolloutSubmission.model_validate(submission(completions=[completion(), completion()]))
+    with pytest.raises(ValidationError, match="at least 1"):
+        p.RolloutSubmission.model_validate(submission(completions=[]))
+    with pytest.raises(ValidationError, match="at most"):
+        many = [completion(n=1, sample_index=i % 64, prompt_index=i // 64) for i in range(limits.MAX_COMPLETIONS_PER_SUBMISSION + 1)]
+        p.RolloutSubmission.model_validate(submission(completions=many))
+    with pytest.raises(ValidationError, match="model_hash"):
+        p.RolloutSubmission.model_validate(submission(model_hash="xyz"))
+    with pytest.raises(ValidationError, match="policy_version"):
+        p.RolloutSubmission.model_validate(submission(policy_version=-1))
+    with pytest.raises(ValidationError, match="lease_id"):
+        p.RolloutSubmission.model_validate(submission(lease_id="../etc/passwd"))
+
+
+def test_lease_rules():
+    with pytest.raises(ValidationError, match="2 seeds for 3 samples"):
+        p.TaskLease.model_validate(lease(samples_per_prompt=3))
+    with pytest.raises(ValidationError, match="min_policy_version is above"):
+        p.TaskLease.model_validate(lease(min_policy_version=5))
+    with pytest.raises(ValidationError, match="top_k"):
+        p.SamplingParams(top_k=0)
+    with pytest.raises(ValidationError, match="top_p"):
+        p.SamplingParams(top_p=0.0)
+    with pytest.raises(ValidationError, match="max_tokens"):
+        p.SamplingParams(max_tokens=limits.MAX_COMPLETION_TOKENS + 1)
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", ".hidden", "a\\b", "x..y", "", "a" * 200])
+def test_manifest_rejects_unsafe_shard_names(name):
+    with pytest.raises(ValidationError):
+        p.PolicyManifest.model_validate(manifest(shards=[dict(name=name, sha256="ef" * 32, size=1)]))
+
+
+def test_manifest_signing_payload_is_canonical_and_excludes_signature():
+    a = p.PolicyManifest.model_validate(manifest())
+    b = p.PolicyManifest.model_validate(manifest(signature=""))
+    assert a.signing_payload() == b.signing_payload()
+    c = p.PolicyManifest.model_validate(manifest(version=2))
+    assert c.signing_payload() != a.signing_payload()
+    assert a.signature_bytes() == b"s" * 64
+    with pytest.raises(ValidationError, match="not unique"):
+        p.PolicyManifest.model_validate(manifest(shards=[dict(name="a", sha256="ef" * 32, size=1)] * 2))
+
+
+def test_heartbeat_rejects_nan():
+    with pytest.raises(ValidationError):
+        p.Heartbeat.model_validate_json('{"state": "idle", "tokens_per_s": NaN}')
