@@ -1,0 +1,501 @@
+"""Broadcast a 1 GiB checkpoint origin -> 2 relays -> 4 clients on loopback, side by side with references.
+
+One run measures, in this order, with a cleanup + `sync` + pause between scenarios:
+  1. nginx_curl   nginx (Debian, sendfile on) serving the shard files; 4 clients = curl, 4 parallel transfers
+                  each, writing the shards (no verification): the raw ceiling of this machine.
+  2. nginx_ours   the same nginx serving the same files laid out as our read-only API (static files), pulled by
+                  our client (signed manifest, per-shard sha256, streamed into place, atomic folder).
+                  This is "the same shards served by nginx to the same clients" of issue 3.
+  3. origin_direct  our origin server straight to the same 4 clients (our server in nginx's place).
+  4. swarmrl      our origin -> 2 relays (mirroring, verifying every shard) -> 4 clients (relays only).
+  5. pypi_shardcast  PRIME-RL's shardcast 0.3.2 (own venv under bench/.work): origin -> 2 middle nodes -> 4
+                  clients on one 1 GiB file of the same bytes, 64 MiB shards, all its sleeps set to 1 s.
+Clients and relays are separate processes; each waits for a "go" line, and t0 is when the version is
+visible at the origin (publishing is timed separately). Goodput = clients * bytes / (last client done - t0).
+Each scenario also reports the CPU seconds of all its processes (servers, relays, clients): on one shared
+2-core box, throughput is CPU-bound, and the relays' mirroring is paid from the same two cores.
+
+    python bench/shardcast_bench.py [--gib 1] [--clients 4] [--skip-pypi]
+Results: bench/results/shardcast_bench.{json,md}. Everything under bench/.work/shardcast-bench-* is removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+WORK = REPO / "bench" / ".work"
+RESULTS = REPO / "bench" / "results"
+PYPI_VENV = WORK / "venv-pypi-shardcast"
+
+
+# -------------------------------------------------------------------------------------------------
+# Client processes (they wait for "go" on stdin, then report one JSON line)
+
+
+def client_main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--urls", required=True)
+    p.add_argument("--pub", required=True)
+    p.add_argument("--dest", required=True)
+    p.add_argument("--parallelism", type=int, default=8)
+    a = p.parse_args(argv)
+    from shardcast.client import ShardcastClient, describe_stats
+
+    client = ShardcastClient(a.urls.split(","), a.pub, Path(a.dest), parallelism=a.parallelism)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    while client.latest_version() is None:
+        time.sleep(0.02)
+    pulled = client.pull()
+    print(json.dumps({"t_done": time.time(), "version": pulled.version, "path": str(pulled.path), "stats": json.loads(describe_stats(client.stats))}), flush=True)
+
+
+CURL_CLIENT = r"""
+import json, subprocess, sys, time
+urls, dest = sys.argv[1].split(","), sys.argv[2]
+args = ["curl", "--silent", "--fail", "--parallel", "--parallel-max", "4"]
+for u in urls:
+    args += ["-o", dest + "/" + u.rsplit("/", 1)[1], u]
+print("ready", flush=True)
+sys.stdin.readline()
+subprocess.run(args, check=True)
+print(json.dumps({"t_done": time.time()}), flush=True)
+"""
+
+# Runs in the PyPI venv. Its servers bind 0.0.0.0 in code; we bind them to loopback only (our rule).
+PYPI_ROLE = r"""
+import json, os, sys, time
+import shardcast.server as srv
+_init = srv.ShardcastServer.__init__
+def _loopback(self, address, *a, **k):
+    _init(self, ("127.0.0.1", address[1]), *a, **k)
+srv.ShardcastServer.__init__ = _loopback
+role = sys.argv[1]
+if role == "origin":
+    from shardcast import OriginServer
+    data, port, file, shard = sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+    os.makedirs(data, exist_ok=True)
+    open(os.path.join(data, "data1.bin"), "wb").write(b"x" * 1024)  # its downloader probes this file
+    origin = OriginServer(data, port)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    t = time.time()
+    version = origin.broadcast(file, shard)
+    print(json.dumps({"t_published": time.time(), "publish_s": time.time() - t, "version": version}), flush=True)
+    sys.stdin.readline()
+elif role == "middle":
+    from shardcast import MiddleNode
+    upstream, data, port = sys.argv[2], sys.argv[3], int(sys.argv[4])
+    os.makedirs(data, exist_ok=True)
+    open(os.path.join(data, "data1.bin"), "wb").write(b"x" * 1024)
+    node = MiddleNode([upstream], data, port, check_interval=1)
+    print("ready", flush=True)
+    sys.stdin.readline()
+elif role == "client":
+    from shardcast import ClientNode
+    servers, out = sys.argv[2].split(","), sys.argv[3]
+    client = ClientNode(servers, out)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    while True:
+        versions = client.list_available_versions()
+        if versions:
+            break
+        time.sleep(0.05)
+    version = sorted(versions)[-1]
+    path = client.download_version(version)
+    print(json.dumps({"t_done": time.time(), "ok": path is not None, "path": path}), flush=True)
+"""
+
+
+# -------------------------------------------------------------------------------------------------
+# Orchestration helpers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Procs:
+    """Processes started by this benchmark; stopped by pid at the end."""
+
+    def __init__(self):
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, args: list[str], env: dict | None = None, wait_ready: bool = True, cwd: Path = REPO) -> subprocess.Popen:
+        proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=cwd, env={**os.environ, **(env or {})})
+        self.procs.append(proc)
+        if wait_ready:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"{args[:4]} exited before it was ready")
+            proc.ready_line = line  # type: ignore[attr-defined]
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs = []
+
+
+def go(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+
+
+def results_of(procs: list[subprocess.Popen], timeout: float = 600) -> list[dict]:
+    out: list[dict | None] = [None] * len(procs)
+
+    def read(i: int) -> None:
+        line = procs[i].stdout.readline()
+        out[i] = json.loads(line) if line.strip() else {"error": f"exit {procs[i].wait()}"}
+
+    threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(procs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return [o if o is not None else {"error": "timeout"} for o in out]
+
+
+def settle() -> None:
+    os.sync()
+    time.sleep(3)
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def summarize(name: str, t0: float, results: list[dict], bytes_per_client: int, extra: dict | None = None) -> dict:
+    ok = all("error" not in r and r.get("ok", True) for r in results)
+    done = max(r["t_done"] for r in results) if ok else None
+    seconds = done - t0 if ok else None
+    row = {
+        "scenario": name,
+        "ok": ok,
+        "seconds_until_all_clients_done": round(seconds, 3) if ok else None,
+        "per_client_seconds": [round(r["t_done"] - t0, 3) for r in results if "t_done" in r],
+        "aggregate_goodput_MBps": round(len(results) * bytes_per_client / seconds / 1e6, 1) if ok else None,
+    }
+    if not ok:
+        row["errors"] = results
+    row.update(extra or {})
+    print(json.dumps(row), flush=True)
+    return row
+
+
+# -------------------------------------------------------------------------------------------------
+# Scenarios
+
+
+NGINX_CONF = """
+worker_processes 2;
+daemon off;
+user root;
+pid {work}/nginx.pid;
+error_log {work}/nginx-error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+  access_log off;
+  sendfile on;
+  tcp_nopush on;
+  keepalive_requests 100000;
+  client_body_temp_path {work}/nginx-body;
+  proxy_temp_path {work}/nginx-proxy;
+  fastcgi_temp_path {work}/nginx-fastcgi;
+  uwsgi_temp_path {work}/nginx-uwsgi;
+  scgi_temp_path {work}/nginx-scgi;
+  default_type application/octet-stream;
+  server {{
+    listen 127.0.0.1:{port};
+    location = /v1/versions {{ default_type application/json; alias {api}/versions.json; }}
+    location = /v1/versions/{version}/manifest {{ default_type application/json; alias {vdir}/manifest.json; }}
+    location /v1/versions/{version}/shards/ {{ alias {vdir}/; }}
+  }}
+}}
+"""
+
+
+def run_nginx(work: Path, vdir: Path, version: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    api = work / "nginx-api"
+    api.mkdir(exist_ok=True)
+    (api / "versions.json").write_text(json.dumps({"versions": [version]}))
+    conf = work / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(work=work, port=port, api=api, vdir=vdir, version=version))
+    proc = subprocess.Popen(["nginx", "-c", str(conf), "-p", str(work)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        try:
+            if httpx.get(url + "/v1/versions", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("nginx did not start; see " + str(work / "nginx-error.log"))
+
+
+def scenario_nginx_curl(work: Path, url: str, manifest, n_clients: int, procs: Procs) -> dict:
+    urls = ",".join(f"{url}/v1/versions/{manifest.version}/shards/{s.name}" for s in manifest.shards)
+    clients = []
+    for i in range(n_clients):
+        dest = work / f"curl-client{i}"
+        dest.mkdir()
+        clients.append(procs.start([sys.executable, "-c", CURL_CLIENT, urls, str(dest)]))
+    t0 = time.time()
+    go(clients)
+    res = results_of(clients)
+    row = summarize("nginx_curl", t0, res, manifest.total_bytes, {"verified": False})
+    for i in range(n_clients):
+        assert dir_bytes(work / f"curl-client{i}") == manifest.total_bytes
+        shutil.rmtree(work / f"curl-client{i}")
+    return row
+
+
+def start_our_clients(work: Path, tag: str, urls: list[str], pub: str, n_clients: int, procs: Procs) -> list[subprocess.Popen]:
+    return [
+        procs.start([sys.executable, __file__, "_client", "--urls", ",".join(urls), "--pub", pub, "--dest", str(work / f"{tag}-client{i}")])
+        for i in range(n_clients)
+    ]
+
+
+def check_our_clients(work: Path, tag: str, manifest, res: list[dict], n_clients: int) -> None:
+    for i in range(n_clients):
+        path = work / f"{tag}-client{i}" / f"v{manifest.version:010d}"
+        assert res[i].get("version") == manifest.version, res[i]
+        for s in manifest.shards:
+            assert (path / s.name).stat().st_size == s.size
+        shutil.rmtree(work / f"{tag}-client{i}")
+
+
+def scenario_nginx_ours(work: Path, url: str, manifest, pub: str, n_clients: int, procs: Procs) -> dict:
+    clients = start_our_clients(work, "nginx", [url], pub, n_clients, procs)
+    t0 = time.time()
+    go(clients)
+    res = results_of(clients)
+    row = summarize("nginx_ours", t0, res, manifest.total_bytes, {"verified": True})
+    check_our_clients(work, "nginx", manifest, res, n_clients)
+    return row
+
+
+def scenario_origin_direct(work: Path, origin, manifest, pub: str, n_clients: int, procs: Procs) -> dict:
+    """Our origin server straight to the clients: the same job as nginx_ours, our server instead of nginx."""
+    from shardcast.server import serve_origin
+
+    server = serve_origin(origin, "127.0.0.1", 0)
+    try:
+        clients = start_our_clients(work, "direct", [server.url], pub, n_clients, procs)
+        t0 = time.time()
+        go(clients)
+        res = results_of(clients)
+    finally:
+        server.stop()
+    row = summarize("origin_direct", t0, res, manifest.total_bytes, {"verified": True})
+    check_our_clients(work, "direct", manifest, res, n_clients)
+    return row
+
+
+def scenario_swarmrl(work: Path, origin, manifest, pub: str, n_clients: int, procs: Procs, relay_parallelism: int) -> dict:
+    from shardcast.server import serve_origin
+
+    port = free_port()
+    origin_url = f"http://127.0.0.1:{port}"
+    relay_urls = []
+    for i in range(2):
+        relay = procs.start(
+            [sys.executable, "-c", "from shardcast.cli import app; app()", "relay", "--upstream", origin_url, "--root", str(work / f"relay{i}"),
+             "--public-key", pub, "--poll-interval-s", "0.05", "--log-level", "ERROR", "--parallelism", str(relay_parallelism)],
+        )
+        relay_urls.append(json.loads(relay.ready_line)["url"])
+    clients = start_our_clients(work, "swarmrl", relay_urls, pub, n_clients, procs)
+    go(clients)  # they poll the relays, which list nothing until the origin serves
+    t0 = time.time()
+    server = serve_origin(origin, "127.0.0.1", port)  # the version becomes visible now
+    try:
+        res = results_of(clients)
+    finally:
+        server.stop()
+    row = summarize("swarmrl", t0, res, manifest.total_bytes, {"verified": True, "client_stats": [r.get("stats") for r in res]})
+    check_our_clients(work, "swarmrl", manifest, res, n_clients)
+    return row
+
+
+def scenario_pypi(work: Path, vdir: Path, manifest, n_clients: int, shard_bytes: int, procs: Procs) -> dict:
+    python = str(PYPI_VENV / "bin" / "python")
+    pypi = [python, "-P", "-c", PYPI_ROLE]  # -P: never import our own `shardcast` (same import name) from the cwd
+    if not Path(python).exists():
+        return {"scenario": "pypi_shardcast", "ok": False, "error": f"no venv at {PYPI_VENV}: python -m venv ... && pip install shardcast==0.3.2"}
+    # PyPI shardcast broadcasts one file: the same bytes, our shards concatenated.
+    blob = work / "checkpoint.bin"
+    with open(blob, "wb") as out:
+        for s in manifest.shards:
+            with open(vdir / s.name, "rb") as f:
+                shutil.copyfileobj(f, out, 16 << 20)
+    size = blob.stat().st_size
+    env = {"SHARDCAST_FAST_RETRY_INTERVAL": "1", "SHARDCAST_SLOW_RETRY_INTERVAL": "1", "SHARDCAST_LOG_LEVEL": "WARNING"}
+    settle()
+    port = free_port()
+    origin = procs.start(pypi + ["origin", str(work / "pypi-origin"), str(port), str(blob), str(shard_bytes)], env=env, cwd=work)
+    middle_urls = []
+    for i in range(2):
+        mport = free_port()
+        procs.start(pypi + ["middle", f"http://127.0.0.1:{port}", str(work / f"pypi-middle{i}"), str(mport)], env=env, cwd=work)
+        middle_urls.append(f"http://127.0.0.1:{mport}")
+    time.sleep(1.5)  # its middle nodes must have polled the (empty) origin once before clients probe them
+    clients = [procs.start(pypi + ["client", ",".join(middle_urls), str(work / f"pypi-client{i}")], env=env, cwd=work) for i in range(n_clients)]
+    go(clients)
+    go([origin])
+    published = json.loads(origin.stdout.readline())
+    res = results_of(clients)
+    row = summarize("pypi_shardcast", published["t_published"], res, size, {"verified": "whole-file checksum only", "publish_s": round(published["publish_s"], 2), "sleeps_s": 1})
+    return row
+
+
+def write_results(out: str, rows: list[dict], meta: dict) -> None:
+    by = {r["scenario"]: r for r in rows}
+
+    def ratio(a: str, b: str, key: str, invert: bool = False) -> float | None:
+        x, y = by.get(a, {}).get(key), by.get(b, {}).get(key)
+        if not x or not y:
+            return None
+        return round(y / x if invert else x / y, 3)
+
+    ratios = {
+        "origin_direct_goodput_over_nginx_ours": ratio("origin_direct", "nginx_ours", "aggregate_goodput_MBps"),
+        "swarmrl_goodput_over_nginx_ours": ratio("swarmrl", "nginx_ours", "aggregate_goodput_MBps"),
+        "swarmrl_goodput_over_nginx_curl": ratio("swarmrl", "nginx_curl", "aggregate_goodput_MBps"),
+        "swarmrl_speedup_over_pypi_shardcast": ratio("swarmrl", "pypi_shardcast", "seconds_until_all_clients_done", invert=True),
+        "nginx_ours_goodput_over_nginx_curl": ratio("nginx_ours", "nginx_curl", "aggregate_goodput_MBps"),
+    }
+    doc = {"meta": meta, "ratios": ratios, "scenarios": rows}
+    Path(out + ".json").write_text(json.dumps(doc, indent=2) + "\n")
+    lines = [
+        "# shardcast broadcast benchmark",
+        "",
+        f"`{meta['command']}` — {meta['when']}, {meta['gib']} GiB in {meta['shards']} shards, {meta['clients']} clients, loopback, "
+        f"{os.cpu_count()} cores shared with other jobs (load before: {meta['loadavg_before']}).",
+        "",
+        "| scenario | verified | all clients done (s) | aggregate goodput (MB/s) | CPU s, all processes |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['scenario']} | {r.get('verified')} | {r.get('seconds_until_all_clients_done')} | {r.get('aggregate_goodput_MBps')} | {r.get('cpu_seconds_all_processes')} |")
+    lines += ["", "| ratio | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in ratios.items()]
+    lines += ["", f"publish (origin: split, serialize, sha256, fsync, sign) of {meta['gib']} GiB: {meta['publish_s']} s"]
+    Path(out + ".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gib", type=float, default=1.0)
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--shard-mib", type=int, default=64)
+    p.add_argument("--skip-pypi", action="store_true")
+    p.add_argument("--skip-nginx", action="store_true")
+    p.add_argument("--relay-parallelism", type=int, default=2)
+    p.add_argument("--out", default=str(RESULTS / "shardcast_bench"))
+    a = p.parse_args()
+
+    import torch
+
+    from shardcast.keys import generate_signing_key, public_key_b64
+    from shardcast.origin import Origin
+
+    WORK.mkdir(parents=True, exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="shardcast-bench-", dir=WORK))
+    procs = Procs()
+    rows: list[dict] = []
+    meta = {"command": "python " + " ".join(["bench/shardcast_bench.py"] + sys.argv[1:]), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "gib": a.gib, "clients": a.clients, "loadavg_before": [round(x, 2) for x in os.getloadavg()]}
+    try:
+        key = generate_signing_key(work / "run-key.pem")
+        pub = public_key_b64(key)
+        shard_bytes = a.shard_mib << 20
+        # bf16 tensors of shard_bytes each, HF-style names: 1 GiB = 16 shards of 64 MiB.
+        n = max(1, int(a.gib * (1 << 30)) // shard_bytes)
+        cols = shard_bytes // 2 // 4096
+        g = torch.Generator().manual_seed(0)
+        state = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(4096, cols, generator=g).to(torch.bfloat16) for i in range(n)}
+        origin = Origin(work / "origin", key, keep_versions=2, shard_bytes=shard_bytes)
+        t = time.perf_counter()
+        manifest = origin.publish(1, state)
+        meta["publish_s"] = round(time.perf_counter() - t, 2)
+        meta["shards"] = len(manifest.shards)
+        meta["total_bytes"] = manifest.total_bytes
+        del state
+        vdir = origin.version_dir(1)
+        settle()
+
+        def measured(run) -> dict:
+            """Run one scenario; add the CPU seconds of every process it used (children reaped, plus ours)."""
+            c0, s0 = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
+            row = run()
+            procs.stop_all()
+            c1, s1 = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
+            cpu = (c1.ru_utime - c0.ru_utime) + (c1.ru_stime - c0.ru_stime) + (s1.ru_utime - s0.ru_utime) + (s1.ru_stime - s0.ru_stime)
+            row["cpu_seconds_all_processes"] = round(cpu, 1)
+            rows.append(row)
+            settle()
+            return row
+
+        def with_nginx(scenario):
+            def run():
+                proc, url = run_nginx(work, vdir, 1)
+                try:
+                    return scenario(url)
+                finally:
+                    proc.terminate()
+                    proc.wait(10)
+            return run
+
+        if not a.skip_nginx:
+            measured(with_nginx(lambda url: scenario_nginx_curl(work, url, manifest, a.clients, procs)))
+            measured(with_nginx(lambda url: scenario_nginx_ours(work, url, manifest, pub, a.clients, procs)))
+        measured(lambda: scenario_origin_direct(work, origin, manifest, pub, a.clients, procs))
+        measured(lambda: scenario_swarmrl(work, origin, manifest, pub, a.clients, procs, a.relay_parallelism))
+        for i in range(2):
+            shutil.rmtree(work / f"relay{i}", ignore_errors=True)
+        if not a.skip_pypi:
+            measured(lambda: scenario_pypi(work, vdir, manifest, a.clients, shard_bytes, procs))
+        meta["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+        write_results(a.out, rows, meta)
+    finally:
+        procs.stop_all()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_client":
+        client_main(sys.argv[2:])
+    else:
+        main()

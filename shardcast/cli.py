@@ -1,0 +1,139 @@
+"""`swarmrl shardcast origin|relay|pull|keygen`.
+
+A started server prints one JSON line on stdout, `{"url": ..., "public_key": ...}`, so scripts can read
+where it listens (port 0 picks a free port). It serves until SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(name="shardcast", help="Signed, sharded, relayed broadcast of policy weights.", no_args_is_help=True, add_completion=False)
+
+
+def _announce(**fields) -> None:
+    sys.stdout.write(json.dumps(fields) + "\n")
+    sys.stdout.flush()
+
+
+def _serve_until_signal(stop) -> None:
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    stop()
+
+
+def _logging(level: str) -> None:
+    from orchestrator.logs import configure_logging
+
+    configure_logging(level)
+
+
+@app.command()
+def keygen(out: Path = typer.Option(..., "--out", help="where to write the new ed25519 private key (PEM, 0600)")) -> None:
+    """Make a run signing key and print its public key."""
+    from shardcast.keys import generate_signing_key, public_key_b64
+
+    if out.exists():
+        raise typer.BadParameter(f"{out} exists; refusing to overwrite a key")
+    _announce(public_key=public_key_b64(generate_signing_key(out)), key_path=str(out))
+
+
+@app.command()
+def origin(
+    root: Path = typer.Option(..., help="folder holding the published versions"),
+    key: Path = typer.Option(..., help="ed25519 signing key (PEM); created if missing"),
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(0, help="0 picks a free port"),
+    keep_versions: int = typer.Option(3, min=1),
+    shard_bytes: int = typer.Option(64 << 20, min=1 << 10),
+    publish: Optional[Path] = typer.Option(None, help="publish this folder's *.safetensors (e.g. an HF model dir) before serving"),
+    version: int = typer.Option(0, min=0, help="version number for --publish"),
+    grace_s: float = typer.Option(120.0, min=0, help="keep a superseded version until nobody touched it this long"),
+    log_level: str = typer.Option("INFO"),
+) -> None:
+    """Serve the origin (and optionally publish a model folder first)."""
+    _logging(log_level)
+    from shardcast.keys import load_or_generate_signing_key
+    from shardcast.origin import Origin
+    from shardcast.server import serve_origin
+
+    store = Origin(root, load_or_generate_signing_key(key), keep_versions=keep_versions, shard_bytes=shard_bytes, grace_s=grace_s)
+    if publish is not None:
+        from shardcast.weights import load_version_dir
+
+        store.publish(version, load_version_dir(publish))
+    server = serve_origin(store, host, port)
+    _announce(url=server.url, public_key=store.public_key_b64, versions=store.versions())
+    _serve_until_signal(server.stop)
+
+
+@app.command()
+def relay(
+    upstream: list[str] = typer.Option(..., help="upstream server URL (origin or relay); repeat for several"),
+    root: Path = typer.Option(..., help="folder for mirrored versions"),
+    public_key: str = typer.Option(..., help="the run's public key (base64 raw ed25519)"),
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(0),
+    keep_versions: int = typer.Option(3, min=1),
+    poll_interval_s: float = typer.Option(0.5, min=0.01),
+    parallelism: int = typer.Option(2, min=1, max=64, help="shards fetched at once from upstream"),
+    shard_wait_s: float = typer.Option(10.0, min=0, help="hold a request for a listed shard still on its way this long, then 503"),
+    grace_s: float = typer.Option(120.0, min=0, help="keep a superseded version until nobody touched it this long"),
+    log_level: str = typer.Option("INFO"),
+) -> None:
+    """Mirror upstream versions (verifying every manifest and shard) and serve them."""
+    _logging(log_level)
+    from shardcast.relay import Relay
+    from shardcast.server import serve_relay
+
+    try:
+        r = Relay(upstream, root, public_key, keep_versions=keep_versions, poll_interval_s=poll_interval_s, parallelism=parallelism, grace_s=grace_s)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--public-key") from None
+    server = serve_relay(r, host, port, shard_wait_s=shard_wait_s)
+    r.start()
+    _announce(url=server.url, public_key=public_key)
+
+    def stop() -> None:
+        server.stop()
+        r.stop()
+
+    _serve_until_signal(stop)
+
+
+@app.command()
+def pull(
+    server: list[str] = typer.Option(..., help="shard server URL; repeat for several"),
+    public_key: str = typer.Option(..., help="the run's public key (base64 raw ed25519)"),
+    dest: Path = typer.Option(..., help="folder that receives v<version>/"),
+    version: Optional[int] = typer.Option(None, min=0, help="default: the newest"),
+    parallelism: int = typer.Option(8, min=1, max=64),
+    retries: int = typer.Option(5, min=0),
+    keep_versions: Optional[int] = typer.Option(None, min=1, help="delete older pulled versions beyond this many"),
+    log_level: str = typer.Option("INFO"),
+) -> None:
+    """Download and verify a version; prints {"version", "path", "model_hash"}."""
+    _logging(log_level)
+    from shardcast.client import ShardcastClient, ShardcastError
+    from shardcast.keys import ManifestError
+    from shardcast.store import DiskFullError
+
+    try:
+        client = ShardcastClient(server, public_key, dest, parallelism=parallelism, retries=retries, keep_versions=keep_versions)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--public-key") from None
+    try:
+        pulled = client.pull(version)
+    except (ShardcastError, ManifestError, DiskFullError) as e:
+        sys.stderr.write(f"shardcast pull failed: {e}\n")
+        raise typer.Exit(1) from None
+    _announce(version=pulled.version, path=str(pulled.path), model_hash=pulled.manifest.model_hash)

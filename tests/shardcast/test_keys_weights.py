@@ -1,0 +1,134 @@
+"""Signing, the model hash, shard layout, and loading a published version into transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from protocol.models import PolicyManifest, ShardEntry
+from shardcast.keys import (
+    ManifestError,
+    load_signing_key,
+    parse_verified_manifest,
+    public_key_b64,
+    sign_manifest,
+    verify_manifest,
+)
+from shardcast.origin import Origin
+from shardcast.weights import load_version_dir, model_hash, split_aliases
+from shardcast_helpers import state_dict
+
+
+def _manifest(version=3) -> PolicyManifest:
+    return PolicyManifest(version=version, model_hash="ab" * 32, shards=[ShardEntry(name="model-00001-of-00001.safetensors", sha256="cd" * 32, size=10)], created_at=1.0)
+
+
+def test_key_file_is_private_and_reloads(tmp_path, key):
+    path = tmp_path / "run-key.pem"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert public_key_b64(load_signing_key(path)) == public_key_b64(key)
+
+
+def test_signed_manifest_verifies_and_every_change_breaks_it(key, pub):
+    signed = sign_manifest(_manifest(), key)
+    verify_manifest(signed, pub)
+    for change in ({"version": 4}, {"model_hash": "ef" * 32}, {"created_at": 2.0},
+                   {"shards": [ShardEntry(name="model-00001-of-00001.safetensors", sha256="ce" * 32, size=10)]}):
+        with pytest.raises(ManifestError, match="forged"):
+            verify_manifest(signed.model_copy(update=change), pub)
+
+
+def test_unsigned_forged_and_malformed_manifests_are_rejected(key, pub):
+    with pytest.raises(ManifestError, match="unsigned"):
+        verify_manifest(_manifest(), pub)
+    other = sign_manifest(_manifest(), Ed25519PrivateKey.generate())
+    with pytest.raises(ManifestError, match="forged"):
+        verify_manifest(other, pub)
+    with pytest.raises(ManifestError, match="malformed"):
+        verify_manifest(_manifest().model_copy(update={"signature": "AAAA"}), pub)
+    with pytest.raises(ManifestError, match="malformed manifest"):
+        parse_verified_manifest(b"{not json", pub)
+    with pytest.raises(ManifestError, match="asked for version 9"):
+        parse_verified_manifest(sign_manifest(_manifest(3), key).model_dump_json().encode(), pub, version=9)
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "a/b.safetensors", ".hidden", "..", "x..y", "/abs", "a\\b"])
+def test_signed_manifest_with_path_traversal_names_is_rejected(key, pub, name):
+    """Even a manifest signed by the run's key cannot name a file outside its version folder."""
+    body = _manifest().model_dump(mode="json", exclude={"signature"})
+    body["shards"][0]["name"] = name
+    payload = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    import base64
+
+    body["signature"] = base64.b64encode(key.sign(payload)).decode()
+    with pytest.raises(ManifestError, match="malformed"):
+        parse_verified_manifest(json.dumps(body).encode(), pub)
+
+
+def test_model_hash_is_independent_of_sharding_and_sensitive_to_content(tmp_path, key):
+    sd = state_dict(layers=4, mb_per_layer=0.25)
+    h = model_hash(sd)
+    assert model_hash(dict(reversed(list(sd.items())))) == h
+    small = Origin(tmp_path / "a", key, shard_bytes=100_000).publish(0, sd)
+    big = Origin(tmp_path / "b", key, shard_bytes=1 << 30).publish(0, sd)
+    assert len(small.shards) > len(big.shards) == 1
+    assert small.model_hash == big.model_hash == h
+    assert model_hash(load_version_dir(tmp_path / "a" / "v0000000000")) == h
+    changed = dict(sd)
+    changed["model.norm.weight"] = sd["model.norm.weight"].clone()
+    changed["model.norm.weight"][0] += 1e-3
+    assert model_hash(changed) != h
+    assert model_hash({**sd, "model.norm.weight": sd["model.norm.weight"].to(torch.float64)}) != h
+    assert model_hash({**sd, "model.norm.weight": sd["model.norm.weight"].reshape(8, 8)}) != h
+
+
+def test_tied_alias_is_written_once_and_restored(tmp_path, key):
+    emb = torch.randn(96, 16)
+    sd = {"model.embed_tokens.weight": emb, "lm_head.weight": emb, "model.norm.weight": torch.ones(16)}
+    tensors, aliases = split_aliases(sd)
+    assert aliases == {"lm_head.weight": "model.embed_tokens.weight"} and "lm_head.weight" not in tensors
+    untied = {**sd, "lm_head.weight": emb.clone()}  # equal values, separate memory: not tied
+    assert split_aliases(untied)[1] == {}
+    assert model_hash(untied) != model_hash(sd)
+    origin = Origin(tmp_path / "o", key, shard_bytes=1 << 20)
+    m = origin.publish(0, sd)
+    from safetensors import safe_open
+
+    names = set()
+    for s in m.shards:
+        with safe_open(str(origin.version_dir(0) / s.name), "pt") as f:
+            names |= set(f.keys())
+    assert names == {"model.embed_tokens.weight", "model.norm.weight"}
+    loaded = load_version_dir(origin.version_dir(0))
+    assert set(loaded) == set(sd)
+    assert loaded["lm_head.weight"] is loaded["model.embed_tokens.weight"]
+    assert model_hash(loaded) == m.model_hash == model_hash(sd)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_untied_model_dir"])
+def test_published_version_loads_in_transformers(request, tmp_path, key, fixture):
+    from transformers import AutoConfig, Qwen2ForCausalLM
+
+    model_dir = request.getfixturevalue(fixture)
+    config = AutoConfig.from_pretrained(model_dir)
+    torch.manual_seed(123)
+    trained = Qwen2ForCausalLM(config).float().eval()  # fresh weights, unlike what is on disk
+    sd = trained.state_dict()
+    origin = Origin(tmp_path / "origin", key, shard_bytes=64 << 10)
+    manifest = origin.publish(5, sd)
+    assert len(manifest.shards) > 1
+    loaded = load_version_dir(origin.version_dir(5))
+    assert set(loaded) == set(sd)  # HF names, lm_head included as the alias when tied
+    model = Qwen2ForCausalLM.from_pretrained(model_dir).float().eval()
+    model.load_state_dict(loaded, strict=True)
+    if config.tie_word_embeddings:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    ids = torch.tensor([[1, 5, 9, 14, 3]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, trained(ids).logits)
+    assert model_hash(model.state_dict()) == manifest.model_hash
