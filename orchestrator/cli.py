@@ -55,11 +55,9 @@ def run(
         _print_config(cfg)
         return
     configure_logging(cfg.log_level)
-    console.print(
-        "[yellow]swarmrl run:[/] the end-to-end loop is not built yet (issue 8). "
-        "The config resolved; see it with --dry-run."
-    )
-    raise typer.Exit(3)
+    from orchestrator.run import run as run_loop
+
+    raise typer.Exit(run_loop(cfg))
 
 
 @app.command("init-model")
@@ -76,6 +74,18 @@ def init_model(
         raise typer.BadParameter(f"choose one of {', '.join(SIZES)}", param_hint="--size")
     path = make(out, size, seed, tie_embeddings)  # type: ignore[arg-type]
     console.print(f"wrote a {size} model (seed {seed}, tied={tie_embeddings}) to {path}")
+
+
+def _add_package_clis() -> None:
+    """Each package's own CLI, mounted as a subcommand (each imports its heavy modules lazily)."""
+    from inference_worker.cli import app as worker_app
+    from shardcast.cli import app as shardcast_app
+
+    app.add_typer(shardcast_app, name="shardcast")
+    app.add_typer(worker_app, name="worker")
+
+
+_add_package_clis()
 
 
 def main() -> None:

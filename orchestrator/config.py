@@ -66,6 +66,16 @@ class OrchestratorConfig(BaseModel):
     db_path: str = Field("", description="SQLite file; default <run dir>/orchestrator.sqlite")
 
 
+class ResourcesConfig(BaseModel):
+    """Ray resources of the trusted actors (GPUs on a cluster; 0 on a laptop)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    trainer_gpus: float = Field(0.0, ge=0)
+    verifier_gpus: float = Field(0.0, ge=0)
+    max_restarts: int = Field(3, ge=0, description="times Ray restarts a crashed trainer or verifier actor")
+
+
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -75,6 +85,9 @@ class RunConfig(BaseModel):
     ray_address: str = Field("", description="empty: start a local Ray")
     num_workers: int = Field(1, ge=0, description="local inference workers started by `swarmrl run`")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    max_minutes: float = Field(0.0, ge=0, description="stop after this much wall time; 0: no limit")
+    stop_reward: float | None = Field(None, description="stop once the mean reward stays at or above this for 5 steps")
+    resources: ResourcesConfig = ResourcesConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     orchestrator: OrchestratorConfig = OrchestratorConfig()

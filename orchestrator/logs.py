@@ -14,6 +14,12 @@ import sys
 import time
 
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
+# Attributes that Ray and vLLM add to every record: noise in our lines.
+_HIDDEN_PREFIXES = ("_ray", "ray_", "vllm_")
+
+
+def _fields(record: logging.LogRecord) -> dict:
+    return {k: v for k, v in vars(record).items() if k not in _STANDARD and not k.startswith(_HIDDEN_PREFIXES)}
 
 
 class JsonFormatter(logging.Formatter):
@@ -24,7 +30,7 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        out.update({k: v for k, v in vars(record).items() if k not in _STANDARD})
+        out.update(_fields(record))
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)
@@ -32,7 +38,7 @@ class JsonFormatter(logging.Formatter):
 
 class KeyValueFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        fields = " ".join(f"{k}={v}" for k, v in vars(record).items() if k not in _STANDARD)
+        fields = " ".join(f"{k}={v}" for k, v in _fields(record).items())
         stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
         text = f"{stamp} {record.levelname:<7} {record.name}: {record.getMessage()}" + (f"  {fields}" if fields else "")
         if record.exc_info:

@@ -64,6 +64,7 @@ class ErrorCode(str, Enum):
     rate_limited = "rate_limited"
     too_many_leases = "too_many_leases"
     unsupported_encoding = "unsupported_encoding"
+    timeout = "timeout"  # the request took longer than the server allows; safe to retry
 
 
 class ErrorBody(WireModel):

@@ -1,0 +1,131 @@
+"""Admission of a submission, in the order that spends the least work on a bad one:
+size caps -> decompression (bounded) -> schema -> lease -> policy version -> shape -> replay.
+Nothing here verifies proofs; a submission that passes is queued for the verifier pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import threading
+import time
+
+import zstandard
+from pydantic import ValidationError
+
+from orchestrator.errors import ApiError
+from protocol import limits
+from protocol.models import ErrorCode, RolloutSubmission, TaskLease
+
+# A zstd frame may ask for a window up to 2 GiB; no honest rollout body needs more than this.
+MAX_ZSTD_WINDOW = 16 << 20
+READ_CHUNK = 1 << 20
+
+
+def decompress_zstd(body: bytes, max_output: int = limits.MAX_DECOMPRESSED_BODY_BYTES) -> bytes:
+    """Stream-decompress, stopping as soon as the output would exceed `max_output` (zstd bombs)."""
+    dctx = zstandard.ZstdDecompressor(max_window_size=MAX_ZSTD_WINDOW)
+    out = io.BytesIO()
+    try:
+        # read_across_frames: a body of several concatenated frames is decompressed whole.
+        with dctx.stream_reader(io.BytesIO(body), read_across_frames=True) as reader:
+            while True:
+                chunk = reader.read(READ_CHUNK)
+                if not chunk:
+                    break
+                if out.tell() + len(chunk) > max_output:
+                    raise ApiError(ErrorCode.payload_too_large, f"body decompresses to more than {max_output} bytes")
+                out.write(chunk)
+    except zstandard.ZstdError as exc:
+        raise ApiError(ErrorCode.invalid_request, f"body is not valid zstd: {exc}", status=400) from None
+    return out.getvalue()
+
+
+def decode_body(body: bytes, content_encoding: str | None) -> bytes:
+    if len(body) > limits.MAX_BODY_BYTES:
+        raise ApiError(ErrorCode.payload_too_large, f"body is larger than {limits.MAX_BODY_BYTES} bytes")
+    enc = (content_encoding or "identity").strip().lower()
+    if enc in ("", "identity"):
+        return body
+    if enc == "zstd":
+        return decompress_zstd(body)
+    raise ApiError(ErrorCode.unsupported_encoding, f"Content-Encoding {content_encoding!r} is not supported; use zstd or none")
+
+
+def parse_submission(raw: bytes, vocab_size: int) -> RolloutSubmission:
+    try:
+        return RolloutSubmission.model_validate_json(raw, context={"vocab_size": vocab_size})
+    except ValidationError as exc:
+        raise ApiError(ErrorCode.invalid_request, "invalid submission: " + summarize(exc)) from None
+
+
+def summarize(exc: ValidationError, max_errors: int = 5) -> str:
+    parts = []
+    for err in exc.errors()[:max_errors]:
+        loc = ".".join(str(p) for p in err["loc"]) or "body"
+        parts.append(f"{loc}: {err['msg']}")
+    more = exc.error_count() - max_errors
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
+def check_version(claimed: int, current: int, async_level: int) -> None:
+    """Refuse a policy version that is too old (before any verification work) or not published yet."""
+    lowest = max(0, current - async_level)
+    if claimed < lowest:
+        raise ApiError(
+            ErrorCode.version_too_old,
+            f"policy version {claimed} is below {lowest} (current {current}, async_level {async_level})",
+            min_policy_version=lowest,
+        )
+    if claimed > current:
+        raise ApiError(ErrorCode.invalid_request, f"policy version {claimed} has not been published (current {current})")
+
+
+def check_shape(sub: RolloutSubmission, lease: TaskLease) -> None:
+    """A submission carries exactly one completion per (prompt, sample) of its lease."""
+    want = {(p, s) for p in range(len(lease.prompts)) for s in range(lease.samples_per_prompt)}
+    got = {(c.prompt_index, c.sample_index) for c in sub.completions}
+    if got != want:
+        missing, extra = sorted(want - got), sorted(got - want)
+        raise ApiError(
+            ErrorCode.lease_mismatch,
+            f"lease {lease.lease_id} needs {len(want)} completions ({len(lease.prompts)} prompts x {lease.samples_per_prompt} samples); "
+            f"missing {missing[:4]}{'...' if len(missing) > 4 else ''}, unexpected {extra[:4]}{'...' if len(extra) > 4 else ''}",
+        )
+    max_tokens = lease.sampling.max_tokens
+    for i, c in enumerate(sub.completions):
+        if c.token_ids.size > max_tokens:
+            raise ApiError(ErrorCode.lease_mismatch, f"completion {i}: {c.token_ids.size} tokens, lease allows {max_tokens}")
+
+
+def fingerprint(sub: RolloutSubmission) -> str:
+    """Hash of what was generated (tokens and proofs), independent of the lease id: the same rollouts
+    submitted again, to this lease or another, are a replay."""
+    h = hashlib.sha256()
+    for c in sorted(sub.completions, key=lambda c: (c.prompt_index, c.sample_index)):
+        h.update(c.token_ids.astype("<i4").tobytes())
+        for p in c.proofs:
+            h.update(len(p).to_bytes(2, "little"))
+            h.update(p)
+        h.update(b"|")
+    return h.hexdigest()
+
+
+class RateLimiter:
+    """Token bucket per key: `rate` requests per second on average, bursts up to `burst`."""
+
+    def __init__(self, rate: float, burst: float | None = None):
+        self.rate = rate
+        self.burst = burst if burst is not None else max(1.0, 2 * rate)
+        self._buckets: dict[str, tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    def check(self, key: str, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            tokens, last = self._buckets.get(key, (self.burst, now))
+            tokens = min(self.burst, tokens + (now - last) * self.rate)
+            if tokens < 1.0:
+                self._buckets[key] = (tokens, now)
+                raise ApiError(ErrorCode.rate_limited, f"more than {self.rate:g} requests/s", retry_after_s=(1.0 - tokens) / self.rate)
+            self._buckets[key] = (tokens - 1.0, now)

@@ -1,0 +1,337 @@
+"""The public HTTP API (fastapi): exactly the endpoints of `protocol.api`, plus the operator's
+dashboard page at `/` and the JSON it polls.
+
+- Auth: `Authorization: Bearer <token>`: a join token to register, a worker's own secret for worker
+  endpoints (a worker acts only as itself), the admin token for operator endpoints (worker secrets are
+  refused there).
+- Every refusal is a `protocol.ErrorBody` with a 4xx status, including FastAPI's validation errors.
+- Limits, enforced before the handlers run (LimitsMiddleware): body size (before and, for zstd
+  submissions, while decompressing), and a timeout for the whole request, including a slow body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from concurrent.futures import ThreadPoolExecutor
+import logging
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request, Security
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from orchestrator.dashboard import HTML as DASHBOARD
+from orchestrator.errors import ApiError
+from orchestrator.service import Orchestrator
+from protocol import api, limits
+from protocol.models import (
+    BanRequest,
+    ErrorBody,
+    ErrorCode,
+    HealthStatus,
+    Heartbeat,
+    LeaseRequest,
+    ReleaseRequest,
+    RolloutSubmission,
+    WorkerRegistration,
+)
+
+log = logging.getLogger(__name__)
+
+# Bodies of endpoints other than submit are small JSON objects.
+MAX_SMALL_BODY_BYTES = 64 << 10
+
+HISTORY_PATH = "/v1/status/history"
+
+def swagger_assets() -> Path | None:
+    """A local copy of Swagger UI, so /docs works without internet. vLLM ships one; find it without
+    importing vLLM. None: fall back to FastAPI's CDN links."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    static = Path(list(spec.submodule_search_locations)[0]) / "entrypoints" / "serve" / "instrumentator" / "static"
+    return static if (static / "swagger-ui-bundle.js").is_file() and (static / "swagger-ui.css").is_file() else None
+
+
+bearer = HTTPBearer(auto_error=False, description="join token, worker secret or admin token, depending on the endpoint")
+
+
+def error_response(exc: ApiError) -> JSONResponse:
+    headers = {"Retry-After": str(max(1, int(exc.retry_after_s + 0.999)))} if exc.retry_after_s else None
+    return JSONResponse(exc.body().model_dump(mode="json", exclude_none=True), status_code=exc.status, headers=headers)
+
+
+def json_response(model: BaseModel, status: int = 200) -> Response:
+    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
+
+
+class LimitsMiddleware:
+    """Reads the whole body under a size cap and the request under a timeout, before the app sees it.
+
+    Pure ASGI (not BaseHTTPMiddleware): it adds no task or stream per request.
+    """
+
+    def __init__(self, app: Any, timeout_s: float):
+        self.app = app
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked_send(message: dict) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        async def refuse(exc: ApiError) -> None:
+            if not started:
+                resp = error_response(exc)
+                await resp(scope, receive, send)
+
+        cap = limits.MAX_BODY_BYTES if scope["path"] == api.SUBMIT.path else MAX_SMALL_BODY_BYTES
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                for name, value in scope.get("headers", []):
+                    if name == b"content-length":
+                        try:
+                            length = int(value)
+                        except ValueError:
+                            raise ApiError(ErrorCode.invalid_request, "Content-Length is not a number", status=400) from None
+                        if length > cap:
+                            raise ApiError(ErrorCode.payload_too_large, f"body of {length} bytes; the limit is {cap}")
+                chunks, size, more = [], 0, True
+                while more:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > cap:
+                        raise ApiError(ErrorCode.payload_too_large, f"body larger than {cap} bytes")
+                    chunks.append(chunk)
+                    more = message.get("more_body", False)
+                body = b"".join(chunks)
+                replayed = False
+
+                async def replay() -> dict:
+                    nonlocal replayed
+                    if not replayed:
+                        replayed = True
+                        return {"type": "http.request", "body": body, "more_body": False}
+                    return await receive()
+
+                await self.app(scope, replay, tracked_send)
+        except ApiError as exc:
+            await refuse(exc)
+        except TimeoutError:
+            log.warning("request timed out", extra={"path": scope.get("path")})
+            await refuse(ApiError(ErrorCode.timeout, f"request not completed within {self.timeout_s:g} s", status=503, retry_after_s=1.0))
+
+
+def create_app(orch: Orchestrator, db_threads: int = 4) -> FastAPI:
+    cfg = orch.cfg
+    # Handlers that write SQLite run on a few threads of their own: a slow disk stalls those requests,
+    # not the event loop; and few threads (not Starlette's 40) keep lock and GIL hand-offs cheap.
+    pool = ThreadPoolExecutor(max_workers=db_threads, thread_name_prefix="orchestrator-db")
+
+    async def run_in_threadpool(fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    join_tokens = [t.encode() for t in cfg.join_tokens]
+    admin_token = cfg.admin_token.encode()
+    errors = {code: {"model": ErrorBody} for code in (401, 403, 404, 409, 410, 413, 415, 422, 429)}
+
+    assets = swagger_assets()
+    app = FastAPI(
+        title="swarmrl orchestrator",
+        version="1",
+        description="Workers register, lease tasks and submit rollouts; operators watch and ban. See protocol/api.py.",
+        docs_url=None if assets else "/docs",
+    )
+    if assets is not None:
+        from fastapi.openapi.docs import get_swagger_ui_html
+        from fastapi.staticfiles import StaticFiles
+
+        app.mount("/docs/static", StaticFiles(directory=assets), name="docs-static")
+
+        @app.get("/docs", include_in_schema=False)
+        async def docs() -> HTMLResponse:
+            return get_swagger_ui_html(
+                openapi_url="/openapi.json",
+                title="swarmrl orchestrator - API",
+                swagger_js_url="/docs/static/swagger-ui-bundle.js",
+                swagger_css_url="/docs/static/swagger-ui.css",
+                swagger_favicon_url="data:,",
+            )
+
+    app.add_middleware(LimitsMiddleware, timeout_s=cfg.request_timeout_s)
+    app.state.orchestrator = orch
+
+    # -- errors -----------------------------------------------------------------------------------
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        orch.metrics.requests_refused.labels(exc.code.value).inc()
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = []
+        for err in exc.errors()[:5]:
+            loc = ".".join(str(p) for p in err.get("loc", ())) or "request"
+            parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+        orch.metrics.requests_refused.labels(ErrorCode.invalid_request.value).inc()
+        return error_response(ApiError(ErrorCode.invalid_request, "; ".join(parts) or "invalid request"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {401: ErrorCode.unauthorized, 403: ErrorCode.forbidden, 404: ErrorCode.not_found}.get(exc.status_code, ErrorCode.invalid_request)
+        return error_response(ApiError(code, str(exc.detail), status=exc.status_code if exc.status_code < 500 else 400))
+
+    # -- auth -------------------------------------------------------------------------------------
+
+    def token(creds: HTTPAuthorizationCredentials | None) -> str:
+        if creds is None or creds.scheme.lower() != "bearer" or not creds.credentials:
+            raise ApiError(ErrorCode.unauthorized, "missing 'Authorization: Bearer <token>' header")
+        return creds.credentials
+
+    def require_join(creds: HTTPAuthorizationCredentials | None) -> None:
+        t = token(creds).encode()
+        if not any(hmac.compare_digest(t, j) for j in join_tokens):
+            raise ApiError(ErrorCode.unauthorized, "invalid join token")
+
+    def require_worker(creds: HTTPAuthorizationCredentials | None, allow_banned: bool = False) -> str:
+        return orch.authenticate(token(creds), allow_banned)
+
+    def require_admin(creds: HTTPAuthorizationCredentials | None) -> None:
+        t = token(creds)
+        if hmac.compare_digest(t.encode(), admin_token):
+            return
+        if orch.is_worker_secret(t):
+            raise ApiError(ErrorCode.forbidden, "operator endpoints refuse worker tokens")
+        raise ApiError(ErrorCode.unauthorized, "invalid admin token")
+
+    # -- worker endpoints -------------------------------------------------------------------------
+
+    @app.post(api.REGISTER.path, response_model=api.REGISTER.response, responses=errors, summary=api.REGISTER.summary, tags=["worker"])
+    async def register(request: Request, body: WorkerRegistration, creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> Response:
+        require_join(creds)
+        # Registrations are rate-limited per client address: a leaked join token cannot flood the table.
+        orch.limiter.check(f"register@{request.client.host if request.client else '?'}")
+        return json_response(orch.register(body))
+
+    @app.post(api.HEARTBEAT.path, response_model=api.HEARTBEAT.response, responses=errors, summary=api.HEARTBEAT.summary, tags=["worker"])
+    async def heartbeat(worker_id: str, body: Heartbeat, creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> Response:
+        return json_response(await run_in_threadpool(orch.heartbeat, require_worker(creds), worker_id, body))
+
+    @app.post(api.LEASE.path, response_model=api.LEASE.response, responses=errors, summary=api.LEASE.summary, tags=["worker"])
+    async def lease(body: LeaseRequest, creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> Response:
+        return json_response(await run_in_threadpool(orch.lease, require_worker(creds), body))
+
+    @app.post(api.RELEASE.path, response_model=api.RELEASE.response, responses=errors, summary=api.RELEASE.summary, tags=["worker"])
+    async def release(lease_id: str, body: ReleaseRequest | None = None, creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> Response:
+        return json_response(orch.release(require_worker(creds), lease_id))
+
+    @app.post(
+        api.SUBMIT.path,
+        response_model=api.SUBMIT.response,
+        responses=errors,
+        summary=api.SUBMIT.summary,
+        tags=["worker"],
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "description": f"JSON RolloutSubmission; may be zstd-compressed (Content-Encoding: zstd). "
+                f"At most {limits.MAX_BODY_BYTES} bytes as sent and {limits.MAX_DECOMPRESSED_BODY_BYTES} decompressed.",
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/RolloutSubmission"}}},
+            }
+        },
+    )
+    async def submit(request: Request, creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> Response:
+        worker_id = require_worker(creds)
+        body = await request.body()
+        return json_response(await run_in_threadpool(orch.submit, worker_id, body, request.headers.get("content-encoding")))
+
+    @app.get(api.VERDICT.path, response_model=api.VERDICT.response, responses=errors, summary=api.VERDICT.summary, tags=["worker"])
+    async def verdict(submission_id: str, creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> Response:
+        return json_response(orch.verdict(require_worker(creds, allow_banned=True), submission_id))
+
+    # -- operator endpoints -----------------------------------------------------------------------
+
+    @app.get(api.STATUS.path, response_model=api.STATUS.response, responses=errors, summary=api.STATUS.summary, tags=["operator"])
+    async def status(creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> Response:
+        require_admin(creds)
+        return json_response(orch.status())
+
+    @app.get(api.WORKERS.path, response_model=api.WORKERS.response, responses=errors, summary=api.WORKERS.summary, tags=["operator"])
+    async def workers(creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> Response:
+        require_admin(creds)
+        return json_response(orch.worker_list())
+
+    @app.post(api.BAN.path, response_model=api.BAN.response, responses=errors, summary=api.BAN.summary, tags=["operator"])
+    async def ban(worker_id: str, body: BanRequest | None = None, creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> Response:
+        require_admin(creds)
+        return json_response(orch.set_ban(worker_id, True, body.reason if body else ""))
+
+    @app.post(api.UNBAN.path, response_model=api.UNBAN.response, responses=errors, summary=api.UNBAN.summary, tags=["operator"])
+    async def unban(worker_id: str, body: BanRequest | None = None, creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> Response:
+        require_admin(creds)
+        return json_response(orch.set_ban(worker_id, False, body.reason if body else ""))
+
+    @app.get(api.METRICS.path, responses=errors, summary=api.METRICS.summary, tags=["operator"], response_class=Response)
+    async def metrics(creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> Response:
+        require_admin(creds)
+        return Response(generate_latest(orch.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get(HISTORY_PATH, responses=errors, summary="Dashboard data: status, workers and time series", tags=["operator"])
+    async def history(creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> JSONResponse:
+        require_admin(creds)
+        return JSONResponse(
+            {
+                "status": orch.status().model_dump(mode="json"),
+                "workers": orch.worker_list().model_dump(mode="json")["workers"],
+                "history": list(orch.history),
+            }
+        )
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def dashboard() -> HTMLResponse:
+        return HTMLResponse(DASHBOARD)
+
+    # -- health -----------------------------------------------------------------------------------
+
+    @app.get(api.HEALTH.path, response_model=api.HEALTH.response, summary=api.HEALTH.summary, tags=["health"])
+    async def healthz() -> Response:
+        return json_response(HealthStatus(ok=True))
+
+    @app.get(api.READY.path, response_model=api.READY.response, responses={503: {"model": HealthStatus}}, summary=api.READY.summary, tags=["health"])
+    async def readyz() -> Response:
+        if orch.ready:
+            return json_response(HealthStatus(ok=True))
+        return json_response(HealthStatus(ok=False, detail="not serving yet"), status=503)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            sub = RolloutSubmission.model_json_schema(ref_template="#/components/schemas/{model}")
+            comps = schema.setdefault("components", {}).setdefault("schemas", {})
+            comps.update(sub.pop("$defs", {}))
+            comps["RolloutSubmission"] = sub
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app

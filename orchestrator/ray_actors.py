@@ -1,0 +1,178 @@
+"""Ray actors of the trusted cluster: the verifier pool and the orchestrator itself.
+
+- `VerifierActor` wraps `verifier.service.Verifier` (pure Python) in one process; `RayVerifierPool`
+  spreads `verify_many` over N of them and is what the orchestrator calls (its `Verification`).
+- `OrchestratorActor` runs the HTTP API in a thread inside the actor and exposes the trainer's side:
+  `take_batch` / `commit_batch` / `give_back_batch` and `publish_version`. The trainer's loop is:
+
+      batch = ray.get(orch.take_batch.remote(n, trainer.version, wait_s=30))
+      metrics = trainer.step(batch.samples)       # publishes version + 1 through shardcast
+      ray.get(orch.commit_batch.remote(batch.batch_id, trainer.version, model_hash))
+
+Ray is imported inside functions: importing this module does not start or need Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def init_ray(address: str = "", num_cpus: int | None = 2) -> None:
+    """Connect to a Ray cluster at `address`, or start a local one (num_cpus on this machine)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+
+
+class ShardcastWeights:
+    """`weights_for_version` for a verifier: pull (and check) version v from shardcast servers into a
+    local folder once, then reuse it. Picklable, so it can travel to a Ray actor."""
+
+    def __init__(self, urls: list[str], public_key_b64: str, dest_root: str):
+        self.urls = list(urls)
+        self.public_key_b64 = public_key_b64
+        self.dest_root = dest_root
+        self._client: Any = None
+        self._paths: dict[int, Path] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"urls": self.urls, "public_key_b64": self.public_key_b64, "dest_root": self.dest_root}
+
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        self.__init__(d["urls"], d["public_key_b64"], d["dest_root"])  # type: ignore[misc]
+
+    def __call__(self, version: int) -> Path:
+        path = self._paths.get(version)
+        if path is None or not path.exists():
+            if self._client is None:
+                from shardcast.client import ShardcastClient
+
+                self._client = ShardcastClient(self.urls, self.public_key_b64, Path(self.dest_root))
+            path = self._paths[version] = Path(self._client.pull(version).path)
+        return path
+
+
+class VerifierActor:
+    """One verifier process. Jobs travel as pickles (pydantic models, numpy arrays)."""
+
+    def __init__(self, config: Any, weights_for_version: Any, tokenizer_dir: str, num_threads: int = 1):
+        import torch
+
+        from verifier.service import Verifier
+
+        torch.set_num_threads(max(1, num_threads))
+        self.verifier = Verifier(config, weights_for_version, Path(tokenizer_dir))
+
+    def verify_many(self, jobs: list[Any]) -> list[Any]:
+        return self.verifier.verify_many(jobs)
+
+    def ping(self) -> bool:
+        return True
+
+
+class RayVerifierPool:
+    """`verify_many` over a pool of VerifierActors: jobs are split evenly, verified in parallel, and
+    the verdicts come back in job order."""
+
+    def __init__(self, actors: list[Any], timeout_s: float = 600.0):
+        if not actors:
+            raise ValueError("a verifier pool needs at least one actor")
+        self.actors = actors
+        # A hung actor must not hang the orchestrator: the jobs time out and are queued again.
+        self.timeout_s = timeout_s
+
+    @classmethod
+    def start(cls, config: Any, weights_for_version: Any, tokenizer_dir: str, num_actors: int | None = None, num_cpus: float = 0.5) -> "RayVerifierPool":
+        import ray
+
+        remote = ray.remote(num_cpus=num_cpus, max_restarts=3, max_task_retries=1)(VerifierActor)
+        n = num_actors or config.num_actors
+        actors = [remote.remote(config, weights_for_version, tokenizer_dir) for _ in range(n)]
+        ray.get([a.ping.remote() for a in actors])  # surface constructor errors now
+        return cls(actors)
+
+    def verify_many(self, jobs: list[Any]) -> list[Any]:
+        import ray
+
+        if not jobs:
+            return []
+        n = min(len(self.actors), len(jobs))
+        parts = [jobs[i::n] for i in range(n)]
+        results = ray.get([self.actors[i].verify_many.remote(parts[i]) for i in range(n)], timeout=self.timeout_s)
+        out: list[Any] = [None] * len(jobs)
+        for i, verdicts in enumerate(results):
+            if len(verdicts) != len(parts[i]):
+                raise RuntimeError(f"verifier actor {i} returned {len(verdicts)} verdicts for {len(parts[i])} jobs")
+            for j, v in enumerate(verdicts):
+                out[i + j * n] = v
+        return out
+
+    def shutdown(self) -> None:
+        import ray
+
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
+
+
+class OrchestratorActor:
+    """The orchestrator in a Ray actor: SQLite state, the HTTP API (in a thread), verification
+    through a verifier pool, and the trainer's batch interface. Create it with
+    `ray.remote(max_concurrency=8)(OrchestratorActor)` (see `start_orchestrator_actor`) so a trainer
+    blocked in `take_batch` does not stop `status` or `publish_version`."""
+
+    def __init__(
+        self,
+        config: Any,
+        verifier_actors: list[Any],
+        *,
+        relay_urls: list[str] | None = None,
+        manifest_public_key: str = "",
+        model: str | None = None,
+    ):
+        from orchestrator.serve import OrchestratorServer, build_orchestrator
+
+        pool = RayVerifierPool(verifier_actors)
+        self.orch = build_orchestrator(config, pool, model=model, relay_urls=relay_urls, manifest_public_key=manifest_public_key)
+        self.server = OrchestratorServer(self.orch).start()
+
+    def url(self) -> str:
+        return self.server.url
+
+    def publish_version(self, version: int, model_hash: str) -> None:
+        self.orch.publish_version(version, model_hash)
+
+    def take_batch(self, n: int, trainer_version: int | None = None, wait_s: float = 0.0) -> Any:
+        return self.orch.take_batch(n, trainer_version, wait_s=wait_s)
+
+    def commit_batch(self, batch_id: str, new_version: int, model_hash: str | None = None, dropped_stale: int = 0) -> dict[int, int]:
+        return self.orch.commit_batch(batch_id, new_version, model_hash, dropped_stale)
+
+    def give_back_batch(self, batch_id: str) -> int:
+        return self.orch.give_back_batch(batch_id)
+
+    def status(self) -> Any:
+        return self.orch.status()
+
+    def set_finished(self, error: str | None = None) -> None:
+        self.orch.set_finished(error)
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def start_orchestrator_actor(config: Any, verifier_actors: list[Any], **kwargs: Any) -> Any:
+    import ray
+
+    return ray.remote(num_cpus=0, max_concurrency=8)(OrchestratorActor).remote(config, verifier_actors, **kwargs)

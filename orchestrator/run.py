@@ -1,0 +1,453 @@
+"""`swarmrl run`: the whole decentralized loop from one command.
+
+    Ray ─┬─ TrainerActor  (Trainer + shardcast Origin + origin HTTP server: the origin lives on trainer rank 0)
+         ├─ VerifierActor × N   (verifier.service.Verifier; weights pulled from the origin, signature checked)
+         └─ OrchestratorActor   (SQLite state + the public HTTP API)
+    relay processes             (`swarmrl shardcast relay`, mirroring the origin)
+    worker processes            (`swarmrl worker`: join over HTTP with a join token, exactly like volunteers)
+
+The driver below is the training loop, readable top to bottom: take a verified batch from the
+orchestrator, train one step (which publishes version N+1 through shardcast), commit the batch, tell
+the orchestrator about the new version, log. Every component is watched; if one dies for good the run
+stops with a clear error instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchestrator.config import RunConfig, dump_toml
+from orchestrator.run_dir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+class RunFailed(RuntimeError):
+    """A component died for good; the message says which and why."""
+
+
+# --------------------------------------------------------------------------------------------------
+# The trainer actor: trainer + shardcast origin in one process
+
+
+class TrainerActor:
+    def __init__(self, config: RunConfig, model_dir: str, run_dir: str, key_path: str):
+        import torch
+
+        from shardcast.keys import load_or_generate_signing_key
+        from shardcast.origin import Origin
+        from shardcast.server import serve_origin
+        from trainer.train import Trainer
+
+        if config.trainer.num_threads:
+            torch.set_num_threads(config.trainer.num_threads)
+        rd = RunDir(run_dir)
+        self.origin = Origin(
+            rd.shardcast / "origin",
+            load_or_generate_signing_key(Path(key_path)),
+            keep_versions=config.shardcast.keep_versions,
+            shard_bytes=config.shardcast.shard_bytes,
+            grace_s=config.shardcast.delete_grace_s,
+        )
+        self.server = serve_origin(self.origin, config.shardcast.host, config.shardcast.origin_port)
+        self.trainer = Trainer(config.trainer, Path(model_dir), rd.root, publish=self._publish)
+        if self.origin.latest() is None or self.origin.latest() < self.trainer.version:
+            # Resumed from a checkpoint whose version the origin no longer holds: publish it again.
+            self._publish(self.trainer.version, self.trainer.state_dict_for_publish())
+
+    def _publish(self, version: int, state_dict: Any) -> None:
+        self.origin.publish(version, state_dict)
+
+    def info(self) -> dict[str, Any]:
+        latest = self.origin.latest()
+        return {
+            "origin_url": self.server.url,
+            "public_key": self.origin.public_key_b64,
+            "version": self.trainer.version,
+            "model_hash": self.origin.manifest(latest).model_hash if latest is not None else "",
+            "last_batch_id": self.trainer.data_cursor.get("last_batch_id"),
+            "pid": os.getpid(),
+        }
+
+    def step(self, batch_id: str, samples: list[Any]) -> dict[str, float]:
+        # The batch id goes into the checkpoint, so that after a crash the driver knows whether this
+        # batch was trained (commit it) or not (give it back): trained exactly once either way.
+        self.trainer.data_cursor["last_batch_id"] = batch_id
+        metrics = self.trainer.step(samples)
+        latest = self.origin.latest()
+        metrics["model_hash"] = self.origin.manifest(latest).model_hash if latest is not None else ""  # type: ignore[assignment]
+        return metrics
+
+    def checkpoint(self) -> None:
+        self.trainer.save_checkpoint()
+
+    def ping(self) -> int:
+        return self.trainer.version
+
+
+# --------------------------------------------------------------------------------------------------
+# Local processes: relays and workers
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    url: str = ""
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        if not self.alive():
+            return
+        self.popen.send_signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(5)
+
+
+def _swarmrl_cmd() -> list[str]:
+    return [sys.executable, "-m", "orchestrator.cli"]
+
+
+def _child_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def start_relay(origin_url: str, public_key: str, rd: RunDir, index: int, cfg: RunConfig) -> Proc:
+    rd.logs.mkdir(parents=True, exist_ok=True)
+    log_path = rd.logs / f"relay-{index}.log"
+    cmd = _swarmrl_cmd() + [
+        "shardcast", "relay",
+        "--upstream", origin_url,
+        "--root", str(rd.shardcast / f"relay-{index}"),
+        "--public-key", public_key,
+        "--host", cfg.shardcast.host,
+        "--keep-versions", str(cfg.shardcast.keep_versions),
+        "--poll-interval-s", str(cfg.shardcast.relay_poll_interval_s),
+        "--parallelism", str(cfg.shardcast.relay_parallelism),
+        "--shard-wait-s", str(cfg.shardcast.relay_shard_wait_s),
+        "--grace-s", str(cfg.shardcast.delete_grace_s),
+    ]
+    popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_path.open("ab"), env=_child_env(1), text=True)
+    assert popen.stdout is not None
+    line = popen.stdout.readline()  # the relay announces {"url": ...} once it listens
+    if not line:
+        raise RunFailed(f"relay {index} did not start; see {log_path}")
+    return Proc(f"relay-{index}", popen, log_path, url=json.loads(line)["url"])
+
+
+def start_worker(url: str, model_dir: Path, rd: RunDir, index: int, cfg: RunConfig) -> Proc:
+    rd.logs.mkdir(parents=True, exist_ok=True)
+    log_path = rd.logs / f"worker-{index}.log"
+    cmd = _swarmrl_cmd() + [
+        "worker",
+        "--orchestrator", url,
+        "--join-token", cfg.orchestrator.join_tokens[0],
+        "--name", f"local-{index}",
+        "--model", str(model_dir),
+        "--work-dir", str(rd.root / "workers" / f"worker-{index}"),
+        "--no-display",
+        "--log-level", cfg.log_level,
+    ]
+    # The worker's own settings travel as overrides of its config section.
+    for key, value in cfg.worker.engine.model_dump().items():
+        cmd += [f"--engine.{key}", json.dumps(value) if isinstance(value, (list, dict)) else str(value)]
+    for key in ("max_prompts_per_lease", "num_threads"):
+        cmd += [f"--{key}", str(getattr(cfg.worker, key))]
+    out = log_path.open("ab")
+    popen = subprocess.Popen(cmd, stdout=out, stderr=out, env=_child_env(max(1, cfg.worker.num_threads)))
+    return Proc(f"worker-{index}", popen, log_path)
+
+
+# --------------------------------------------------------------------------------------------------
+# The driver
+
+
+@dataclass
+class Progress:
+    step: int = 0
+    version: int = 0
+    reward: float | None = None
+    rewards: deque = field(default_factory=lambda: deque(maxlen=5))
+    status: Any = None
+    last: dict[str, Any] = field(default_factory=dict)  # accumulates the wait before the next step
+    last_metrics: dict[str, Any] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+    events: list[str] = field(default_factory=list)
+
+
+def ensure_model(cfg: RunConfig, rd: RunDir) -> Path:
+    if cfg.model.path:
+        return Path(cfg.model.path)
+    if not (rd.model_dir / "config.json").exists():
+        from trainer.tiny_model import init_model
+
+        init_model(rd.model_dir, cfg.model.init_size, cfg.model.init_seed, cfg.model.tie_embeddings)
+    return rd.model_dir
+
+
+class Run:
+    """All components of one run, started in dependency order and stopped in reverse."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.rd = RunDir(cfg.run_dir)
+        self.progress = Progress()
+        self.relays: list[Proc] = []
+        self.workers: list[Proc] = []
+        self.trainer: Any = None
+        self.orch: Any = None
+        self.pool: Any = None
+        self.url = ""
+        self._stop = threading.Event()
+        self._started_ray = False
+
+    # ---------------------------------------------------------------- start
+
+    def start(self) -> None:
+        import ray
+
+        from orchestrator.ray_actors import RayVerifierPool, ShardcastWeights, init_ray, start_orchestrator_actor
+
+        cfg, rd = self.cfg, self.rd
+        rd.write_config(dump_toml(cfg))
+        model_dir = ensure_model(cfg, rd)
+        key_path = Path(cfg.shardcast.signing_key_path or rd.root / "signing_key.pem")
+        self._started_ray = not ray.is_initialized() and not cfg.ray_address
+        init_ray(cfg.ray_address, num_cpus=None if cfg.ray_address else max(2, os.cpu_count() or 2))
+
+        log.info("starting trainer and shardcast origin")
+        actor = ray.remote(num_cpus=0, num_gpus=cfg.resources.trainer_gpus, max_restarts=cfg.resources.max_restarts, max_task_retries=0)
+        self.trainer = actor(TrainerActor).remote(cfg, str(model_dir), str(rd.root), str(key_path))
+        info = ray.get(self.trainer.info.remote())
+        self.progress.version = info["version"]
+
+        for i in range(cfg.shardcast.num_relays):
+            self.relays.append(start_relay(info["origin_url"], info["public_key"], rd, i, cfg))
+        relay_urls = list(cfg.shardcast.advertise_relay_urls) + [r.url for r in self.relays]
+        relay_urls = relay_urls or [info["origin_url"]]
+
+        log.info("starting verifier pool", extra={"actors": cfg.verifier.num_actors})
+        weights = ShardcastWeights([info["origin_url"]], info["public_key"], str(rd.root / "verifier-weights"))
+        self.pool = RayVerifierPool.start(cfg.verifier, weights, str(model_dir), num_cpus=0)
+
+        log.info("starting orchestrator")
+        self.orch = start_orchestrator_actor(cfg, self.pool.actors, relay_urls=relay_urls, manifest_public_key=info["public_key"], model=str(model_dir))
+        self.url = ray.get(self.orch.url.remote())
+        ray.get(self.orch.publish_version.remote(info["version"], info["model_hash"]))
+
+        for i in range(cfg.num_workers):
+            self.workers.append(start_worker(self.url, model_dir, rd, i, cfg))
+        self._write_pids(info["pid"])
+        log.info("run started", extra={"url": self.url, "run_dir": str(rd.root), "workers": cfg.num_workers})
+
+    def _write_pids(self, trainer_pid: int) -> None:
+        pids = {"driver": os.getpid(), "trainer": trainer_pid, "relays": [r.popen.pid for r in self.relays], "workers": [w.popen.pid for w in self.workers], "url": self.url}
+        (self.rd.root / "pids.json").write_text(json.dumps(pids, indent=2))
+
+    # ---------------------------------------------------------------- the training loop
+
+    def train(self) -> None:
+        import ray
+        from ray.exceptions import RayActorError
+
+        cfg, p = self.cfg, self.progress
+        deadline = time.time() + cfg.max_minutes * 60 if cfg.max_minutes else None
+        while p.version < cfg.trainer.max_steps and not self._stop.is_set():
+            if deadline and time.time() > deadline:
+                p.events.append("time limit reached")
+                break
+            self._check_components()
+            t0 = time.perf_counter()
+            batch = ray.get(self.orch.take_batch.remote(cfg.trainer.samples_per_step, p.version, wait_s=2.0))
+            if len(batch.samples) < cfg.trainer.samples_per_step:
+                if batch.samples:
+                    ray.get(self.orch.give_back_batch.remote(batch.batch_id))
+                p.last["time/wait_for_rollouts"] = p.last.get("time/wait_for_rollouts", 0.0) + time.perf_counter() - t0
+                continue
+            waited = p.last.pop("time/wait_for_rollouts", 0.0) + time.perf_counter() - t0
+            try:
+                metrics = ray.get(self.trainer.step.remote(batch.batch_id, batch.samples))
+            except RayActorError as exc:
+                self._recover_trainer(batch.batch_id, exc)
+                continue
+            # take_batch already counted the samples it dropped as stale; pass only the trainer's own.
+            gaps = ray.get(self.orch.commit_batch.remote(batch.batch_id, int(metrics["version"]), metrics["model_hash"], int(metrics.get("samples/dropped_stale", 0))))
+            ray.get(self.orch.publish_version.remote(int(metrics["version"]), metrics["model_hash"]))
+            if not gaps and metrics.get("samples/trained", 0):
+                log.warning("the orchestrator did not know batch %s (restarted?); its samples were trained once already", batch.batch_id)
+            self._record(metrics, waited, gaps)
+            if cfg.stop_reward is not None and len(p.rewards) == p.rewards.maxlen and min(p.rewards) >= cfg.stop_reward:
+                p.events.append(f"reward >= {cfg.stop_reward} for {p.rewards.maxlen} steps")
+                break
+        ray.get(self.trainer.checkpoint.remote())
+
+    def _record(self, metrics: dict[str, Any], waited: float, gaps: dict[int, int]) -> None:
+        import ray
+
+        p = self.progress
+        p.step += 1
+        p.version = int(metrics["version"])
+        if "reward/mean" in metrics:
+            p.reward = float(metrics["reward/mean"])
+            p.rewards.append(p.reward)
+        try:
+            p.status = ray.get(self.orch.status.remote(), timeout=10)
+        except Exception:  # status is for display only
+            pass
+        st = p.status
+        record = {
+            "step": p.step,
+            "version": p.version,
+            "reward_mean": p.reward,
+            "time/wait_for_rollouts": waited,
+            "time/train": metrics.get("time/compute", 0.0),
+            "staleness": {str(k): v for k, v in gaps.items()},
+            **{k: v for k, v in metrics.items() if k not in ("model_hash", "version") and isinstance(v, (int, float))},
+        }
+        if st is not None:
+            record.update(
+                rollout_tokens_per_s=st.rollout_tokens_per_s,
+                trained_samples_per_s=st.trained_samples_per_s,
+                acceptance_rate=st.acceptance_rate,
+                workers_online=st.workers_online,
+                buffer_depth=st.buffer_depth,
+                groups_dropped_zero_signal=st.groups_dropped_zero_signal,
+            )
+        p.last = {}
+        p.last_metrics = record
+        self.rd.append_metrics(record)
+        log.info("step", extra={"step": p.step, "version": p.version, "reward": None if p.reward is None else round(p.reward, 3)})
+
+    def _recover_trainer(self, batch_id: str, exc: Exception) -> None:
+        """The trainer process died mid-step. Ray restarts it from its last checkpoint; the batch in
+        flight is committed if that checkpoint already holds it, else given back to be trained again."""
+        import ray
+
+        self.progress.events.append(f"trainer died ({type(exc).__name__}); resuming from its checkpoint")
+        log.warning("trainer died; waiting for it to resume from its last checkpoint", extra={"batch_id": batch_id})
+        deadline = time.time() + 300
+        while True:
+            try:
+                info = ray.get(self.trainer.info.remote(), timeout=60)
+                break
+            except Exception as e:  # still restarting
+                if time.time() > deadline:
+                    raise RunFailed(f"the trainer did not come back after a crash: {e}") from e
+                time.sleep(1.0)
+        if info["last_batch_id"] == batch_id:
+            ray.get(self.orch.commit_batch.remote(batch_id, info["version"], info["model_hash"], 0))
+        else:
+            ray.get(self.orch.give_back_batch.remote(batch_id))
+        ray.get(self.orch.publish_version.remote(info["version"], info["model_hash"]))
+        self.progress.version = info["version"]
+        self._write_pids(info["pid"])
+
+    def _check_components(self) -> None:
+        for r in self.relays:
+            if not r.alive():
+                raise RunFailed(f"{r.name} exited with code {r.popen.returncode}; see {r.log_path}")
+        if self.workers and not any(w.alive() for w in self.workers):
+            w = self.workers[0]
+            raise RunFailed(f"every local worker exited (e.g. {w.name}: code {w.popen.returncode}; see {w.log_path})")
+
+    # ---------------------------------------------------------------- stop
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def shutdown(self) -> None:
+        import ray
+
+        for w in self.workers:
+            w.stop()
+        for r in self.relays:
+            r.stop()
+        for handle in (self.orch,):
+            if handle is not None:
+                try:
+                    ray.get(handle.stop.remote(), timeout=20)
+                except Exception:
+                    pass
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+
+    def finish(self) -> None:
+        p = self.progress
+        self.rd.plot()
+        minutes = (time.time() - p.started) / 60
+        rows = [r for r in self.rd.read_metrics() if r.get("reward_mean") is not None]
+        first = rows[0]["reward_mean"] if rows else None
+        st = p.status
+        self.rd.write_summary(
+            [
+                f"# Run `{self.cfg.name}`",
+                "",
+                f"- optimizer steps this session: {p.step}; policy version: {p.version}",
+                f"- wall time: {minutes:.1f} min",
+                f"- mean reward: first step {first if first is None else round(first, 3)}, last {None if p.reward is None else round(p.reward, 3)}",
+                f"- acceptance rate: {st.acceptance_rate:.3f}" if st else "- acceptance rate: n/a",
+                f"- submissions accepted / rejected: {st.submissions_accepted} / {st.submissions_rejected}" if st else "",
+                f"- groups dropped for zero signal: {st.groups_dropped_zero_signal}" if st else "",
+                f"- staleness histogram (version gap: samples): {st.staleness_histogram}" if st else "",
+                f"- async_level: {self.cfg.orchestrator.async_level}, workers: {self.cfg.num_workers}",
+                *(f"- event: {e}" for e in p.events),
+                "",
+                "Files: config.toml, metrics.jsonl, reward.png, checkpoints/, logs/.",
+            ]
+        )
+
+
+def run(cfg: RunConfig, display: bool | None = None) -> int:
+    """Run to completion. Returns a process exit code."""
+    from orchestrator.progress import ProgressView
+
+    r = Run(cfg)
+    code = 0
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, lambda *_: r.request_stop())
+    view = None
+    try:
+        r.start()
+        view = ProgressView(r, enabled=sys.stdout.isatty() if display is None else display).start()
+        r.train()
+    except KeyboardInterrupt:
+        r.progress.events.append("stopped by Ctrl-C")
+        log.warning("interrupted; shutting down")
+        code = 130
+    except RunFailed as exc:
+        r.progress.events.append(f"failed: {exc}")
+        log.error("run failed: %s", exc)
+        code = 1
+    finally:
+        if view is not None:
+            view.stop()
+        r.shutdown()
+        signal.signal(signal.SIGTERM, previous)
+        try:
+            r.finish()
+        except Exception:
+            log.exception("could not write the run summary")
+    log.info("run finished", extra={"run_dir": str(r.rd.root), "steps": r.progress.step, "reward": r.progress.reward})
+    return code

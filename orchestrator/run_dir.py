@@ -1,0 +1,81 @@
+"""The run folder `runs/<name>/`: resolved config, metrics.jsonl, checkpoints, reward.png and a summary.
+
+Everything a person needs to understand a run after the fact lives here, in plain files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+
+class RunDir:
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    config_path = property(lambda self: self.root / "config.toml")
+    metrics_path = property(lambda self: self.root / "metrics.jsonl")
+    checkpoints = property(lambda self: self.root / "checkpoints")
+    shardcast = property(lambda self: self.root / "shardcast")
+    model_dir = property(lambda self: self.root / "base_model")
+    plot_path = property(lambda self: self.root / "reward.png")
+    summary_path = property(lambda self: self.root / "summary.md")
+    db_path = property(lambda self: self.root / "orchestrator.sqlite")
+    logs = property(lambda self: self.root / "logs")
+
+    def write_config(self, toml_text: str) -> None:
+        tmp = self.config_path.with_suffix(".tmp")
+        tmp.write_text(toml_text)
+        os.replace(tmp, self.config_path)
+
+    def append_metrics(self, record: dict[str, Any]) -> None:
+        record = {"time": round(time.time(), 3), **record}
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(record, default=float) + "\n")
+
+    def read_metrics(self) -> Iterator[dict[str, Any]]:
+        if not self.metrics_path.exists():
+            return
+        with self.metrics_path.open() as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    try:
+                        yield json.loads(line)
+                    except json.JSONDecodeError:
+                        continue  # a line cut by a crash mid-write
+
+    def plot(self) -> Path | None:
+        """reward.png: mean reward and throughput against wall time."""
+        rows = [r for r in self.read_metrics() if "reward_mean" in r]
+        if not rows:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        t0 = rows[0]["time"]
+        minutes = [(r["time"] - t0) / 60 for r in rows]
+        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
+        ax1.plot(minutes, [r["reward_mean"] for r in rows], color="tab:blue")
+        ax1.set_ylabel("mean reward")
+        ax1.set_ylim(-0.02, 1.02)
+        ax1.grid(alpha=0.3)
+        ax1.set_title(f"{self.root.name}: reward and throughput")
+        ax2.plot(minutes, [r.get("trained_samples_per_s", 0.0) for r in rows], color="tab:green", label="trained samples/s")
+        ax2.set_ylabel("samples / s")
+        ax2.set_xlabel("wall time (minutes)")
+        ax2.grid(alpha=0.3)
+        ax2.legend(loc="upper left")
+        fig.tight_layout()
+        fig.savefig(self.plot_path, dpi=110)
+        plt.close(fig)
+        return self.plot_path
+
+    def write_summary(self, lines: list[str]) -> None:
+        self.summary_path.write_text("\n".join(lines) + "\n")

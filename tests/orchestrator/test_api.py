@@ -1,0 +1,335 @@
+"""Every endpoint over real HTTP (uvicorn on 127.0.0.1, SQLite file), with good and bad inputs."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import numpy as np
+import pytest
+import zstandard
+
+from orch_fakes import encode, make_orchestrator, make_submission, run_config
+from orchestrator.serve import OrchestratorServer, fetch_status, status as print_status
+from protocol import api, limits
+from protocol.models import (
+    ErrorBody,
+    HeartbeatAck,
+    LeaseResponse,
+    ReleaseAck,
+    RunStatus,
+    SubmissionReceipt,
+    TaskLease,
+    Verdict,
+    WorkerList,
+    WorkerRecord,
+    WorkerRegistered,
+)
+
+ADMIN = "test-admin-token"
+JOIN = "test-join-token"
+
+
+def bearer(t: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {t}"}
+
+
+@pytest.fixture
+def server(tmp_path):
+    cfg = run_config(tmp_path, admin_token=ADMIN, join_tokens=[JOIN, "second-join"], request_timeout_s=2.0,
+                     max_open_leases_per_worker=2, strikes_to_ban=2)
+    srv = OrchestratorServer(make_orchestrator(cfg), port=0).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=10) as c:
+        yield c
+
+
+def error(r: httpx.Response, status: int, code: str) -> ErrorBody:
+    assert r.status_code == status, r.text
+    body = ErrorBody.model_validate_json(r.content)
+    assert body.error.value == code and body.detail
+    return body
+
+
+def register(client, name="w1") -> WorkerRegistered:
+    r = client.post(api.REGISTER.path, json={"name": name, "device": "cpu"}, headers=bearer(JOIN))
+    assert r.status_code == 200, r.text
+    return WorkerRegistered.model_validate_json(r.content)
+
+
+def get_lease(client, w: WorkerRegistered, **kw) -> TaskLease:
+    r = client.post(api.LEASE.path, json={"loaded_policy_version": 0, "max_prompts": 64, **kw}, headers=bearer(w.secret))
+    assert r.status_code == 200, r.text
+    lease = LeaseResponse.model_validate_json(r.content).lease
+    assert lease is not None
+    return lease
+
+
+def wait_verdict(client, w, sid, timeout=10.0) -> Verdict:
+    deadline = time.time() + timeout
+    while True:
+        r = client.get(api.VERDICT.url("", submission_id=sid), headers=bearer(w.secret))
+        assert r.status_code == 200, r.text
+        v = Verdict.model_validate_json(r.content)
+        if v.status.value != "pending" or time.time() > deadline:
+            return v
+        time.sleep(0.05)
+
+
+def test_register(client):
+    w = register(client)
+    assert w.worker_id and len(w.secret) >= 32 and w.async_level == 2 and w.policy_version == 0
+    assert register(client, "w2").worker_id != w.worker_id
+    r = client.post(api.REGISTER.path, json={"name": "x"}, headers=bearer("second-join"))
+    assert r.status_code == 200
+    error(client.post(api.REGISTER.path, json={"name": "x"}), 401, "unauthorized")
+    error(client.post(api.REGISTER.path, json={"name": "x"}, headers=bearer("wrong")), 401, "unauthorized")
+    error(client.post(api.REGISTER.path, json={"name": "x"}, headers=bearer(ADMIN)), 401, "unauthorized")
+    error(client.post(api.REGISTER.path, json={"name": "bad name!"}, headers=bearer(JOIN)), 422, "invalid_request")
+    error(client.post(api.REGISTER.path, json={"name": "x", "extra": 1}, headers=bearer(JOIN)), 422, "invalid_request")
+    error(client.post(api.REGISTER.path, content=b"{not json", headers=bearer(JOIN) | {"content-type": "application/json"}), 422, "invalid_request")
+    error(client.post(api.REGISTER.path, json=[1, 2], headers=bearer(JOIN)), 422, "invalid_request")
+
+
+def test_heartbeat(client):
+    w = register(client)
+    other = register(client, "w2")
+    url = api.HEARTBEAT.url("", worker_id=w.worker_id)
+    r = client.post(url, json={"state": "generating", "loaded_policy_version": 0, "tokens_per_s": 3.5}, headers=bearer(w.secret))
+    assert r.status_code == 200
+    ack = HeartbeatAck.model_validate_json(r.content)
+    assert ack.policy_version == 0 and ack.heartbeat_interval_s > 0
+    error(client.post(url, json={"state": "idle"}, headers=bearer(other.secret)), 403, "forbidden")
+    error(client.post(url, json={"state": "idle"}), 401, "unauthorized")
+    error(client.post(url, json={"state": "idle"}, headers=bearer(JOIN)), 401, "unauthorized")
+    error(client.post(url, json={"state": "dancing"}, headers=bearer(w.secret)), 422, "invalid_request")
+    error(client.post(url, json={"state": "idle", "tokens_per_s": -1}, headers=bearer(w.secret)), 422, "invalid_request")
+
+
+def test_lease_release(client):
+    w = register(client)
+    lease = get_lease(client, w)
+    assert len(lease.prompts) == 2 and lease.samples_per_prompt == 4 and lease.deadline > time.time()
+    assert get_lease(client, w, max_prompts=1).prompts[0].prompt_id not in {p.prompt_id for p in lease.prompts}
+    error(client.post(api.LEASE.path, json={"loaded_policy_version": 0}, headers=bearer(w.secret)), 429, "too_many_leases")
+    rel = api.RELEASE.url("", lease_id=lease.lease_id)
+    other = register(client, "w2")
+    error(client.post(rel, json={}, headers=bearer(other.secret)), 404, "not_found")
+    r = client.post(rel, json={"reason": "shutting down"}, headers=bearer(w.secret))
+    assert r.status_code == 200 and ReleaseAck.model_validate_json(r.content).released
+    r = client.post(rel, headers=bearer(w.secret))  # no body is fine; already released
+    assert r.status_code == 200 and not ReleaseAck.model_validate_json(r.content).released
+    error(client.post(api.RELEASE.url("", lease_id="nope"), json={}, headers=bearer(w.secret)), 404, "not_found")
+    error(client.post(api.LEASE.path, json={"loaded_policy_version": -1}, headers=bearer(w.secret)), 422, "invalid_request")
+    error(client.post(api.LEASE.path, json={"loaded_policy_version": 0, "max_prompts": 0}, headers=bearer(w.secret)), 422, "invalid_request")
+    error(client.post(api.LEASE.path, json={"loaded_policy_version": 9}, headers=bearer(w.secret)), 422, "invalid_request")
+
+
+def test_submit_and_verdict(client, server):
+    w = register(client)
+    lease = get_lease(client, w)
+    sub = make_submission(lease, np.random.default_rng(0))
+    body = zstandard.ZstdCompressor().compress(encode(sub))
+    r = client.post(api.SUBMIT.path, content=body, headers=bearer(w.secret) | {"content-encoding": "zstd", "content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    receipt = SubmissionReceipt.model_validate_json(r.content)
+    assert receipt.lease_id == lease.lease_id and receipt.num_completions == 8
+    v = wait_verdict(client, w, receipt.submission_id)
+    assert v.status.value == "accepted" and len(v.rewards) == 8
+    # Replays: same body again, and to another lease.
+    error(client.post(api.SUBMIT.path, content=body, headers=bearer(w.secret) | {"content-encoding": "zstd"}), 409, "duplicate")
+    lease2 = get_lease(client, w)
+    replay = sub.model_copy(update={"lease_id": lease2.lease_id})
+    error(client.post(api.SUBMIT.path, content=encode(replay), headers=bearer(w.secret)), 409, "duplicate")
+    # Verdicts are private to their worker.
+    other = register(client, "w2")
+    error(client.get(api.VERDICT.url("", submission_id=receipt.submission_id), headers=bearer(other.secret)), 404, "not_found")
+    error(client.get(api.VERDICT.url("", submission_id="Snope"), headers=bearer(w.secret)), 404, "not_found")
+
+
+def test_submit_bad_inputs(client, server):
+    w = register(client)
+    lease = get_lease(client, w)
+    h = bearer(w.secret)
+    good = make_submission(lease, np.random.default_rng(1))
+    # schema
+    error(client.post(api.SUBMIT.path, content=b"{}", headers=h), 422, "invalid_request")
+    error(client.post(api.SUBMIT.path, content=b"\xff\xfe garbage", headers=h), 422, "invalid_request")
+    doc = good.model_dump(mode="json")
+    doc["completions"][0]["logprobs"] = "!!notbase64"
+    error(client.post(api.SUBMIT.path, json=doc, headers=h), 422, "invalid_request")
+    doc = good.model_dump(mode="json")
+    doc["completions"][0]["token_ids"] = "AAAA////"  # -1 as int32: negative token id
+    error(client.post(api.SUBMIT.path, json=doc, headers=h), 422, "invalid_request")
+    big = make_submission(lease, np.random.default_rng(1)).model_dump(mode="json")
+    from protocol.arrays import pack
+
+    big["completions"][0]["token_ids"] = pack([70] * 1, "int32")  # outside the 64-token vocabulary
+    big["completions"][0]["logprobs"] = pack([-1.0], "float32")
+    big["completions"][0]["proofs"] = big["completions"][0]["proofs"][:1]
+    error(client.post(api.SUBMIT.path, json=big, headers=h), 422, "invalid_request")
+    # lease / version
+    error(client.post(api.SUBMIT.path, content=encode(good.model_copy(update={"lease_id": "L-unknown"})), headers=h), 404, "not_found")
+    error(client.post(api.SUBMIT.path, content=encode(good.model_copy(update={"completions": good.completions[:3]})), headers=h), 409, "lease_mismatch")
+    # encodings and size caps
+    error(client.post(api.SUBMIT.path, content=encode(good), headers=h | {"content-encoding": "gzip"}), 415, "unsupported_encoding")
+    error(client.post(api.SUBMIT.path, content=b"not zstd at all", headers=h | {"content-encoding": "zstd"}), 400, "invalid_request")
+    error(client.post(api.SUBMIT.path, content=b"x" * (limits.MAX_BODY_BYTES + 1), headers=h), 413, "payload_too_large")
+    # No auth / wrong auth
+    error(client.post(api.SUBMIT.path, content=encode(good)), 401, "unauthorized")
+    error(client.post(api.SUBMIT.path, content=encode(good), headers=bearer(ADMIN)), 401, "unauthorized")
+    # After all that, the good submission still goes through.
+    r = client.post(api.SUBMIT.path, content=encode(good), headers=h)
+    assert r.status_code == 200, r.text
+
+
+def test_zstd_bomb_is_cut_off(client, server):
+    import resource
+
+    w = register(client)
+    # 1 GiB of zeros compresses to ~32 KiB: far below the compressed cap.
+    cctx = zstandard.ZstdCompressor(level=3)
+    chunk = b"\0" * (16 << 20)
+    bomb = b"".join(cctx.compress(chunk) for _ in range(64))
+    assert len(bomb) < limits.MAX_BODY_BYTES
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    r = client.post(api.SUBMIT.path, content=bomb, headers=bearer(w.secret) | {"content-encoding": "zstd"})
+    error(r, 413, "payload_too_large")
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before
+    assert grown_kib < 512 << 10  # far less than the 1 GiB the bomb expands to
+    assert client.get(api.HEALTH.path).status_code == 200
+
+
+def test_content_length_cap_before_reading(server):
+    # Announce a huge body and send none of it: refused from the header alone, without waiting.
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(
+            f"POST {api.SUBMIT.path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer a.b\r\n"
+            f"Content-Length: {limits.MAX_BODY_BYTES * 4}\r\n\r\n".encode()
+        )
+        reply = s.recv(4096).decode()
+    assert reply.startswith("HTTP/1.1 413") and "payload_too_large" in reply
+
+
+def test_slow_body_times_out(server):
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(f"POST {api.REGISTER.path} HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{{".encode())
+        reply = s.recv(4096).decode()  # never send the rest: the server gives up after request_timeout_s
+    assert reply.startswith("HTTP/1.1 503") and "not completed within" in reply
+
+
+def test_version_too_old_over_http(client, server):
+    w = register(client)
+    lease = get_lease(client, w)
+    for v in (1, 2, 3):
+        server.orch.publish_version(v, f"{v}" * 64)
+    r = client.post(api.SUBMIT.path, content=encode(make_submission(lease, np.random.default_rng(0))), headers=bearer(w.secret))
+    body = error(r, 409, "version_too_old")
+    assert body.min_policy_version == 1
+    body = error(client.post(api.LEASE.path, json={"loaded_policy_version": 0}, headers=bearer(w.secret)), 409, "version_too_old")
+    assert body.min_policy_version == 1
+
+
+def test_operator_endpoints(client, server):
+    w = register(client)
+    lease = get_lease(client, w)
+    client.post(api.SUBMIT.path, content=encode(make_submission(lease, np.random.default_rng(0))), headers=bearer(w.secret))
+    for ep in (api.STATUS, api.WORKERS, api.METRICS):
+        error(client.get(ep.path), 401, "unauthorized")
+        error(client.get(ep.path, headers=bearer("nope")), 401, "unauthorized")
+        error(client.get(ep.path, headers=bearer(w.secret)), 403, "forbidden")  # worker tokens refused
+    r = client.get(api.STATUS.path, headers=bearer(ADMIN))
+    assert r.status_code == 200
+    st = RunStatus.model_validate_json(r.content)
+    assert st.run_name == "test" and st.workers_online == 1
+    wl = WorkerList.model_validate_json(client.get(api.WORKERS.path, headers=bearer(ADMIN)).content)
+    assert [x.worker_id for x in wl.workers] == [w.worker_id]
+    m = client.get(api.METRICS.path, headers=bearer(ADMIN))
+    assert m.status_code == 200 and "swarmrl_submissions_total 1.0" in m.text and "swarmrl_requests_refused" in m.text
+    hist = client.get("/v1/status/history", headers=bearer(ADMIN))
+    assert hist.status_code == 200 and set(hist.json()) == {"status", "workers", "history"}
+    error(client.get("/v1/status/history", headers=bearer(w.secret)), 403, "forbidden")
+
+
+def test_ban_unban(client):
+    w = register(client)
+    ban = api.BAN.url("", worker_id=w.worker_id)
+    error(client.post(ban, json={"reason": "x"}, headers=bearer(w.secret)), 403, "forbidden")
+    r = client.post(ban, json={"reason": "cheating"}, headers=bearer(ADMIN))
+    assert r.status_code == 200 and WorkerRecord.model_validate_json(r.content).banned
+    error(client.post(api.LEASE.path, json={"loaded_policy_version": 0}, headers=bearer(w.secret)), 403, "banned")
+    r = client.post(api.UNBAN.url("", worker_id=w.worker_id), headers=bearer(ADMIN))
+    assert r.status_code == 200 and not WorkerRecord.model_validate_json(r.content).banned
+    get_lease(client, w)
+    error(client.post(api.BAN.url("", worker_id="w-missing"), json={}, headers=bearer(ADMIN)), 404, "not_found")
+    error(client.post(ban, json={"reason": "x" * 5000}, headers=bearer(ADMIN)), 422, "invalid_request")
+
+
+def test_ban_after_strikes_over_http(client):
+    w = register(client)
+    for i in range(2):
+        lease = get_lease(client, w)
+        r = client.post(api.SUBMIT.path, content=encode(make_submission(lease, np.random.default_rng(i), bad=True)), headers=bearer(w.secret))
+        assert r.status_code == 200
+        assert wait_verdict(client, w, SubmissionReceipt.model_validate_json(r.content).submission_id).status.value == "rejected"
+    error(client.post(api.LEASE.path, json={"loaded_policy_version": 0}, headers=bearer(w.secret)), 403, "banned")
+    rec = WorkerList.model_validate_json(client.get(api.WORKERS.path, headers=bearer(ADMIN)).content).workers[0]
+    assert rec.banned and rec.strikes == 2 and rec.submissions_rejected == 2
+
+
+def test_rate_limit_over_http(tmp_path):
+    cfg = run_config(tmp_path, rate_limit_per_s=2.0, admin_token=ADMIN, join_tokens=[JOIN])
+    srv = OrchestratorServer(make_orchestrator(cfg), port=0).start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=10) as c:
+            w = register(c)
+            codes = [c.post(api.HEARTBEAT.url("", worker_id=w.worker_id), json={"state": "idle"}, headers=bearer(w.secret)) for _ in range(10)]
+            limited = [r for r in codes if r.status_code == 429]
+            assert limited and "retry-after" in limited[0].headers
+            error(limited[0], 429, "rate_limited")
+    finally:
+        srv.stop()
+
+
+def test_health_docs_dashboard(client, server):
+    assert client.get(api.HEALTH.path).json() == {"ok": True, "detail": ""}
+    assert client.get(api.READY.path).status_code == 200
+    server.orch.ready = False
+    assert client.get(api.READY.path).status_code == 503
+    server.orch.ready = True
+    spec = client.get("/openapi.json").json()
+    for ep in api.ALL_ENDPOINTS:
+        assert ep.method.lower() in spec["paths"][ep.path], ep.path
+    assert "RolloutSubmission" in spec["components"]["schemas"]
+    docs = client.get("/docs")
+    assert docs.status_code == 200 and "/openapi.json" in docs.text
+    from orchestrator.api import swagger_assets
+
+    if swagger_assets() is not None:  # served locally: works without internet
+        assert "cdn" not in docs.text and client.get("/docs/static/swagger-ui-bundle.js").status_code == 200
+    page = client.get("/")
+    assert page.status_code == 200 and "<svg" not in page.text and "/v1/status/history" in page.text
+    text = page.text.replace("http://www.w3.org/2000/svg", "")  # an XML namespace name, not a download
+    assert "http://" not in text and "https://" not in text  # self-contained: no CDN
+    error(client.get("/no/such/path"), 404, "not_found")
+    error(client.delete(api.STATUS.path, headers=bearer(ADMIN)), 405, "invalid_request")
+
+
+def test_status_helper(server):
+    st = fetch_status(server.url, ADMIN)
+    assert st.policy_version == 0
+    from rich.console import Console
+
+    console = Console(record=True, width=100)
+    print_status(server.url, ADMIN, console)
+    assert "policy version" in console.export_text()
+    with pytest.raises(RuntimeError, match="401"):
+        fetch_status(server.url, "wrong")

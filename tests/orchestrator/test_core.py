@@ -1,0 +1,427 @@
+"""Orchestrator logic without HTTP: leases, admission, verification, strikes, buffer, durable state."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from orch_fakes import HASH1, FakeVerifier, encode, make_orchestrator, make_submission, run_config
+from orchestrator.errors import ApiError
+from orchestrator.state import State
+from protocol.models import ErrorCode, Heartbeat, LeaseRequest, VerdictStatus, WorkerRegistration, WorkerState
+
+
+def register(orch, name="w"):
+    reg = orch.register(WorkerRegistration(name=name))
+    return orch.authenticate(reg.secret), reg.secret
+
+
+def lease(orch, wid, version=0, max_prompts=64):
+    return orch.lease(wid, LeaseRequest(loaded_policy_version=version, max_prompts=max_prompts)).lease
+
+
+def submit(orch, wid, sub):
+    return orch.submit(wid, encode(sub), None)
+
+
+def drain(orch):
+    while orch.verify_pending():
+        pass
+
+
+@pytest.fixture
+def orch(tmp_path):
+    o = make_orchestrator(run_config(tmp_path))
+    yield o
+    o.state.close()
+
+
+def code_of(excinfo) -> ErrorCode:
+    return excinfo.value.code
+
+
+def test_seeded_leases_are_reproducible_and_cover_groups(tmp_path):
+    a = make_orchestrator(run_config(tmp_path / "a"))
+    b = make_orchestrator(run_config(tmp_path / "b"))
+    wa, _ = register(a)
+    wb, _ = register(b)
+    la, lb = lease(a, wa), lease(b, wb)
+    assert [p.prompt_id for p in la.prompts] == [p.prompt_id for p in lb.prompts]
+    assert [p.seeds for p in la.prompts] == [p.seeds for p in lb.prompts]
+    assert len(la.prompts) == 2 and all(len(p.seeds) == 4 for p in la.prompts)
+    # A worker asking for fewer prompts gets fewer, never a choice of which.
+    la2 = lease(a, wa, max_prompts=1)
+    assert len(la2.prompts) == 1 and la2.prompts[0].prompt_id not in {p.prompt_id for p in la.prompts}
+    # Different run seeds give a different order.
+    c = make_orchestrator(run_config(tmp_path / "c").model_copy(update={"seed": 8}))
+    wc, _ = register(c)
+    assert [p.prompt_id for p in lease(c, wc).prompts] != [p.prompt_id for p in la.prompts]
+
+
+def test_accepted_submission_reaches_buffer_with_advantages(orch):
+    wid, _ = register(orch)
+    l = lease(orch, wid)
+    rng = np.random.default_rng(0)
+    receipt = submit(orch, wid, make_submission(l, rng))
+    assert orch.verdict(wid, receipt.submission_id).status == VerdictStatus.pending
+    drain(orch)
+    v = orch.verdict(wid, receipt.submission_id)
+    assert v.status == VerdictStatus.accepted and len(v.rewards) == 8
+    kept = int(orch.state.get_int("groups_kept"))
+    dropped = int(orch.state.get_int("groups_dropped_zero_signal"))
+    assert kept + dropped == 2
+    batch = orch.take_batch(100)
+    assert len(batch.samples) == 4 * kept
+    for s in batch.samples:
+        assert s.behaviour_version == 0 and s.behaviour_logprobs.size == s.completion_ids.size
+    # Advantages of each kept group are centred.
+    by_group = {}
+    for s in batch.samples:
+        by_group.setdefault(s.sample_id.rsplit(":", 1)[0], []).append(s.advantage)
+    for advs in by_group.values():
+        assert abs(sum(advs)) < 1e-4 and max(advs) > 0
+    w = orch.worker_list().workers[0]
+    assert w.submissions_accepted == 1 and w.verified_tokens == sum(int(c.token_ids.size) for c in make_submission(l, np.random.default_rng(0)).completions)
+
+
+def test_zero_signal_groups_are_dropped_and_counted(orch):
+    wid, _ = register(orch)
+    l = lease(orch, wid)
+    submit(orch, wid, make_submission(l, np.random.default_rng(1), same_tokens=True))
+    drain(orch)
+    assert orch.state.get_int("groups_dropped_zero_signal") == 2
+    assert orch.state.buffer_depth() == 0
+    assert orch.status().groups_dropped_zero_signal == 2
+
+
+def test_version_too_old_is_refused_before_verification(tmp_path):
+    verifier = FakeVerifier()
+    orch = make_orchestrator(run_config(tmp_path, async_level=1), verifier)
+    wid, _ = register(orch)
+    l0 = lease(orch, wid)
+    orch.publish_version(1, HASH1)
+    orch.publish_version(2, "2" * 64)
+    # A lease for version 0 generated with version 0: now 0 < 2 - 1.
+    with pytest.raises(ApiError) as e:
+        submit(orch, wid, make_submission(l0, np.random.default_rng(0), policy_version=0))
+    assert code_of(e) == ErrorCode.version_too_old and e.value.min_policy_version == 1 and e.value.status == 409
+    drain(orch)
+    assert verifier.jobs_seen == 0
+    # Leasing with a too-old loaded version is refused too, with the version to pull.
+    with pytest.raises(ApiError) as e:
+        lease(orch, wid, version=0)
+    assert code_of(e) == ErrorCode.version_too_old and e.value.min_policy_version == 1
+    l1 = lease(orch, wid, version=1)
+    assert l1.min_policy_version == 1 and l1.policy_version == 2
+    # Generated with version 1 (>= 2 - 1): accepted for verification.
+    submit(orch, wid, make_submission(l1, np.random.default_rng(0), policy_version=1, model_hash=HASH1))
+    drain(orch)
+    assert verifier.jobs_seen == 1
+    assert orch.state.get_int("submissions_accepted") == 1
+
+
+def test_async_level_zero_is_synchronous(tmp_path):
+    orch = make_orchestrator(run_config(tmp_path, async_level=0))
+    wid, _ = register(orch)
+    l = lease(orch, wid)
+    assert l.min_policy_version == l.policy_version == 0
+    orch.publish_version(1, HASH1)
+    with pytest.raises(ApiError) as e:
+        submit(orch, wid, make_submission(l, np.random.default_rng(0)))
+    assert code_of(e) == ErrorCode.version_too_old and e.value.min_policy_version == 1
+
+
+def test_future_version_is_refused(orch):
+    wid, _ = register(orch)
+    l = lease(orch, wid)
+    with pytest.raises(ApiError) as e:
+        submit(orch, wid, make_submission(l, np.random.default_rng(0), policy_version=5))
+    assert code_of(e) == ErrorCode.invalid_request
+
+
+def test_duplicates_and_replays_are_refused(orch):
+    a, _ = register(orch, "a")
+    b, _ = register(orch, "b")
+    la = lease(orch, a)
+    sub = make_submission(la, np.random.default_rng(0))
+    submit(orch, a, sub)
+    with pytest.raises(ApiError) as e:
+        submit(orch, a, sub)  # same lease again
+    assert code_of(e) == ErrorCode.duplicate
+    # Worker b replays a's rollouts onto its own lease.
+    lb = lease(orch, b)
+    replay = sub.model_copy(update={"lease_id": lb.lease_id})
+    with pytest.raises(ApiError) as e:
+        submit(orch, b, replay)
+    assert code_of(e) == ErrorCode.duplicate
+    # b cannot submit to a's lease at all (and cannot tell whether it exists).
+    la2 = lease(orch, a)
+    with pytest.raises(ApiError) as e:
+        submit(orch, b, make_submission(la2, np.random.default_rng(5)))
+    assert code_of(e) == ErrorCode.not_found
+    drain(orch)
+    assert orch.state.get_int("submissions_accepted") == 1
+
+
+def test_lease_shape_must_match(orch):
+    wid, _ = register(orch)
+    l = lease(orch, wid)
+    sub = make_submission(l, np.random.default_rng(0))
+    with pytest.raises(ApiError) as e:
+        submit(orch, wid, sub.model_copy(update={"completions": sub.completions[:-1]}))
+    assert code_of(e) == ErrorCode.lease_mismatch
+    # Nothing was stored: the right submission still goes through.
+    submit(orch, wid, sub)
+
+
+def test_lease_expiry_reissue_and_late_submission(tmp_path):
+    orch = make_orchestrator(run_config(tmp_path, lease_timeout_s=0.2))
+    a, _ = register(orch, "a")
+    b, _ = register(orch, "b")
+    la = lease(orch, a)
+    time.sleep(0.3)
+    # Late, even before the sweeper ran:
+    with pytest.raises(ApiError) as e:
+        submit(orch, a, make_submission(la, np.random.default_rng(0)))
+    assert code_of(e) == ErrorCode.lease_expired and e.value.status == 410
+    orch.housekeeping()
+    assert orch.state.lease(la.lease_id).status == "expired"
+    lb = lease(orch, b)
+    # The expired lease's prompts are handed out again, with fresh seeds.
+    assert [p.prompt_id for p in lb.prompts] == [p.prompt_id for p in la.prompts]
+    assert lb.prompts[0].seeds != la.prompts[0].seeds
+    with pytest.raises(ApiError) as e:
+        submit(orch, a, make_submission(la, np.random.default_rng(1)))
+    assert code_of(e) == ErrorCode.lease_expired
+
+
+def test_release_reissues_prompts(orch):
+    a, _ = register(orch, "a")
+    la = lease(orch, a)
+    assert orch.release(a, la.lease_id).released
+    assert not orch.release(a, la.lease_id).released
+    la2 = lease(orch, a)
+    assert [p.prompt_id for p in la2.prompts] == [p.prompt_id for p in la.prompts]
+    with pytest.raises(ApiError) as e:
+        submit(orch, a, make_submission(la, np.random.default_rng(0)))
+    assert code_of(e) == ErrorCode.lease_expired
+
+
+def test_open_lease_cap_and_rate_limit(tmp_path):
+    orch = make_orchestrator(run_config(tmp_path, max_open_leases_per_worker=2, rate_limit_per_s=5.0))
+    wid, secret = register(orch)
+    lease(orch, wid)
+    lease(orch, wid)
+    with pytest.raises(ApiError) as e:
+        lease(orch, wid)
+    assert code_of(e) == ErrorCode.too_many_leases and e.value.status == 429
+    with pytest.raises(ApiError) as e:
+        for _ in range(50):
+            orch.authenticate(secret)
+    assert code_of(e) == ErrorCode.rate_limited and e.value.retry_after_s > 0
+
+
+def test_ban_after_strikes_and_unban(tmp_path):
+    orch = make_orchestrator(run_config(tmp_path, strikes_to_ban=2))
+    wid, secret = register(orch)
+    leases = []
+    for i in range(2):
+        leases.append(lease(orch, wid))
+        submit(orch, wid, make_submission(leases[-1], np.random.default_rng(i), bad=True))
+        drain(orch)
+    w = orch.state.worker(wid)
+    assert w.strikes == 2 and w.banned and w.rejected == 2
+    assert orch.state.buffer_depth() == 0  # rejected rollouts never reach the buffer
+    with pytest.raises(ApiError) as e:
+        orch.authenticate(secret)
+    assert code_of(e) == ErrorCode.banned
+    # A rejected lease's prompts are handed out again (the second lease got the first one's).
+    assert [p.prompt_id for p in leases[1].prompts] == [p.prompt_id for p in leases[0].prompts]
+    assert orch.state.reissue_depth() == 2
+    rec = orch.set_ban(wid, False, "appeal")
+    assert not rec.banned and rec.strikes == 0
+    assert orch.authenticate(secret) == wid
+    rec = orch.set_ban(wid, True, "operator")
+    assert rec.banned
+    with pytest.raises(ApiError):
+        orch.set_ban("w-nope", True, "")
+
+
+def test_wrong_model_hash_is_a_strike(orch):
+    wid, _ = register(orch)
+    l = lease(orch, wid)
+    submit(orch, wid, make_submission(l, np.random.default_rng(0), model_hash=HASH1))
+    drain(orch)
+    assert orch.state.worker(wid).strikes == 1
+
+
+def test_verifier_failure_keeps_submissions_queued(orch):
+    wid, _ = register(orch)
+    orch.verifier.fail_next = 1
+    r = submit(orch, wid, make_submission(lease(orch, wid), np.random.default_rng(0)))
+    orch._stop.set()  # don't sleep in the retry back-off
+    assert orch.verify_pending() == 0
+    orch._stop.clear()
+    drain(orch)
+    assert orch.verdict(wid, r.submission_id).status == VerdictStatus.accepted
+
+
+def test_heartbeat_only_as_itself(orch):
+    a, _ = register(orch, "a")
+    b, _ = register(orch, "b")
+    ack = orch.heartbeat(a, a, Heartbeat(state=WorkerState.generating, loaded_policy_version=0, tokens_per_s=12.5))
+    assert ack.policy_version == 0 and ack.min_policy_version == 0
+    with pytest.raises(ApiError) as e:
+        orch.heartbeat(a, b, Heartbeat(state=WorkerState.idle))
+    assert code_of(e) == ErrorCode.forbidden
+    rec = {w.worker_id: w for w in orch.worker_list().workers}[a]
+    assert rec.state == WorkerState.generating and rec.tokens_per_s == 12.5 and rec.online
+
+
+def test_secrets_are_stored_hashed(orch, tmp_path):
+    wid, secret = register(orch)
+    raw = open(orch.state.path, "rb").read() + open(orch.state.path + "-wal", "rb").read()
+    assert secret.encode() not in raw
+    assert orch.state.worker(wid).secret_hash != secret
+    with pytest.raises(ApiError) as e:
+        orch.authenticate(secret[:-1] + ("A" if secret[-1] != "A" else "B"))
+    assert code_of(e) == ErrorCode.unauthorized
+
+
+def test_buffer_batches_survive_restart_exactly_once(tmp_path):
+    cfg = run_config(tmp_path)
+    orch = make_orchestrator(cfg)
+    wid, secret = register(orch)
+    rng = np.random.default_rng(3)
+    for _ in range(3):
+        submit(orch, wid, make_submission(lease(orch, wid, max_prompts=2), rng))
+        drain(orch)
+    total = orch.state.buffer_depth()
+    assert total > 0
+    b1 = orch.take_batch(4)
+    orch.commit_batch(b1.batch_id, 1, HASH1)
+    b2 = orch.take_batch(4)  # taken, never committed: the "crash"
+    assert b2.samples
+    orch.state.close()
+
+    orch2 = make_orchestrator(cfg)
+    assert orch2.authenticate(secret) == wid  # workers reconnect with their secret
+    assert orch2.status().policy_version == 1 and orch2.status().step == 1
+    rest = orch2.take_batch(1000)
+    ids_1 = {s.sample_id for s in b1.samples}
+    ids_rest = {s.sample_id for s in rest.samples}
+    assert not ids_1 & ids_rest
+    assert {s.sample_id for s in b2.samples} <= ids_rest
+    assert len(ids_1) + len(ids_rest) == total
+    orch2.commit_batch(rest.batch_id, 2, "2" * 64)
+    assert orch2.commit_batch(rest.batch_id, 2) == {}  # committing twice changes nothing
+    assert len(set(orch2.state.trained_sample_ids())) == total == len(orch2.state.trained_sample_ids())
+    hist = orch2.status().staleness_histogram
+    assert sum(hist.values()) == total
+
+
+def test_stale_samples_are_dropped_when_taken(tmp_path):
+    cfg = run_config(tmp_path)
+    cfg.trainer.max_staleness = 1
+    orch = make_orchestrator(cfg)
+    wid, _ = register(orch)
+    submit(orch, wid, make_submission(lease(orch, wid), np.random.default_rng(4)))
+    drain(orch)
+    n = orch.state.buffer_depth()
+    batch = orch.take_batch(100, trainer_version=3)
+    assert batch.samples == [] and batch.dropped_stale == n
+    assert orch.status().samples_dropped_stale == n
+
+
+def test_pending_submissions_are_verified_after_restart(tmp_path):
+    cfg = run_config(tmp_path)
+    orch = make_orchestrator(cfg)
+    wid, _ = register(orch)
+    r = submit(orch, wid, make_submission(lease(orch, wid), np.random.default_rng(0)))
+    orch.state.close()  # crash before verification
+    orch2 = make_orchestrator(cfg)
+    orch2.start()
+    try:
+        deadline = time.time() + 10
+        while orch2.verdict(wid, r.submission_id).status == VerdictStatus.pending and time.time() < deadline:
+            time.sleep(0.05)
+        assert orch2.verdict(wid, r.submission_id).status == VerdictStatus.accepted
+    finally:
+        orch2.stop()
+
+
+def test_take_batch_waits_for_samples(orch):
+    orch.start()
+    try:
+        wid, _ = register(orch)
+        assert orch.take_batch(1, wait_s=0.2).samples == []
+        submit(orch, wid, make_submission(lease(orch, wid), np.random.default_rng(2)))
+        got = orch.take_batch(1, wait_s=10)
+        assert len(got.samples) == 1
+    finally:
+        orch.stop()
+
+
+def test_status_reports_run(orch):
+    wid, _ = register(orch)
+    submit(orch, wid, make_submission(lease(orch, wid), np.random.default_rng(6)))
+    l2 = lease(orch, wid)
+    submit(orch, wid, make_submission(l2, np.random.default_rng(7), bad=True))
+    drain(orch)
+    st = orch.status()
+    assert st.submissions_accepted == 1 and st.submissions_rejected == 1 and st.acceptance_rate == 0.5
+    assert st.workers_online == 1 and st.rollout_tokens_per_s > 0 and st.mean_reward is not None
+    orch.housekeeping()
+    assert orch.history[-1]["workers_online"] == 1
+
+
+def test_finished_run_hands_out_no_leases(orch):
+    wid, _ = register(orch)
+    orch.set_finished("trainer crashed")
+    resp = orch.lease(wid, LeaseRequest(loaded_policy_version=0))
+    assert resp.lease is None and resp.retry_after_s > 0
+    st = orch.status()
+    assert st.finished and st.error == "trainer crashed"
+
+
+def test_nested_transactions_are_savepoints(tmp_path):
+    st = State(tmp_path / "s.sqlite")
+    with st.tx():
+        st.add("a", 1)
+        with pytest.raises(RuntimeError):
+            with st.tx():
+                st.add("a", 10)
+                raise RuntimeError("inner fails")
+        st.add("a", 100)
+    assert st.get_int("a") == 101  # the inner block alone was undone; the rest committed together
+    with pytest.raises(RuntimeError):
+        with st.tx():
+            st.add("a", 1000)
+            raise RuntimeError("outer fails")
+    assert st.get_int("a") == 101
+    st.close()
+
+
+def test_backpressure_when_verification_is_behind(orch, monkeypatch):
+    import orchestrator.service as service
+
+    monkeypatch.setattr(service, "MAX_VERIFY_BACKLOG", 1)
+    wid, _ = register(orch)
+    submit(orch, wid, make_submission(lease(orch, wid), np.random.default_rng(0)))  # queued, not verified
+    resp = orch.lease(wid, LeaseRequest(loaded_policy_version=0))
+    assert resp.lease is None and resp.retry_after_s > 0
+    drain(orch)
+    assert orch.lease(wid, LeaseRequest(loaded_policy_version=0)).lease is not None
+
+
+def test_submissions_not_kept_in_memory_are_read_back(orch, monkeypatch):
+    import orchestrator.service as service
+
+    monkeypatch.setattr(service, "MAX_PARSED_PENDING", 0)
+    wid, _ = register(orch)
+    r = submit(orch, wid, make_submission(lease(orch, wid), np.random.default_rng(0)))
+    assert not orch._pending
+    drain(orch)
+    assert orch.verdict(wid, r.submission_id).status == VerdictStatus.accepted

@@ -1,0 +1,116 @@
+"""The real path: the orchestrator in a Ray actor, verification by a Ray actor wrapping the real
+`verifier.service.Verifier`, an honest worker (transformers sampling + TOPLOC proofs) talking HTTP, and
+the trainer pulling and committing batches through the actor."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import zstandard
+
+from orch_fakes import run_config
+from protocol import api
+from protocol.models import Completion, FinishReason, LeaseResponse, RolloutSubmission, SubmissionReceipt, Verdict, WorkerRegistered
+
+HASH0, HASH1 = "a" * 64, "b" * 64
+
+
+def honest_completions(model_dir, lease, seed=0):
+    """What an honest worker sends: sampled tokens, their logprobs and proofs from the final hidden states."""
+    from verifier import proofs
+    from verifier.reference import load_reference_model, prefill
+
+    model = load_reference_model(model_dir, None, "float32")
+    torch.manual_seed(seed)
+    out = []
+    for pi, p in enumerate(lease.prompts):
+        for si in range(lease.samples_per_prompt):
+            ids = model.generate(torch.tensor([p.token_ids.tolist()]), do_sample=True, max_new_tokens=lease.sampling.max_tokens,
+                                 pad_token_id=0, eos_token_id=2, top_k=None, top_p=None)[0, len(p.token_ids):].numpy().astype(np.int32)
+            ref = prefill(model, [(p.token_ids, ids)], [lease.sampling], 0.0)[0]
+            reason = FinishReason.stop if ids[-1] == 2 else FinishReason.length
+            out.append(Completion(prompt_index=pi, sample_index=si, token_ids=ids, logprobs=ref.stats.logprob.astype(np.float32),
+                                  finish_reason=reason, proofs=proofs.build_proofs(ref.hidden)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    from orchestrator.ray_actors import init_ray
+
+    init_ray("", num_cpus=2)
+    yield ray
+    ray.shutdown()
+
+
+def test_orchestrator_and_verifier_actors(ray_cluster, tiny_model_dir, tmp_path):
+    ray = ray_cluster
+    from orchestrator.ray_actors import RayVerifierPool, start_orchestrator_actor
+    from verifier.config import VerifierConfig
+
+    cfg = run_config(tmp_path, admin_token="adm", join_tokens=["join"], strikes_to_ban=5)
+    cfg.model.path = str(tiny_model_dir)
+    model_dir = tiny_model_dir
+    pool = RayVerifierPool.start(VerifierConfig(), lambda v: model_dir, str(tiny_model_dir), num_actors=1)
+    actor = start_orchestrator_actor(cfg, pool.actors, model=str(tiny_model_dir))
+    try:
+        ray.get(actor.publish_version.remote(0, HASH0))
+        url = ray.get(actor.url.remote())
+        with httpx.Client(base_url=url, timeout=30) as c:
+            w = WorkerRegistered.model_validate_json(c.post(api.REGISTER.path, json={"name": "honest"}, headers={"Authorization": "Bearer join"}).content)
+            h = {"Authorization": f"Bearer {w.secret}"}
+
+            def lease():
+                r = c.post(api.LEASE.path, json={"loaded_policy_version": 0, "max_prompts": 64}, headers=h)
+                assert r.status_code == 200, r.text
+                return LeaseResponse.model_validate_json(r.content).lease
+
+            def submit(sub):
+                r = c.post(api.SUBMIT.path, content=zstandard.ZstdCompressor().compress(sub.model_dump_json().encode()),
+                           headers=h | {"Content-Encoding": "zstd"})
+                assert r.status_code == 200, r.text
+                sid = SubmissionReceipt.model_validate_json(r.content).submission_id
+                deadline = time.time() + 120
+                while time.time() < deadline:
+                    v = Verdict.model_validate_json(c.get(api.VERDICT.url("", submission_id=sid), headers=h).content)
+                    if v.status.value != "pending":
+                        return v
+                    time.sleep(0.1)
+                raise AssertionError("no verdict")
+
+            l1 = lease()
+            good = RolloutSubmission(lease_id=l1.lease_id, policy_version=0, model_hash=HASH0, completions=honest_completions(model_dir, l1))
+            v = submit(good)
+            assert v.status.value == "accepted", v.rejections
+            assert len(v.rewards) == len(good.completions) and v.verified_tokens == good.num_tokens
+
+            # A worker that lies about its logprobs is rejected and gets a strike.
+            l2 = lease()
+            comps = honest_completions(model_dir, l2, seed=1)
+            comps[0] = comps[0].model_copy(update={"logprobs": np.zeros_like(comps[0].logprobs)})
+            bad = RolloutSubmission(lease_id=l2.lease_id, policy_version=0, model_hash=HASH0, completions=comps)
+            v2 = submit(bad)
+            assert v2.status.value == "rejected" and v2.rejections
+
+        st = ray.get(actor.status.remote())
+        assert st.submissions_accepted == 1 and st.submissions_rejected == 1
+        kept = len(l1.prompts) - st.groups_dropped_zero_signal
+        # The trainer pulls the verified samples through the actor, then commits the step.
+        batch = ray.get(actor.take_batch.remote(1000, 0, 1.0))
+        assert len(batch.samples) == kept * l1.samples_per_prompt
+        good_tokens = {tuple(c.token_ids.tolist()) for c in good.completions}
+        for s in batch.samples:
+            assert tuple(s.completion_ids.tolist()) in good_tokens  # nothing from the rejected submission
+            assert s.behaviour_version == 0
+        ray.get(actor.commit_batch.remote(batch.batch_id, 1, HASH1))
+        st = ray.get(actor.status.remote())
+        assert st.step == 1 and st.policy_version == 1 and st.buffer_depth == 0
+    finally:
+        ray.get(actor.stop.remote())
+        ray.kill(actor)
+        pool.shutdown()
