@@ -60,6 +60,52 @@ def run(
     raise typer.Exit(run_loop(cfg))
 
 
+@app.command(context_settings=OVERRIDES)
+def orchestrator(
+    ctx: typer.Context,
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="run config (TOML); default configs/demo.toml"),
+    origin_url: list[str] = typer.Option([], "--origin-url", help="shardcast server(s) the verifiers pull weights from"),
+    public_key: str = typer.Option("", "--public-key", help="the run's manifest public key (base64)"),
+    relay_url: list[str] = typer.Option([], "--relay-url", help="relays that workers are told to pull from"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved config and exit"),
+) -> None:
+    """Serve the orchestrator's HTTP API on its own (with a Ray verifier pool), until SIGTERM.
+
+    `swarmrl run` starts it together with everything else; this is for deployments that run the
+    trainer and shardcast origin separately.
+    """
+    cfg = _load(config, list(ctx.args))
+    if dry_run:
+        _print_config(cfg)
+        return
+    configure_logging(cfg.log_level)
+    from orchestrator.serve import serve
+
+    if not origin_url:
+        raise typer.BadParameter("at least one --origin-url is needed for the verifiers' weights", param_hint="--origin-url")
+    serve(cfg, origin_urls=origin_url, relay_urls=relay_url or origin_url, manifest_public_key=public_key)
+
+
+@app.command()
+def status(
+    orchestrator_url: str = typer.Option("http://127.0.0.1:8000", "--orchestrator", help="orchestrator base URL"),
+    admin_token: str = typer.Option(..., "--admin-token", envvar="SWARMRL_ADMIN_TOKEN", help="the run's admin token"),
+    as_json: bool = typer.Option(False, "--json", help="print the raw status JSON"),
+) -> None:
+    """Show a running run's status (step, version, throughput, acceptance, staleness, workers)."""
+    from orchestrator.serve import fetch_status, render_status
+
+    try:
+        st = fetch_status(orchestrator_url, admin_token)
+    except Exception as exc:  # connection refused, 401, ...: say it plainly
+        console.print(f"[red]cannot get status from {orchestrator_url}:[/] {exc}")
+        raise typer.Exit(1)
+    if as_json:
+        sys.stdout.write(st.model_dump_json(indent=2) + "\n")
+    else:
+        render_status(st)
+
+
 @app.command("init-model")
 def init_model(
     out: Path = typer.Option(..., "--out", help="folder to write the model and tokenizer to"),

@@ -20,6 +20,10 @@ def min_policy_version(current: int, async_level: int) -> int:
     return max(0, current - async_level)
 
 
+class GenerationBoundReached(Exception):
+    """Generation is async_level versions ahead of the trainer; wait for it to consume a batch."""
+
+
 class LeaseBook:
     def __init__(self, state: State, prompts: PromptSet, config: OrchestratorConfig):
         self.state = state
@@ -28,10 +32,17 @@ class LeaseBook:
         # Open leases, parsed, so a submission does not re-parse its lease (a cache: SQLite is the truth).
         self._open: dict[str, TaskLease] = {}
 
-    def issue(self, worker_id: str, max_prompts: int, current_version: int, now: float) -> TaskLease:
+    def issue(self, worker_id: str, max_prompts: int, current_version: int, now: float, max_untrained_samples: int | None = None) -> TaskLease:
+        """A new lease. `max_untrained_samples` bounds how far generation may run ahead of the trainer
+        (AReaL's staleness bound): a lease that would exceed it raises GenerationBoundReached."""
         cfg = self.config
         n = min(max_prompts, cfg.prompts_per_lease)
         with self.state.tx() as db:
+            if max_untrained_samples is not None:
+                room = (max_untrained_samples - self.state.untrained_samples(db, cfg.samples_per_prompt)) // cfg.samples_per_prompt
+                if room <= 0:
+                    raise GenerationBoundReached()
+                n = min(n, room)
             # Counted inside the transaction: two concurrent requests cannot both pass the cap.
             if self.state.open_leases(worker_id, now) >= cfg.max_open_leases_per_worker:
                 raise ApiError(

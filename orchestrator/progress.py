@@ -29,7 +29,7 @@ def render(run: Any) -> Table:
         table.add_row("buffer", f"{st.buffer_depth} samples; {st.groups_dropped_zero_signal} zero-signal groups dropped")
         table.add_row("workers online", str(st.workers_online))
     last = p.last_metrics
-    for key in ("time/wait_for_rollouts", "time/train"):
+    for key in ("time/wait_for_rollouts", "time/wait_for_trainer", "time/train"):
         if key in last:
             table.add_row(key, f"{last[key]:.2f} s")
     table.add_row("api", run.url or "starting…")

@@ -193,6 +193,7 @@ class Progress:
     status: Any = None
     last: dict[str, Any] = field(default_factory=dict)  # accumulates the wait before the next step
     last_metrics: dict[str, Any] = field(default_factory=dict)
+    wait_for_trainer_total: float = 0.0
     started: float = field(default_factory=time.time)
     events: list[str] = field(default_factory=list)
 
@@ -327,6 +328,8 @@ class Run:
             **{k: v for k, v in metrics.items() if k not in ("model_hash", "version") and isinstance(v, (int, float))},
         }
         if st is not None:
+            record["time/wait_for_trainer"] = st.wait_for_trainer_s - p.wait_for_trainer_total
+            p.wait_for_trainer_total = st.wait_for_trainer_s
             record.update(
                 rollout_tokens_per_s=st.rollout_tokens_per_s,
                 trained_samples_per_s=st.trained_samples_per_s,

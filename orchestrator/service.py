@@ -26,7 +26,7 @@ from orchestrator.buffer import Batch, Groups, RolloutBuffer, build_samples
 from orchestrator.config import RunConfig
 from orchestrator.data import PromptSet
 from orchestrator.errors import ApiError
-from orchestrator.leases import LeaseBook, min_policy_version
+from orchestrator.leases import GenerationBoundReached, LeaseBook, min_policy_version
 from orchestrator.state import State, SubmissionRow, WorkerRow, hash_secret, secret_matches
 from protocol.models import (
     ErrorCode,
@@ -100,6 +100,11 @@ class Metrics:
         self.verdicts = Counter("swarmrl_verdicts", "Verdicts, by status", ["status"], registry=r)
         self.rejections = Counter("swarmrl_rejections", "Rejection reasons", ["code"], registry=r)
         self.leases_issued = Counter("swarmrl_leases_issued", "Leases issued", registry=r)
+        self.leases_refused_async_bound = Counter(
+            "swarmrl_leases_refused_async_bound",
+            "Lease requests refused because generation is async_level versions ahead of the trainer (high: the trainer is the bottleneck)",
+            registry=r,
+        )
         self.leases_expired = Counter("swarmrl_leases_expired", "Leases expired", registry=r)
         self.groups_dropped = Counter("swarmrl_groups_dropped_zero_signal", "Groups dropped for zero signal", registry=r)
         self.verified_tokens = Counter("swarmrl_verified_tokens", "Tokens in accepted submissions", registry=r)
@@ -144,6 +149,8 @@ class Orchestrator:
         self._pending: dict[str, _Pending] = {}
         self._queue: queue.Queue[str] = queue.Queue()
         self._events_lock = threading.Lock()
+        self._bound_since: float | None = None
+        self.wait_for_trainer_s = 0.0  # time workers were refused leases by the async bound
         self._buffer_changed = threading.Condition()
         self._accepted: deque[tuple[float, int, float, int]] = deque()  # (t, tokens, reward sum, completions)
         self._rejected: deque[float] = deque()
@@ -251,7 +258,22 @@ class Orchestrator:
             )
         if req.loaded_policy_version > self._version:
             raise ApiError(ErrorCode.invalid_request, f"policy version {req.loaded_policy_version} has not been published (current {self._version})")
-        lease = self.leases.issue(worker_id, req.max_prompts, self._version, time.time())
+        # AReaL's bound: samples not yet trained (in the buffer or being generated) may cover at most
+        # async_level + 1 training steps, so generation never runs more than async_level versions ahead.
+        bound = (self.cfg.async_level + 1) * self.config.trainer.samples_per_step
+        now = time.time()
+        try:
+            lease = self.leases.issue(worker_id, req.max_prompts, self._version, now, max_untrained_samples=bound)
+        except GenerationBoundReached:
+            with self._events_lock:
+                if self._bound_since is None:
+                    self._bound_since = now
+            self.metrics.leases_refused_async_bound.inc()
+            return LeaseResponse(lease=None, retry_after_s=0.2)
+        with self._events_lock:
+            if self._bound_since is not None:
+                self.wait_for_trainer_s += now - self._bound_since
+                self._bound_since = None
         self.metrics.leases_issued.inc()
         return LeaseResponse(lease=lease)
 
@@ -353,6 +375,7 @@ class Orchestrator:
             rollout_tokens_per_s=win["rollout_tokens_per_s"],
             trained_samples_per_s=win["trained_samples_per_s"],
             mean_reward=win["mean_reward"],
+            wait_for_trainer_s=self.wait_for_trainer_s + (now - self._bound_since if self._bound_since is not None else 0.0),
             staleness_histogram=self.state.staleness_histogram(),
             finished=self.finished,
             error=self.error,

@@ -486,6 +486,13 @@ class State:
     # ---------------------------------------------------------------------------------------------
     # the buffer of verified samples
 
+    def untrained_samples(self, db: sqlite3.Connection, samples_per_prompt: int) -> int:
+        """Samples generated or being generated that the trainer has not consumed yet: those of open
+        and submitted leases, plus the buffer (ready or taken). The async bound is checked against this."""
+        leased = sum(len(json.loads(r[0])) for r in db.execute("SELECT prompt_indices FROM leases WHERE status IN ('open', 'submitted')"))
+        buffered = db.execute("SELECT COUNT(*) FROM samples WHERE status IN ('ready', 'taken')").fetchone()[0]
+        return leased * samples_per_prompt + int(buffered)
+
     def buffer_depth(self) -> int:
         return int(self._one("SELECT COUNT(*) FROM samples WHERE status='ready'")[0])
 

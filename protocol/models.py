@@ -415,6 +415,9 @@ class RunStatus(WireModel):
     trained_samples_per_s: float
     mean_reward: float | None = None
     staleness_histogram: dict[str, int] = {}  # version gap -> trained samples
+    # Seconds workers were refused leases because generation was async_level versions ahead: high
+    # means the trainer is the bottleneck (the driver's time/wait_for_rollouts high means the workers are).
+    wait_for_trainer_s: float = 0.0
     finished: bool = False
     error: str | None = None
 

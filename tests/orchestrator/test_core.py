@@ -425,3 +425,29 @@ def test_submissions_not_kept_in_memory_are_read_back(orch, monkeypatch):
     assert not orch._pending
     drain(orch)
     assert orch.verdict(wid, r.submission_id).status == VerdictStatus.accepted
+
+
+def test_generation_never_runs_more_than_async_level_steps_ahead(tmp_path):
+    """AReaL's bound: untrained samples (leased, pending or buffered) cover at most async_level + 1 steps."""
+    for async_level in (0, 1):
+        config = run_config(tmp_path / f"a{async_level}", async_level=async_level, max_open_leases_per_worker=8)
+        config = config.model_copy(update={"trainer": config.trainer.model_copy(update={"samples_per_step": 8})})
+        orch = make_orchestrator(config)
+        wid, _ = register(orch)
+        granted = [lease(orch, wid) for _ in range(async_level + 1)]  # 2 prompts x 4 samples = one step each
+        assert all(l is not None for l in granted)
+        refused = orch.lease(wid, LeaseRequest(loaded_policy_version=0, max_prompts=2))
+        assert refused.lease is None and refused.retry_after_s > 0
+        # Submitted and verified samples still count until the trainer has consumed them.
+        rng = np.random.default_rng(3)
+        for l in granted:
+            submit(orch, wid, make_submission(l, rng))
+        drain(orch)
+        depth = orch.state.buffer_depth()
+        if depth == 8 * (async_level + 1):  # no group was dropped for zero signal
+            assert orch.lease(wid, LeaseRequest(loaded_policy_version=0, max_prompts=2)).lease is None
+        batch = orch.take_batch(depth)
+        orch.commit_batch(batch.batch_id, 1, HASH1)
+        assert lease(orch, wid, version=1) is not None
+        assert orch.status().wait_for_trainer_s > 0
+        orch.state.close()
