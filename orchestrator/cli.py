@@ -126,8 +126,10 @@ def _add_package_clis() -> None:
     """Each package's own CLI, mounted as a subcommand (each imports its heavy modules lazily)."""
     from inference_worker.cli import app as worker_app
     from shardcast.cli import app as shardcast_app
+    from trainer.cli import app as trainer_app
 
     app.add_typer(shardcast_app, name="shardcast")
+    app.add_typer(trainer_app, name="trainer")
     app.add_typer(worker_app, name="worker")
 
 

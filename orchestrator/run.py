@@ -62,11 +62,18 @@ class TrainerActor:
         )
         self.server = serve_origin(self.origin, config.shardcast.host, config.shardcast.origin_port)
         self.trainer = Trainer(config.trainer, Path(model_dir), rd.root, publish=self._publish)
-        if self.origin.latest() is None or self.origin.latest() < self.trainer.version:
-            # Resumed from a checkpoint whose version the origin no longer holds: publish it again.
+        # After a crash the trainer resumes from its last checkpoint. Versions the origin published after
+        # that checkpoint are withdrawn: they will be trained again and published under the same numbers,
+        # so versions never skip. (With checkpoint_every = 1 there is at most one, from the step in flight.)
+        for v in self.origin.versions():
+            if v > self.trainer.version:
+                self.origin.drop(v)
+        if self.trainer.version not in self.origin.versions():
             self._publish(self.trainer.version, self.trainer.state_dict_for_publish())
 
     def _publish(self, version: int, state_dict: Any) -> None:
+        if self.origin.manifest(version) is not None:
+            self.origin.drop(version)  # a restarted trainer re-publishes a version it lost
         self.origin.publish(version, state_dict)
 
     def info(self) -> dict[str, Any]:

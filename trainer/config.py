@@ -39,3 +39,14 @@ class TrainerConfig(BaseModel):
     checkpoint_every: int = Field(10, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     num_threads: int = Field(0, ge=0, description="torch threads; 0 leaves torch's default")
+    seed: int = 0
+    device: str = Field("auto", description="auto: cuda if available, else cpu")
+    attention: str = Field(
+        "varlen", description='varlen: per-sequence causal sdpa for packed rows (CPU); or a transformers attn_implementation, e.g. "flash_attention_2" on GPU'
+    )
+    batching: Literal["packed", "padded"] = Field("packed", description="padded is the baseline the bench compares")
+    mini_batches: int = Field(
+        1, ge=1, description="optimizer steps per batch of samples; each publishes a version (INTELLECT-2 uses 8)"
+    )
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine schedule floor, as a fraction of lr")
+    distributed: Literal["fsdp2", "ddp"] = Field("fsdp2", description="multi-process strategy when WORLD_SIZE > 1")

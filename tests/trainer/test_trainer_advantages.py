@@ -1,0 +1,36 @@
+import numpy as np
+import pytest
+
+from trainer.advantages import group_advantages, has_signal
+
+
+def test_group_normalized_by_hand():
+    # mean 0.5, population std 0.5 -> (R - 0.5) / (0.5 + 1e-6)
+    adv = group_advantages([1.0, 0.0, 0.0, 1.0])
+    np.testing.assert_allclose(adv, np.array([1, -1, -1, 1]) * 0.5 / (0.5 + 1e-6), rtol=1e-6)
+    assert adv.dtype == np.float32
+
+
+def test_uneven_group_by_hand():
+    # rewards 0, 0, 0, 1: mean 0.25, std sqrt(0.1875) = 0.4330127
+    adv = group_advantages([0.0, 0.0, 0.0, 1.0], eps=1e-6)
+    std = np.sqrt(0.1875)
+    np.testing.assert_allclose(adv, [-0.25 / (std + 1e-6)] * 3 + [0.75 / (std + 1e-6)], rtol=1e-6)
+    assert adv.sum() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_dr_grpo_drops_the_std():
+    np.testing.assert_allclose(group_advantages([0.0, 0.0, 0.0, 1.0], use_std=False), [-0.25, -0.25, -0.25, 0.75])
+
+
+def test_equal_rewards_give_zero_signal():
+    adv = group_advantages([0.7, 0.7, 0.7])
+    assert np.all(adv == 0)
+    assert not has_signal(adv)
+    assert has_signal(group_advantages([0.0, 1.0]))
+
+
+@pytest.mark.parametrize("bad", [[], [[1.0, 2.0]], [1.0, float("nan")], [float("inf"), 0.0]])
+def test_bad_rewards_are_rejected(bad):
+    with pytest.raises(ValueError):
+        group_advantages(bad)

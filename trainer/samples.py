@@ -1,0 +1,54 @@
+"""TrainSample: one verified completion, as the trainer consumes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class TrainSample:
+    """A verified completion with its group advantage.
+
+    behaviour_logprobs are the worker's per-token logprobs of completion_ids under the policy version
+    that generated them (behaviour_version); the trainer uses them for the truncated importance weight.
+    """
+
+    prompt_ids: list[int] | np.ndarray
+    completion_ids: list[int] | np.ndarray
+    behaviour_logprobs: list[float] | np.ndarray
+    advantage: float
+    reward: float
+    behaviour_version: int
+    sample_id: str = ""
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int64).reshape(-1)
+        self.completion_ids = np.asarray(self.completion_ids, dtype=np.int64).reshape(-1)
+        self.behaviour_logprobs = np.asarray(self.behaviour_logprobs, dtype=np.float32).reshape(-1)
+        where = f"sample {self.sample_id!r}"
+        if self.prompt_ids.size == 0:
+            raise ValueError(f"{where}: empty prompt (the first completion token needs a context)")
+        if self.completion_ids.size == 0:
+            raise ValueError(f"{where}: empty completion")
+        if self.behaviour_logprobs.size != self.completion_ids.size:
+            raise ValueError(
+                f"{where}: {self.behaviour_logprobs.size} behaviour logprobs for {self.completion_ids.size} completion tokens"
+            )
+        if not np.all(np.isfinite(self.behaviour_logprobs)) or np.any(self.behaviour_logprobs > 1e-4):
+            raise ValueError(f"{where}: behaviour logprobs must be finite and <= 0")
+        if not np.isfinite(self.advantage):
+            raise ValueError(f"{where}: advantage must be finite")
+        if self.behaviour_version < 0:
+            raise ValueError(f"{where}: behaviour_version must be >= 0")
+        if self.prompt_ids.min() < 0 or self.completion_ids.min() < 0:
+            raise ValueError(f"{where}: token ids must be >= 0")
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.prompt_ids.size + self.completion_ids.size)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return int(self.completion_ids.size)

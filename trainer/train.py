@@ -1,0 +1,408 @@
+"""The trainer: staleness filter, packed micro-batches, the decoupled PPO step, publishing, checkpoints.
+
+One call to `Trainer.step(samples)` is one batch of verified samples:
+  1. drop samples more than `max_staleness` versions behind (counted, never trained on);
+  2. split the rest into `mini_batches` optimizer steps; pack each into micro-batches within the token
+     budget (gradient accumulation over micro-batches);
+  3. proximal logprobs with the weights at the start of the call (no grad);
+  4. per optimizer step: forward/backward (bf16 autocast optional), grad-norm clip, AdamW, LR schedule;
+     version += 1 and publish it (version N = the weights after N optimizer steps);
+  5. checkpoint every `checkpoint_every` versions.
+
+With mini_batches = 1 the proximal policy *is* the current policy, so the proximal logprobs are the
+detached logprobs of the training forward itself (the same numbers as a separate no-grad pass, for
+one forward less).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from trainer import attention as attention_impl
+from trainer import checkpoint as ckpt
+from trainer import distributed as dist_utils
+from trainer.config import TrainerConfig
+from trainer.loss import entropy_from_logprobs, ppo_loss, sequence_weights
+from trainer.packing import MicroBatch, make_micro_batches
+from trainer.samples import TrainSample
+
+log = logging.getLogger(__name__)
+
+PublishFn = Callable[[int, Mapping[str, torch.Tensor]], Any]
+
+
+def load_model(model_dir: Path, device: torch.device, attention: str = "varlen") -> nn.Module:
+    """fp32 master weights. attention: "varlen" (ours, trainer/attention.py), or any transformers
+    implementation ("sdpa", "flash_attention_2", ...)."""
+    from transformers import AutoModelForCausalLM
+
+    impl = attention_impl.register() if attention == "varlen" else attention
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=impl)
+    return model.to(device)
+
+
+def forward_logprobs(model: nn.Module, mb: MicroBatch, bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs of the completion tokens and the entropy at those positions (fp32, 1-D, one per token)."""
+    device = mb.input_ids.device
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
+        if mb.attention_mask is None:
+            # Packed row, no attention mask: the sequences are kept apart by cu_seq_lens (varlen / flash
+            # attention) or, under plain sdpa, by the block-diagonal mask transformers derives from the
+            # position resets. use_cache=False matters: with a cache that derivation is skipped.
+            out = model(
+                input_ids=mb.input_ids,
+                position_ids=mb.position_ids,
+                use_cache=False,
+                logits_to_keep=mb.loss_positions,
+                cu_seq_lens_q=mb.cu_seq_lens,
+                cu_seq_lens_k=mb.cu_seq_lens,
+                max_length_q=mb.max_length,
+                max_length_k=mb.max_length,
+            )
+            logits = out.logits[0]
+        else:
+            out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask, use_cache=False)
+            logits = out.logits.flatten(0, 1)[mb.loss_positions]
+    logits = logits.float()
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logprobs = logp_all.gather(-1, mb.targets[:, None])[:, 0]
+    entropy = entropy_from_logprobs(logp_all)
+    return logprobs, entropy
+
+
+def lr_lambda(config: TrainerConfig) -> Callable[[int], float]:
+    def f(step: int) -> float:
+        if config.warmup_steps and step < config.warmup_steps:
+            return (step + 1) / (config.warmup_steps + 1)
+        if config.schedule == "constant":
+            return 1.0
+        span = max(1, config.max_steps - config.warmup_steps)
+        progress = min(1.0, (step - config.warmup_steps) / span)
+        floor = config.min_lr_ratio
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+class Trainer:
+    def __init__(
+        self,
+        config: TrainerConfig,
+        model_dir: Path,
+        run_dir: Path,
+        publish: PublishFn | None = None,
+        *,
+        resume: bool = True,
+    ) -> None:
+        self.config = config
+        self.model_dir = Path(model_dir)
+        self.run_dir = Path(run_dir)
+        self.publish_fn = publish
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = dist_utils.local_device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
+        )
+        self.env = dist_utils.init_from_env(self.device)
+        self.ckpt_root = ckpt.checkpoint_root(self.run_dir)
+        if self.env.is_main:
+            ckpt.remove_partial(self.ckpt_root)
+        latest = ckpt.latest_checkpoint(self.ckpt_root) if resume else None
+
+        torch.manual_seed(config.seed)
+        model = load_model(self.model_dir, self.device, config.attention)
+        self.model_config = model.config
+        self.reference: nn.Module | None = None
+        if config.loss.kl_coef > 0:
+            # The frozen reference is the base model; every rank holds a full copy (forward only).
+            self.reference = load_model(self.model_dir, self.device, config.attention).eval().requires_grad_(False)
+        self.model = dist_utils.wrap_model(model, self.env, config.distributed, self.device)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=config.lr,
+            betas=config.betas,
+            weight_decay=config.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
+        self.version = 0
+        self.published_version = -1
+        self.data_cursor: dict[str, Any] = {}
+        self.totals: Counter[str] = Counter()
+        if latest is not None:
+            self._load(latest)
+        elif self.publish_fn is not None:
+            self._publish()  # version 0: the base model
+        self._last_step_end = time.perf_counter()
+
+    # ---------------------------------------------------------------- resume / checkpoints
+
+    @classmethod
+    def resume(cls, config: TrainerConfig, run_dir: Path, publish: PublishFn | None = None) -> "Trainer":
+        """A trainer restored from the latest checkpoint in run_dir (raises if there is none)."""
+        latest = ckpt.latest_checkpoint(ckpt.checkpoint_root(Path(run_dir)))
+        if latest is None:
+            raise FileNotFoundError(f"no checkpoint under {ckpt.checkpoint_root(Path(run_dir))}")
+        _, _, state = ckpt.read_checkpoint(latest)
+        return cls(config, Path(state["base_model_dir"]), run_dir, publish, resume=True)
+
+    def _load(self, path: Path) -> None:
+        model_state, train_state, trainer_state = ckpt.read_checkpoint(path)
+        dist_utils.load_full_state(self.model, self.optimizer, model_state, train_state["optimizer"], self.env)
+        self.scheduler.load_state_dict(train_state["scheduler"])
+        ckpt.set_rng_state(train_state["rng"])
+        self.version = int(trainer_state["step"])
+        self.published_version = int(trainer_state["published_version"])
+        self.data_cursor = dict(trainer_state.get("data_cursor", {}))
+        self.totals = Counter(trainer_state.get("totals", {}))
+        log.info("resumed", extra={"checkpoint": str(path), "version": self.version})
+
+    def save_checkpoint(self) -> Path | None:
+        """Write a checkpoint of the current state (rank 0 writes; every rank must call it)."""
+        model_state = dist_utils.full_model_state(self.model, self.env)
+        optim_state = dist_utils.full_optimizer_state(self.model, self.optimizer, self.env)
+        if not self.env.is_main:
+            return None
+        return ckpt.save_checkpoint(
+            self.ckpt_root,
+            self.version,
+            model_state=model_state,
+            model_config=self.model_config,
+            base_model_dir=self.model_dir,
+            train_state={"optimizer": optim_state, "scheduler": self.scheduler.state_dict(), "rng": ckpt.rng_state()},
+            trainer_state={
+                "step": self.version,
+                "published_version": self.published_version,
+                "data_cursor": self.data_cursor,
+                "base_model_dir": str(self.model_dir.resolve()),
+                "totals": dict(self.totals),
+            },
+            keep=self.config.keep_checkpoints,
+        )
+
+    def state_dict_for_publish(self) -> dict[str, torch.Tensor]:
+        state = dist_utils.full_model_state(self.model, self.env)
+        return ckpt.publishable_state(state, getattr(self.model_config, "tie_word_embeddings", False))
+
+    def export(self, out_dir: Path) -> Path:
+        """Write the current weights as a plain transformers folder (via a checkpoint of this version)."""
+        latest = ckpt.latest_checkpoint(self.ckpt_root)
+        if latest is None or latest.name != f"step_{self.version:08d}":
+            latest = self.save_checkpoint()
+        if not self.env.is_main:
+            return Path(out_dir)
+        return ckpt.export_checkpoint(latest, out_dir)
+
+    def _publish(self) -> float:
+        if self.publish_fn is None:
+            return 0.0
+        t = time.perf_counter()
+        state = self.state_dict_for_publish()
+        if self.env.is_main:
+            self.publish_fn(self.version, state)
+        self.published_version = self.version
+        return time.perf_counter() - t
+
+    # ---------------------------------------------------------------- the step
+
+    def step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        """Train on one batch of verified samples; returns metrics. Every rank passes the same samples."""
+        t_start = time.perf_counter()
+        waited = t_start - self._last_step_end
+        cfg = self.config
+        start_version = self.version
+
+        staleness = []
+        kept: list[TrainSample] = []
+        vocab = self.model_config.vocab_size
+        for s in samples:
+            if max(s.prompt_ids.max(), s.completion_ids.max()) >= vocab:
+                raise ValueError(f"sample {s.sample_id!r} has a token id >= the model's vocab size {vocab}")
+            gap = start_version - s.behaviour_version
+            if gap < 0:
+                raise ValueError(
+                    f"sample {s.sample_id!r} claims behaviour version {s.behaviour_version} > trainer version {start_version}"
+                )
+            staleness.append(gap)
+            if gap <= cfg.max_staleness:
+                kept.append(s)
+        dropped = len(samples) - len(kept)
+        self.totals["samples_dropped_stale"] += dropped
+        metrics: dict[str, float] = {
+            "samples/received": float(len(samples)),
+            "samples/dropped_stale": float(dropped),
+            "samples/trained": float(len(kept)),
+            "time/wait_for_rollouts": waited,
+        }
+        for gap, n in sorted(Counter(staleness).items()):
+            metrics[f"staleness/{gap}"] = float(n)
+        if not kept:
+            log.warning("no sample within max_staleness; no optimizer step", extra={"dropped": dropped})
+            metrics.update(version=float(self.version), **{"time/compute": time.perf_counter() - t_start})
+            self._last_step_end = time.perf_counter()
+            return metrics
+        metrics["reward/mean"] = float(np.mean([s.reward for s in kept]))
+
+        n_steps = min(cfg.mini_batches, len(kept))
+        chunks = [list(c) for c in np.array_split(np.arange(len(kept)), n_steps)]
+        plans = [self._plan([kept[i] for i in chunk]) for chunk in chunks]
+        if n_steps > 1:
+            proximal = [[self._logprobs_no_grad(self.model, mb) for mb in plan] for plan in plans]
+        else:
+            proximal = [None]
+        reference = None
+        if self.reference is not None:
+            reference = [[self._logprobs_no_grad(self.reference, mb) for mb in plan] for plan in plans]
+
+        sums: Counter[str] = Counter()
+        iw_max = 0.0
+        time_publish = 0.0
+        tokens = 0
+        for k, plan in enumerate(plans):
+            step_sums, step_iw_max, step_tokens = self._optimizer_step(
+                plan, proximal[k], reference[k] if reference is not None else None
+            )
+            sums.update(step_sums)
+            iw_max = max(iw_max, step_iw_max)
+            tokens += step_tokens
+            self.version += 1
+            time_publish += self._publish()
+
+        n_tok = max(sums["tokens"], 1.0)
+        metrics.update(
+            {
+                "loss": sums["loss"] / n_steps,
+                "policy_loss": sums["policy_loss"] / n_steps,
+                "clip_frac": sums["clipped"] / n_tok,
+                "importance_weight/mean": sums["importance_weight"] / n_tok,
+                "importance_weight/max": iw_max,
+                "importance_weight/truncated_frac": sums["importance_truncated"] / n_tok,
+                "ratio/mean": sums["ratio"] / n_tok,
+                "entropy": sums["entropy"] / n_tok,
+                "mismatch_kl": sums["mismatch_kl"] / n_tok,
+                "grad_norm": sums["grad_norm"] / n_steps,
+                "lr": sums["lr"] / n_steps,
+                "tokens": float(tokens),
+                "completion_tokens": sums["tokens"],
+                "version": float(self.version),
+                "optimizer_steps": float(n_steps),
+                "time/publish": time_publish,
+            }
+        )
+        if "kl" in sums:
+            metrics["kl"] = sums["kl"] / n_tok
+        compute = time.perf_counter() - t_start - time_publish
+        metrics["time/compute"] = compute
+        metrics["tokens_per_s"] = tokens / compute if compute > 0 else 0.0
+        if self.version // cfg.checkpoint_every > start_version // cfg.checkpoint_every:
+            t = time.perf_counter()
+            self.save_checkpoint()
+            metrics["time/checkpoint"] = time.perf_counter() - t
+        self._last_step_end = time.perf_counter()
+        return metrics
+
+    def _plan(self, samples: list[TrainSample]) -> list[MicroBatch]:
+        """This rank's micro-batches for one optimizer step; every rank gets the same number."""
+        weights = sequence_weights([s.num_completion_tokens for s in samples], self.config.loss)
+        mine = dist_utils.split_for_rank([s.num_tokens for s in samples], self.env)
+        plan = make_micro_batches([samples[i] for i in mine], weights[mine], self.config.micro_batch_tokens, self.config.batching)
+        if self.env.enabled:
+            # FSDP/DDP collectives run per forward/backward, so ranks must run equally many micro-batches.
+            n = dist_utils.all_reduce(torch.tensor([len(plan)]), self.env, op="max").item()
+            while len(plan) < n:
+                plan.append(_empty_micro_batch(self.config.batching))
+        return [mb.to(self.device) for mb in plan]
+
+    @torch.no_grad()
+    def _logprobs_no_grad(self, model: nn.Module, mb: MicroBatch) -> torch.Tensor:
+        return forward_logprobs(model, mb, self.config.bf16)[0]
+
+    def accumulate_gradients(self, samples: Sequence[TrainSample]) -> Counter:
+        """Forward/backward over `samples` as one optimizer step, leaving the gradients in `.grad`
+        (proximal policy = the current weights). Returns token-level metric sums."""
+        plan = self._plan(list(samples))
+        reference = [self._logprobs_no_grad(self.reference, mb) for mb in plan] if self.reference is not None else None
+        sums, _, _ = self._backward(plan, None, reference)
+        return sums
+
+    def _optimizer_step(self, plan, proximal, reference) -> tuple[Counter, float, int]:
+        sums, iw_max, tokens = self._backward(plan, proximal, reference)
+        grad_norm = dist_utils.clip_grad_norm([p for p in self.model.parameters() if p.grad is not None], self.config.grad_clip)
+        sums["lr"] = self.optimizer.param_groups[0]["lr"]  # the rate this step used
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums["grad_norm"] = grad_norm
+        return sums, iw_max, tokens
+
+    def _backward(self, plan, proximal, reference) -> tuple[Counter, float, int]:
+        cfg = self.config
+        sums: Counter[str] = Counter()
+        iw_max = 0.0
+        tokens = 0
+        scale = float(self.env.world_size)  # gradients are averaged over ranks; our loss wants their sum
+        for j, mb in enumerate(plan):
+            logprobs, entropy = forward_logprobs(self.model, mb, cfg.bf16)
+            prox = proximal[j] if proximal is not None else logprobs.detach()
+            loss, stats = ppo_loss(
+                logprobs,
+                prox,
+                mb.behaviour_logprobs,
+                mb.advantages,
+                mb.weights,
+                cfg.loss,
+                ref_logprobs=reference[j] if reference is not None else None,
+                entropy=entropy if cfg.loss.entropy_coef > 0 else entropy.detach(),
+            )
+            (loss * scale).backward()
+            if mb.num_sequences == 0:
+                continue  # a placeholder that keeps ranks in step
+            sums["loss"] += float(loss.detach())
+            for key, v in stats.items():
+                if key == "importance_weight_max":
+                    iw_max = max(iw_max, float(v))
+                else:
+                    sums[key] += float(v)
+            tokens += mb.num_tokens
+        if self.env.enabled:
+            # The same keys on every rank, even one that ran only placeholders.
+            keys = _SUM_KEYS + (["kl"] if self.reference is not None else [])
+            vec = dist_utils.all_reduce(torch.tensor([sums[k] for k in keys] + [float(tokens)], dtype=torch.float64), self.env)
+            sums = Counter({k: float(v) for k, v in zip(keys, vec[:-1].tolist())})
+            tokens = int(vec[-1])
+            iw_max = float(dist_utils.all_reduce(torch.tensor([iw_max]), self.env, op="max"))
+        return sums, iw_max, tokens
+
+
+# Token-level sums that _backward collects (ppo_loss's stats and the loss), reduced across ranks.
+_SUM_KEYS = ["loss", "tokens", "policy_loss", "clipped", "importance_weight", "importance_truncated", "mismatch_kl", "ratio", "entropy"]
+
+
+def _empty_micro_batch(mode: str) -> MicroBatch:
+    """One pad token, no loss positions: runs the forward/backward collectives, contributes nothing."""
+    z = torch.zeros(0)
+    return MicroBatch(
+        input_ids=torch.tensor([[0]]),
+        position_ids=torch.tensor([[0]]),
+        attention_mask=torch.ones(1, 1, dtype=torch.int64) if mode == "padded" else None,
+        loss_positions=torch.zeros(0, dtype=torch.int64),
+        targets=torch.zeros(0, dtype=torch.int64),
+        behaviour_logprobs=z,
+        advantages=z,
+        weights=z,
+        sample_index=torch.zeros(0, dtype=torch.int64),
+        num_tokens=0,
+        num_sequences=0,
+        cu_seq_lens=None if mode == "padded" else torch.tensor([0, 1], dtype=torch.int32),
+        max_length=None if mode == "padded" else 1,
+    )
