@@ -23,10 +23,17 @@ class WorkerConfig(BaseModel):
     orchestrator_url: str = "http://127.0.0.1:8000"
     join_token: str = ""
     name: str = "worker"
+    model: str = Field(
+        "",
+        description="base model (local folder or hub id) with config and tokenizer; weights then come from "
+        "shardcast. Empty: use the downloaded version folder, which must then hold config.json",
+    )
     work_dir: str = Field("", description="weights download folder; a temporary one if empty")
     engine: EngineConfig = EngineConfig()
     max_prompts_per_lease: int = Field(8, ge=1)
     backoff_initial_s: float = Field(0.5, gt=0)
     backoff_max_s: float = Field(30.0, gt=0)
     request_timeout_s: float = Field(30.0, gt=0)
+    retries: int = Field(5, ge=0, description="retries of one request on network errors / 5xx before backing off")
+    display: bool = Field(True, description="rich live panel (only on a terminal)")
     num_threads: int = Field(0, ge=0, description="torch threads; 0 leaves torch's default")

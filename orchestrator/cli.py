@@ -25,11 +25,17 @@ OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.toml"
 
 
-def _load(config: Optional[Path], extra: list[str]):
-    from orchestrator.config import load_config
+def _load(config: Optional[Path], extra: list[str] | dict, **kwargs):
+    """Load a config; a bad one prints which key is wrong and where it came from, and exits 2."""
+    from orchestrator.config import ConfigError, load_config
 
-    path = config if config is not None else (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
-    return load_config(path, extra)
+    if config is None and not kwargs:
+        config = DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
+    try:
+        return load_config(config, extra, **kwargs)
+    except ConfigError as exc:
+        console.print(f"[red]config error:[/] {exc}")
+        raise typer.Exit(2) from None
 
 
 def _print_config(cfg) -> None:
@@ -106,6 +112,46 @@ def status(
         render_status(st)
 
 
+@app.command(context_settings=OVERRIDES)
+def worker(
+    ctx: typer.Context,
+    orchestrator_url: str = typer.Option(..., "--orchestrator", help="orchestrator base URL, e.g. https://run.example.org"),
+    join_token: str = typer.Option(..., "--join-token", envvar="SWARMRL_JOIN_TOKEN", help="join token from the run's operator"),
+    name: Optional[str] = typer.Option(None, "--name", help="a name for this worker (letters, digits, ._@-)"),
+    model: Optional[str] = typer.Option(None, "--model", help="base model folder or hub id (config + tokenizer)"),
+    work_dir: Optional[str] = typer.Option(None, "--work-dir", help="where downloaded weights go"),
+    display: Optional[bool] = typer.Option(None, "--display/--no-display", help="rich live panel (default: on a terminal)"),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="worker config (TOML of the [worker] fields)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved config and exit"),
+    log_level: str = typer.Option("INFO", "--log-level"),
+) -> None:
+    """Join a run as an inference worker: register, pull weights, then lease, generate and submit.
+
+    Any worker config field can be overridden: --engine.dtype bfloat16 --max_prompts_per_lease 4.
+    SIGTERM or Ctrl-C finishes the current task and exits; a second one releases it and exits.
+    """
+    from inference_worker.config import WorkerConfig
+    from orchestrator.config import ConfigError, parse_overrides
+
+    try:
+        overrides: dict = parse_overrides(list(ctx.args))
+    except ConfigError as exc:
+        console.print(f"[red]config error:[/] {exc}")
+        raise typer.Exit(2) from None
+    overrides.update(orchestrator_url=orchestrator_url, join_token=join_token)
+    for key, value in (("name", name), ("model", model), ("work_dir", work_dir), ("display", display)):
+        if value is not None:
+            overrides[key] = value
+    cfg = _load(config, overrides, model=WorkerConfig, env_prefix="SWARMRL_WORKER__")
+    if dry_run:
+        sys.stdout.write(cfg.model_dump_json(indent=2) + "\n")
+        return
+    configure_logging(log_level)
+    from inference_worker.loop import run_worker
+
+    raise typer.Exit(run_worker(cfg))
+
+
 @app.command("init-model")
 def init_model(
     out: Path = typer.Option(..., "--out", help="folder to write the model and tokenizer to"),
@@ -124,26 +170,18 @@ def init_model(
 
 def _add_package_clis() -> None:
     """Each package's own CLI, mounted as a subcommand (each imports its heavy modules lazily)."""
-    from inference_worker.cli import app as worker_app
     from shardcast.cli import app as shardcast_app
     from trainer.cli import app as trainer_app
 
     app.add_typer(shardcast_app, name="shardcast")
     app.add_typer(trainer_app, name="trainer")
-    app.add_typer(worker_app, name="worker")
 
 
 _add_package_clis()
 
 
 def main() -> None:
-    from orchestrator.config import ConfigError
-
-    try:
-        app()
-    except ConfigError as exc:
-        console.print(f"[red]config error:[/] {exc}")
-        sys.exit(2)
+    app()
 
 
 if __name__ == "__main__":

@@ -73,6 +73,8 @@ class ResourcesConfig(BaseModel):
 
     trainer_gpus: float = Field(0.0, ge=0)
     verifier_gpus: float = Field(0.0, ge=0)
+    trainer_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources, e.g. {trainer = 1} to land on the trainer group")
+    verifier_resources: dict[str, float] = Field(default_factory=dict)
     max_restarts: int = Field(3, ge=0, description="times Ray restarts a crashed trainer or verifier actor")
 
 
@@ -146,12 +148,12 @@ def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _env_overrides(environ: dict[str, str]) -> dict[str, str]:
+def _env_overrides(environ: dict[str, str], prefix: str, fields: Any) -> dict[str, str]:
     out = {}
     for key, value in environ.items():
-        if key.startswith(ENV_PREFIX):
-            dotted = key[len(ENV_PREFIX):].lower().replace("__", ".")
-            if dotted.split(".")[0] in RunConfig.model_fields:
+        if key.startswith(prefix):
+            dotted = key[len(prefix):].lower().replace("__", ".")
+            if dotted.split(".")[0] in fields:
                 out[dotted] = value
     return out
 
@@ -160,8 +162,14 @@ def load_config(
     path: str | Path | None = None,
     overrides: dict[str, str] | list[str] | None = None,
     environ: dict[str, str] | None = None,
-) -> RunConfig:
-    """Load a RunConfig from TOML, the environment and command-line overrides."""
+    *,
+    model: type[BaseModel] = RunConfig,
+    env_prefix: str = ENV_PREFIX,
+) -> Any:
+    """Load a config model (a RunConfig by default) from TOML, the environment and command-line overrides.
+
+    `swarmrl worker` loads a WorkerConfig the same way, with env_prefix SWARMRL_WORKER__.
+    """
     data: dict[str, Any] = {}
     origin: dict[str, str] = {}  # dotted key -> where its value came from
     source = str(path) if path else "<defaults>"
@@ -172,17 +180,17 @@ def load_config(
             raise ConfigError(f"config file not found: {path}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    env = _env_overrides(dict(os.environ if environ is None else environ))
+    env = _env_overrides(dict(os.environ if environ is None else environ), env_prefix, model.model_fields)
     for key, value in env.items():
         _set_path(data, key, _coerce(value))
-        origin[key] = f"environment variable {ENV_PREFIX}{key.upper().replace('.', '__')}"
+        origin[key] = f"environment variable {env_prefix}{key.upper().replace('.', '__')}"
     if isinstance(overrides, list):
         overrides = parse_overrides(overrides)
     for key, value in (overrides or {}).items():
-        _set_path(data, key, _coerce(value))
+        _set_path(data, key, value if not isinstance(value, str) else _coerce(value))
         origin[key] = f"command-line override --{key}"
     try:
-        return RunConfig.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
         lines = []
         for err in exc.errors():

@@ -93,10 +93,20 @@ class RayVerifierPool:
         self.timeout_s = timeout_s
 
     @classmethod
-    def start(cls, config: Any, weights_for_version: Any, tokenizer_dir: str, num_actors: int | None = None, num_cpus: float = 0.5) -> "RayVerifierPool":
+    def start(
+        cls,
+        config: Any,
+        weights_for_version: Any,
+        tokenizer_dir: str,
+        num_actors: int | None = None,
+        num_cpus: float = 0.5,
+        num_gpus: float = 0.0,
+        resources: dict[str, float] | None = None,
+        max_restarts: int = 3,
+    ) -> "RayVerifierPool":
         import ray
 
-        remote = ray.remote(num_cpus=num_cpus, max_restarts=3, max_task_retries=1)(VerifierActor)
+        remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or None, max_restarts=max_restarts, max_task_retries=1)(VerifierActor)
         n = num_actors or config.num_actors
         actors = [remote.remote(config, weights_for_version, tokenizer_dir) for _ in range(n)]
         ray.get([a.ping.remote() for a in actors])  # surface constructor errors now
@@ -173,6 +183,10 @@ class OrchestratorActor:
 
 
 def start_orchestrator_actor(config: Any, verifier_actors: list[Any], **kwargs: Any) -> Any:
+    """The orchestrator actor, pinned to the driver's node: on a cluster that is the head, where the
+    public API's Service points."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    return ray.remote(num_cpus=0, max_concurrency=8)(OrchestratorActor).remote(config, verifier_actors, **kwargs)
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return ray.remote(num_cpus=0, max_concurrency=8, scheduling_strategy=here)(OrchestratorActor).remote(config, verifier_actors, **kwargs)

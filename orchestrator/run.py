@@ -246,9 +246,16 @@ class Run:
         init_ray(cfg.ray_address, num_cpus=None if cfg.ray_address else max(2, os.cpu_count() or 2))
 
         log.info("starting trainer and shardcast origin")
-        actor = ray.remote(num_cpus=0, num_gpus=cfg.resources.trainer_gpus, max_restarts=cfg.resources.max_restarts, max_task_retries=0)
+        actor = ray.remote(
+            num_cpus=0,
+            num_gpus=cfg.resources.trainer_gpus,
+            resources=cfg.resources.trainer_resources or None,
+            max_restarts=cfg.resources.max_restarts,
+            max_task_retries=0,
+        )
         self.trainer = actor(TrainerActor).remote(cfg, str(model_dir), str(rd.root), str(key_path))
         info = ray.get(self.trainer.info.remote())
+        info["origin_url"] = cfg.shardcast.advertise_origin_url or info["origin_url"]
         self.progress.version = info["version"]
 
         for i in range(cfg.shardcast.num_relays):
@@ -258,7 +265,10 @@ class Run:
 
         log.info("starting verifier pool", extra={"actors": cfg.verifier.num_actors})
         weights = ShardcastWeights([info["origin_url"]], info["public_key"], str(rd.root / "verifier-weights"))
-        self.pool = RayVerifierPool.start(cfg.verifier, weights, str(model_dir), num_cpus=0)
+        self.pool = RayVerifierPool.start(
+            cfg.verifier, weights, str(model_dir), num_cpus=0, num_gpus=cfg.resources.verifier_gpus,
+            resources=cfg.resources.verifier_resources, max_restarts=cfg.resources.max_restarts,
+        )
 
         log.info("starting orchestrator")
         self.orch = start_orchestrator_actor(cfg, self.pool.actors, relay_urls=relay_urls, manifest_public_key=info["public_key"], model=str(model_dir))

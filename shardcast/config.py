@@ -20,4 +20,9 @@ class ShardcastConfig(BaseModel):
     client_parallelism: int = Field(8, ge=1, le=64)
     client_retries: int = Field(5, ge=0)
     request_timeout_s: float = Field(30.0, gt=0)
+    advertise_origin_url: str = Field("", description="the origin's URL as others reach it (e.g. a Kubernetes Service); default: where it binds")
+    advertise_relay_urls: list[str] = Field(
+        default_factory=list,
+        description="relays outside this process tree (e.g. a Kubernetes relay Service) that workers are told to pull from",
+    )
     signing_key_path: str | None = Field(None, description="ed25519 private key (PEM); a new one per run if unset")

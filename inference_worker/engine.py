@@ -1,0 +1,253 @@
+"""The rollout engine: vLLM generates a leased task; proofs come from hidden states captured on the way.
+
+What a completion carries, and what the verifier checks it against:
+
+- `token_ids`: the sampled tokens. With finish reason "stop" the last token is EOS or one of the lease's
+  stop tokens (vLLM keeps it in `token_ids`); with "length" there are exactly `max_tokens` tokens.
+- `logprobs`: for each sampled token, its log-probability under the policy **before** temperature,
+  top-k and top-p are applied: vLLM's default `logprobs_mode="raw_logprobs"` (log-softmax of the raw
+  logits). We ask for `logprobs=0`, which returns exactly the sampled token's logprob. The verifier
+  recomputes the same quantity (log-softmax of its own logits) in one prefill and compares.
+- `proofs`: TOPLOC-style proofs (`verifier.proofs.build_proofs`) over the final-norm hidden states
+  [T, H], row t being the hidden state that produced token t. They are captured while vLLM generates
+  (`inference_worker.capture`), inside vLLM's worker process; there is no second forward pass. Each
+  full 32-token chunk is proven in a background thread while generation continues.
+
+Seeds: every sample is its own vLLM request with `SamplingParams(seed=lease seed)`. (vLLM's `n>1`
+derives the seeds of samples 1.. from the first one, so it cannot honour per-sample seeds.)
+
+The engine runs vLLM in-process (`EngineConfig.multiprocess=False`, for tests and single-machine runs)
+or in vLLM's multiprocess mode; `collective_rpc` calls reach the capture in either case, and only
+bytes travel back.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from inference_worker.config import EngineConfig
+from protocol import limits
+from protocol.models import Completion, FinishReason, TaskLease
+
+log = logging.getLogger(__name__)
+
+CAPTURE_EXTENSION = "inference_worker.capture.HiddenStateCapture"
+# With proofs off (benchmarks only) every chunk gets this placeholder; a verifier rejects it.
+NO_PROOF = b"\x00"
+
+
+class LeaseNotGeneratable(ValueError):
+    """The lease cannot be generated as asked (e.g. prompt + max_tokens exceed the model's length)."""
+
+
+@dataclass
+class GenerationStats:
+    completions: int = 0
+    tokens: int = 0
+    seconds: float = 0.0  # wall time of `generate`, proofs included
+    # Where the proof work went (worker side): recording rows in the model step (critical path), the
+    # background proof thread (overlaps generation), and the final collection (critical path).
+    capture_record_s: float = 0.0
+    proof_thread_s: float = 0.0
+    capture_take_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@contextmanager
+def _vllm_process_mode(multiprocess: bool) -> Iterator[None]:
+    """vLLM reads VLLM_ENABLE_V1_MULTIPROCESSING when an engine is built (and caches env vars after
+    the first engine in a process), so set it, uncached, just for the construction."""
+    import vllm.envs as envs
+
+    if hasattr(envs, "disable_envs_cache"):
+        envs.disable_envs_cache()
+    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    old = os.environ.get(key)
+    os.environ[key] = "1" if multiprocess else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
+        if hasattr(envs, "disable_envs_cache"):
+            envs.disable_envs_cache()
+
+
+class RolloutEngine:
+    """vLLM over one model folder; `generate` a lease, `reload` a new policy version in place."""
+
+    def __init__(self, model_dir: Path | str, config: EngineConfig | None = None, *, policy_version: int | None = None, model_hash: str | None = None, seed: int = 0):
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        self.config = config or EngineConfig()
+        self.model_dir = Path(model_dir) if os.path.exists(str(model_dir)) else model_dir
+        self.policy_version = policy_version
+        self.model_hash = model_hash
+        self.last_stats = GenerationStats()
+        kwargs: dict = dict(
+            model=str(model_dir),
+            dtype=self.config.dtype,
+            max_model_len=self.config.max_model_len,
+            enforce_eager=self.config.enforce_eager,
+            distributed_executor_backend="uni",
+            worker_extension_cls=CAPTURE_EXTENSION,
+            seed=seed,
+            enable_prefix_caching=True,
+        )
+        if current_platform.is_cpu():
+            kwargs["kv_cache_memory_bytes"] = self.config.kv_cache_bytes
+        else:
+            kwargs["gpu_memory_utilization"] = self.config.gpu_memory_utilization
+        started = time.perf_counter()
+        with _vllm_process_mode(self.config.multiprocess):
+            self.llm = LLM(**kwargs)
+        self.llm.collective_rpc("swarmrl_capture_install")
+        self.hidden_size = int(self.llm.collective_rpc("swarmrl_hidden_size")[0])
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        log.info("vLLM engine up in %.1f s (multiprocess=%s)", time.perf_counter() - started, self.config.multiprocess)
+
+    # ----------------------------------------------------------------------------------------------
+    # Generation
+
+    def _sampling_params(self, lease: TaskLease, seed: int):
+        from vllm import SamplingParams
+
+        s = lease.sampling
+        return SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=0 if s.top_k == -1 else s.top_k,  # vLLM: 0 disables top-k
+            max_tokens=s.max_tokens,
+            stop_token_ids=list(s.stop_token_ids),
+            seed=int(seed),
+            logprobs=0,  # the sampled token's own logprob, raw (before temperature / top-k / top-p)
+            detokenize=False,
+        )
+
+    def generate(self, lease: TaskLease) -> list[Completion]:
+        """All samples of all prompts of `lease`, in (prompt_index, sample_index) order."""
+        return self._generate(lease, return_hidden=False)[0]
+
+    def generate_with_hidden(self, lease: TaskLease) -> tuple[list[Completion], list[torch.Tensor]]:
+        """As `generate`, also returning each completion's captured hidden states [T, H] (float32)."""
+        return self._generate(lease, return_hidden=True)
+
+    def _generate(self, lease: TaskLease, return_hidden: bool) -> tuple[list[Completion], list[torch.Tensor]]:
+        from vllm.inputs import TokensPrompt
+
+        from inference_worker.capture import hidden_from_bytes
+
+        if self.policy_version is not None and self.policy_version < lease.min_policy_version:
+            raise LeaseNotGeneratable(f"loaded policy version {self.policy_version} is below the lease's minimum {lease.min_policy_version}")
+        max_tokens = lease.sampling.max_tokens
+        prompts, params, keys = [], [], []
+        for pi, prompt in enumerate(lease.prompts):
+            ids = [int(t) for t in prompt.token_ids]
+            if len(ids) + max_tokens > self.max_model_len:
+                raise LeaseNotGeneratable(f"prompt {prompt.prompt_id}: {len(ids)} prompt tokens + max_tokens {max_tokens} exceed max_model_len {self.max_model_len}")
+            for si, seed in enumerate(prompt.seeds):
+                prompts.append(TokensPrompt(prompt_token_ids=ids))
+                params.append(self._sampling_params(lease, seed))
+                keys.append((pi, si, len(ids)))
+
+        capture = self.config.proofs or return_hidden
+        started = time.perf_counter()
+        if capture:
+            self.llm.collective_rpc("swarmrl_capture_start", args=(self.config.proofs,))
+        try:
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        except BaseException:
+            if capture:  # stop the capture so that rows never pile up
+                self.llm.collective_rpc("swarmrl_capture_take", args=({}, False, False))
+            raise
+        captured: dict = {}
+        capture_stats: dict = {}
+        if capture:
+            lengths = {o.request_id: [k[2], len(o.outputs[0].token_ids)] for o, k in zip(outputs, keys)}
+            taken = self.llm.collective_rpc("swarmrl_capture_take", args=(lengths, self.config.proofs, return_hidden))[0]
+            captured, capture_stats = taken["requests"], taken["stats"]
+
+        completions: list[Completion] = []
+        hidden: list[torch.Tensor] = []
+        total_tokens = 0
+        for out, (pi, si, _) in zip(outputs, keys):
+            sample = out.outputs[0]
+            token_ids = np.asarray(sample.token_ids, dtype=np.int32)
+            if token_ids.size == 0:
+                raise RuntimeError(f"vLLM returned an empty completion for prompt {pi} sample {si}")
+            logprobs = np.array([entry[int(t)].logprob for t, entry in zip(sample.token_ids, sample.logprobs)], dtype=np.float32)
+            # A logprob of exactly 0 can come out slightly positive in float32 (-0.0 vs +1e-8).
+            np.minimum(logprobs, 0.0, out=logprobs)
+            finish = _finish_reason(sample.finish_reason, token_ids.size, max_tokens)
+            entry = captured[out.request_id] if capture else {}
+            if self.config.proofs:
+                proofs = entry["proofs"]
+            else:
+                proofs = [NO_PROOF] * math.ceil(token_ids.size / limits.PROOF_CHUNK_TOKENS)
+            completions.append(Completion(prompt_index=pi, sample_index=si, token_ids=token_ids, logprobs=logprobs, finish_reason=finish, proofs=proofs))
+            if return_hidden:
+                hidden.append(hidden_from_bytes(entry))
+            total_tokens += int(token_ids.size)
+        self.last_stats = GenerationStats(
+            len(completions), total_tokens, time.perf_counter() - started,
+            capture_stats.get("record_s", 0.0), capture_stats.get("proof_thread_s", 0.0), capture_stats.get("take_s", 0.0),
+        )
+        return completions, hidden
+
+    # ----------------------------------------------------------------------------------------------
+    # Weights
+
+    def reload(self, weights_dir: Path | str, version: int, model_hash: str) -> float:
+        """Load `weights_dir/*.safetensors` (a shardcast version folder) in place; returns seconds taken.
+
+        Generation afterwards uses the new weights: the tied-embedding lm_head is repacked inside the
+        worker (`HiddenStateCapture.swarmrl_reload`) and the prefix cache, which holds KV computed with
+        the old weights, is cleared.
+        """
+        weights_dir = Path(weights_dir)
+        if not any(weights_dir.glob("*.safetensors")):
+            raise FileNotFoundError(f"no *.safetensors in {weights_dir}")
+        started = time.perf_counter()
+        self.llm.collective_rpc("swarmrl_reload", args=(str(weights_dir),))
+        self.llm.reset_prefix_cache()
+        self.policy_version = int(version)
+        self.model_hash = model_hash
+        took = time.perf_counter() - started
+        log.info("reloaded policy version %d from %s in %.2f s", version, weights_dir, took)
+        return took
+
+    def close(self) -> None:
+        """Shut vLLM down (joins the engine core process in multiprocess mode)."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self.llm = None
+        engine = getattr(llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        del llm
+
+
+def _finish_reason(vllm_reason: str | None, num_tokens: int, max_tokens: int) -> FinishReason:
+    if vllm_reason == "stop":
+        return FinishReason.stop
+    if vllm_reason == "length" and num_tokens == max_tokens:
+        return FinishReason.length
+    raise RuntimeError(f"unexpected vLLM finish reason {vllm_reason!r} after {num_tokens} tokens (max_tokens {max_tokens})")

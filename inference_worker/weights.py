@@ -1,0 +1,120 @@
+"""Keeps the newest policy version downloaded, in a background thread, through the shardcast client.
+
+The loop tells the keeper which version the orchestrator is at (`observe`, from registration, every
+heartbeat ack and every `version_too_old`). The keeper pulls the newest version the relays serve into
+`dest_root/v<N>` (shards verified against the signed manifest) while the engine keeps generating with the
+version it has loaded. The loop swaps the new version in between two tasks, and only blocks on the
+download (`wait_for`) when its loaded version is below what the orchestrator still accepts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Callable
+
+from inference_worker.client import backoff_delays
+
+log = logging.getLogger(__name__)
+
+
+class WeightsKeeper:
+    def __init__(self, dest_root: Path, *, make_client: Callable[[list[str], str, Path], object] | None = None, backoff_initial_s: float = 0.5, backoff_max_s: float = 10.0):
+        self.dest_root = Path(dest_root)
+        self._make_client = make_client or _shardcast_client
+        self._client = None
+        self._sources: tuple[tuple[str, ...], str] | None = None
+        self._cond = threading.Condition()
+        self._wanted = -1  # newest version the orchestrator announced
+        self._ready = None  # newest PulledVersion on disk
+        self._stop = False
+        self.downloading = False
+        self.last_error: str | None = None
+        self._backoff = (backoff_initial_s, backoff_max_s)
+        self._thread = threading.Thread(target=self._run, name="weights-keeper", daemon=True)
+
+    def start(self) -> "WeightsKeeper":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+
+    def set_sources(self, relay_urls: list[str], public_key_b64: str) -> None:
+        """Where to pull from and which key signs manifests (from the registration answer)."""
+        with self._cond:
+            key = (tuple(relay_urls), public_key_b64)
+            if key != self._sources:
+                self._sources = key
+                self._client = None
+                self._cond.notify_all()
+
+    def observe(self, policy_version: int) -> None:
+        with self._cond:
+            if policy_version > self._wanted:
+                self._wanted = policy_version
+                self._cond.notify_all()
+
+    @property
+    def ready(self):
+        """The newest verified version on disk (`shardcast.client.PulledVersion`), or None."""
+        with self._cond:
+            return self._ready
+
+    def wait_for(self, min_version: int, stop: threading.Event, poll_s: float = 0.2):
+        """Block until a version >= `min_version` is on disk (returns it), or `stop` is set (None)."""
+        self.observe(min_version)
+        with self._cond:
+            while not stop.is_set():
+                if self._ready is not None and self._ready.version >= min_version:
+                    return self._ready
+                self._cond.wait(poll_s)
+        return None
+
+    # ----------------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        delays = backoff_delays(*self._backoff)
+        while True:
+            with self._cond:
+                while not self._stop and (self._sources is None or (self._ready is not None and self._ready.version >= self._wanted)):
+                    self._cond.wait()
+                if self._stop:
+                    return
+                if self._client is None:
+                    self._client = self._make_client(list(self._sources[0]), self._sources[1], self.dest_root)
+                client = self._client
+                have = self._ready.version if self._ready is not None else -1
+                wanted = self._wanted
+            self.downloading = True
+            try:
+                # The orchestrator's version, or the newest the relays have if they lag behind; never a
+                # version the orchestrator has not announced yet.
+                latest = client.latest_version()
+                pulled = client.pull(min(latest, wanted)) if latest is not None and min(latest, wanted) > have else None
+            except Exception as exc:  # network, bad servers, disk: try again later
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.warning("weights download failed: %s", self.last_error)
+                pulled = None
+            finally:
+                self.downloading = False
+            with self._cond:
+                if pulled is not None and pulled.version > have:
+                    self._ready = pulled
+                    self.last_error = None
+                    delays = backoff_delays(*self._backoff)
+                    log.info("policy version %d downloaded to %s", pulled.version, pulled.path)
+                    self._cond.notify_all()
+                    continue
+                # Nothing newer yet (relays lag behind the orchestrator) or a failure: wait a little.
+                self._cond.wait(next(delays))
+
+
+def _shardcast_client(urls: list[str], public_key_b64: str, dest_root: Path):
+    from shardcast.client import ShardcastClient
+
+    return ShardcastClient(urls, public_key_b64, dest_root, keep_versions=3)
