@@ -172,9 +172,11 @@ def _add_package_clis() -> None:
     """Each package's own CLI, mounted as a subcommand (each imports its heavy modules lazily)."""
     from shardcast.cli import app as shardcast_app
     from trainer.cli import app as trainer_app
+    from verifier.cli import app as verifier_app
 
     app.add_typer(shardcast_app, name="shardcast")
     app.add_typer(trainer_app, name="trainer")
+    app.add_typer(verifier_app, name="verifier")
 
 
 _add_package_clis()

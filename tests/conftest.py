@@ -10,6 +10,7 @@ import pytest
 
 _TMP = Path(tempfile.mkdtemp(prefix="swarmrl-tests-"))
 os.environ.setdefault("VLLM_CACHE_ROOT", str(_TMP / "vllm-cache"))
+os.environ.setdefault("VLLM_RPC_BASE_PATH", str(_TMP))  # vLLM's zmq socket files
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")

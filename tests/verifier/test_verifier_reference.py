@@ -1,0 +1,51 @@
+"""The trusted prefill: row alignment, batching with padding, per-sequence sampling settings."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from protocol.models import SamplingParams
+from verifier.reference import eos_token_ids, load_reference_model, prefill
+
+
+def test_prefill_rows_batching_and_weights_dir(tiny_untied_model_dir):
+    model = load_reference_model(tiny_untied_model_dir, None, "float32")
+    rng = np.random.default_rng(0)
+    seqs = [(rng.integers(3, 54, n).astype(np.int32), rng.integers(3, 54, t).astype(np.int32)) for n, t in ((5, 1), (9, 40), (3, 17))]
+    samplings = [SamplingParams(), SamplingParams(temperature=0.5, top_k=5), SamplingParams(top_p=0.5)]
+    batched = prefill(model, seqs, samplings, 1e-3)
+    for (p, c), s, got in zip(seqs, samplings, batched):
+        alone = prefill(model, [(p, c)], [s], 1e-3)[0]
+        full = torch.tensor(np.concatenate([p, c])[None].astype(np.int64))
+        with torch.no_grad():
+            out = model(full, output_hidden_states=True)
+        want_h = out.hidden_states[-1][0, len(p) - 1 : len(p) - 1 + len(c)]
+        want_lp = torch.log_softmax(out.logits[0, len(p) - 1 : len(p) - 1 + len(c)], -1).gather(1, torch.tensor(c[:, None].astype(np.int64)))[:, 0]
+        assert got.hidden.shape == (len(c), model.config.hidden_size)
+        torch.testing.assert_close(got.hidden, want_h, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(got.stats.logprob, want_lp.numpy(), atol=1e-5)
+        np.testing.assert_allclose(got.stats.mass_above, alone.stats.mass_above, atol=1e-6)
+        np.testing.assert_array_equal(got.stats.rank_above, alone.stats.rank_above)
+    # Loading from a weights folder (a shardcast version: safetensors only) gives the same model.
+    same = load_reference_model(tiny_untied_model_dir, tiny_untied_model_dir, "float32")
+    again = prefill(same, seqs[:1], samplings[:1], 1e-3)[0]
+    torch.testing.assert_close(again.hidden, batched[0].hidden)
+    assert eos_token_ids(tiny_untied_model_dir) == {2}
+
+
+def test_bf16_reference_and_bad_weights(tiny_model_dir, tmp_path):
+    import pytest
+
+    model = load_reference_model(tiny_model_dir, tiny_model_dir, "bfloat16")
+    out = prefill(model, [(np.array([1, 5, 6], dtype=np.int32), np.array([7, 8], dtype=np.int32))], [SamplingParams()], 0.1)[0]
+    assert out.hidden.dtype == torch.bfloat16 and out.stats.logprob.dtype == np.float64
+    with pytest.raises(FileNotFoundError):
+        load_reference_model(tiny_model_dir, tmp_path, "float32")
+    from safetensors.torch import save_file
+
+    save_file({"not.a.weight": torch.zeros(2)}, str(tmp_path / "x.safetensors"))
+    with pytest.raises(ValueError, match="do not fit"):
+        load_reference_model(tiny_model_dir, tmp_path, "float32")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        load_reference_model(tiny_model_dir, None, "int8")

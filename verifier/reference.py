@@ -1,0 +1,133 @@
+"""The trusted recomputation: one transformers prefill (teacher forcing) over prompt + completion.
+
+For a completion of T tokens after a prompt of P tokens, the model runs over prompt + completion[:-1]
+(the last token's own hidden state never produced anything) and row t of the result is the position
+P-1+t: the final-norm hidden state that produced completion token t, and its next-token distribution.
+Several sequences share one forward pass, right-padded: with a causal mask, padding at the end never
+changes the real positions.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from protocol.models import SamplingParams
+from verifier.checks import TokenStats, token_stats
+
+log = logging.getLogger(__name__)
+
+_STATS_ROWS = 2048
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Prefill:
+    hidden: torch.Tensor  # [T, H], model dtype: final-norm hidden states that produced each token
+    stats: TokenStats  # per token logprob / support statistics
+
+
+def load_reference_model(config_dir: Path, weights_dir: Path | None, dtype: str = "float32"):
+    """A transformers causal LM: architecture from `config_dir` (or `weights_dir` if it has a
+    config.json), weights from the `*.safetensors` in `weights_dir` (tensor names as transformers)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    config_dir = Path(config_dir)
+    source = Path(weights_dir) if weights_dir is not None and (Path(weights_dir) / "config.json").exists() else config_dir
+    config = AutoConfig.from_pretrained(source)
+    if weights_dir is None:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype])
+    else:
+        files = sorted(Path(weights_dir).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {weights_dir}")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        missing = [k for k in missing if not (tied and k == "lm_head.weight")]
+        if missing or unexpected:
+            raise ValueError(f"weights in {weights_dir} do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        if tied:
+            model.tie_weights()
+        model = model.to(DTYPES[dtype])
+    model.eval()
+    return model
+
+
+def eos_token_ids(config_dir: Path) -> set[int]:
+    """Every id that ends a generation: config / generation_config / tokenizer EOS ids."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        p = Path(config_dir) / name
+        if p.exists():
+            value = json.loads(p.read_text()).get("eos_token_id")
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list):
+                ids.update(int(v) for v in value)
+    return ids
+
+
+@torch.inference_mode()
+def prefill(
+    model,
+    sequences: Sequence[tuple[np.ndarray, np.ndarray]],
+    sampling: Sequence[SamplingParams],
+    logit_slack: float,
+    max_batch_tokens: int = 16384,
+    pad_id: int = 0,
+) -> list[Prefill]:
+    """Hidden states and token statistics for each (prompt_ids, completion_ids), batched by length."""
+    lengths = [len(p) + len(c) - 1 for p, c in sequences]
+    order = sorted(range(len(sequences)), key=lambda i: lengths[i])
+    results: list[Prefill | None] = [None] * len(sequences)
+    batch: list[int] = []
+
+    def run(batch: list[int]) -> None:
+        width = max(lengths[i] for i in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        for row, i in enumerate(batch):
+            p, c = sequences[i]
+            seq = np.concatenate([np.asarray(p, dtype=np.int64), np.asarray(c, dtype=np.int64)[:-1]])
+            ids[row, : len(seq)] = torch.from_numpy(seq)
+        hidden = model.model(input_ids=ids).last_hidden_state  # final norm applied
+        rows = {i: hidden[row, len(sequences[i][0]) - 1 : len(sequences[i][0]) - 1 + len(sequences[i][1])] for row, i in enumerate(batch)}
+        # Token statistics of every completion that shares (temperature, top_k) at once, in slices of
+        # rows so that the logits of long completions over a large vocabulary stay small.
+        groups: dict[tuple[float, int], list[int]] = {}
+        for i in batch:
+            groups.setdefault((sampling[i].temperature, sampling[i].top_k), []).append(i)
+        for members in groups.values():
+            h = torch.cat([rows[i] for i in members])
+            tokens = torch.from_numpy(np.concatenate([np.asarray(sequences[i][1], dtype=np.int64) for i in members]))
+            parts = [
+                token_stats(model.lm_head(h[s : s + _STATS_ROWS]), tokens[s : s + _STATS_ROWS], sampling[members[0]], logit_slack)
+                for s in range(0, h.shape[0], _STATS_ROWS)
+            ]
+            stats = TokenStats.concat(parts)
+            offset = 0
+            for i in members:
+                n = len(sequences[i][1])
+                results[i] = Prefill(hidden=rows[i].clone(), stats=stats.slice(offset, offset + n))
+                offset += n
+
+    for i in order:
+        if batch and (len(batch) + 1) * max(lengths[j] for j in batch + [i]) > max_batch_tokens:
+            run(batch)
+            batch = []
+        batch.append(i)
+    if batch:
+        run(batch)
+    return results  # type: ignore[return-value]

@@ -1,0 +1,212 @@
+"""The verifier service: checks submissions against a trusted prefill and computes their rewards.
+
+Pure Python (no Ray): the orchestrator wraps `Verifier` in Ray actors. For each submission:
+
+1. structural checks: the lease id, the prompt / sample indices, the claimed model hash and version;
+2. spot check: a submission from a worker of trust level L is verified with probability
+   `spot_check_rate[L]` (default 1: everything); the draw is seeded by the submission id;
+3. one batched transformers prefill per policy version over every completion of every job;
+4. per completion: termination, TOPLOC-style proofs, reported logprobs, sampling support;
+5. accepted submissions get trusted rewards from the decoded completion text.
+
+Every rejection names its reason and carries the statistics behind it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from protocol import limits
+from protocol.models import (
+    Rejection,
+    RejectionCode,
+    RolloutSubmission,
+    TaskLease,
+    Verdict,
+    VerdictStatus,
+)
+from verifier import checks, proofs
+from verifier.config import VerifierConfig
+from verifier.reference import eos_token_ids, load_reference_model, prefill
+from verifier.tasks import Task, TaskItem, get_task
+
+log = logging.getLogger(__name__)
+
+MAX_REJECTIONS_PER_COMPLETION = 4
+
+
+@dataclass
+class VerifyJob:
+    submission_id: str
+    submission: RolloutSubmission
+    lease: TaskLease
+    items: list[TaskItem]  # one per lease prompt, for rewards
+    task_name: str
+    expected_model_hash: str
+    task_params: dict[str, Any] = field(default_factory=dict)
+    trust_level: str = "new"
+
+
+class Verifier:
+    def __init__(self, config: VerifierConfig, weights_for_version: Callable[[int], Path], tokenizer_dir: Path):
+        from transformers import AutoTokenizer
+
+        self.config = config
+        self.tolerances = config.tolerances()
+        self.weights_for_version = weights_for_version
+        self.tokenizer_dir = Path(tokenizer_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+        self.eos_ids = eos_token_ids(self.tokenizer_dir)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(int(self.tokenizer.eos_token_id))
+        self.pad_id = int(self.tokenizer.pad_token_id or 0)
+        self._models: OrderedDict[int, Any] = OrderedDict()
+        self._tasks: dict[tuple, Task] = {}
+        self.vocab_size: int | None = None
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+
+    # ------------------------------------------------------------------------------------------
+    def model(self, version: int):
+        """The reference model of a policy version, loaded on first use; the last K stay loaded."""
+        if version in self._models:
+            self._models.move_to_end(version)
+            return self._models[version]
+        started = time.perf_counter()
+        model = load_reference_model(self.tokenizer_dir, self.weights_for_version(version), self.config.dtype)
+        self.vocab_size = int(model.config.vocab_size)
+        self._models[version] = model
+        while len(self._models) > self.config.keep_versions:
+            evicted, _ = self._models.popitem(last=False)
+            log.info("evicted policy version %d", evicted)
+        log.info("loaded policy version %d in %.2fs", version, time.perf_counter() - started)
+        return model
+
+    def loaded_versions(self) -> list[int]:
+        return list(self._models)
+
+    def task(self, name: str, params: dict[str, Any]) -> Task:
+        key = (name, tuple(sorted((k, repr(v)) for k, v in params.items())))
+        if key not in self._tasks:
+            self._tasks[key] = get_task(name, **params)
+        return self._tasks[key]
+
+    def decode(self, token_ids: np.ndarray) -> str:
+        ids = [int(t) for t in token_ids]
+        if ids and ids[-1] in self.eos_ids:
+            ids = ids[:-1]
+        vocab = len(self.tokenizer)
+        ids = [t for t in ids if t < vocab]  # padded-vocabulary ids decode to nothing
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # ------------------------------------------------------------------------------------------
+    def verify(self, job: VerifyJob) -> Verdict:
+        return self.verify_many([job])[0]
+
+    def verify_many(self, jobs: Sequence[VerifyJob]) -> list[Verdict]:
+        rejections: list[list[Rejection]] = [self._structural(job) for job in jobs]
+        deep = [i for i, job in enumerate(jobs) if not rejections[i] and self._spot_checked(job)]
+        for i in set(range(len(jobs))) - set(deep):
+            if not rejections[i]:  # not spot-checked: only the checks that need no model
+                rejections[i].extend(self._termination(jobs[i]))
+        by_version: dict[int, list[int]] = {}
+        for i in deep:
+            by_version.setdefault(jobs[i].submission.policy_version, []).append(i)
+        for version, idx in by_version.items():
+            try:
+                model = self.model(version)
+            except (FileNotFoundError, KeyError, ValueError) as exc:
+                for i in idx:
+                    rejections[i].append(Rejection(code=RejectionCode.lease_mismatch, message=f"policy version {version} unavailable: {exc}"[: limits.MAX_MESSAGE_CHARS]))
+                continue
+            self._deep_check(model, [jobs[i] for i in idx], [rejections[i] for i in idx])
+        return [self._verdict(job, rej) for job, rej in zip(jobs, rejections)]
+
+    # ------------------------------------------------------------------------------------------
+    def _structural(self, job: VerifyJob) -> list[Rejection]:
+        sub, lease = job.submission, job.lease
+        out: list[Rejection] = []
+        if sub.lease_id != lease.lease_id:
+            out.append(Rejection(code=RejectionCode.lease_mismatch, message=f"submission is for lease {sub.lease_id}, not {lease.lease_id}"))
+        if len(job.items) != len(lease.prompts):
+            out.append(Rejection(code=RejectionCode.lease_mismatch, message=f"{len(job.items)} task items for {len(lease.prompts)} lease prompts"))
+        if sub.policy_version < lease.min_policy_version:
+            out.append(Rejection(code=RejectionCode.lease_mismatch, message=f"policy version {sub.policy_version} is below the lease minimum {lease.min_policy_version}"))
+        if sub.model_hash != job.expected_model_hash:
+            out.append(Rejection(code=RejectionCode.wrong_model_hash, message=f"model hash {sub.model_hash[:12]}... is not the hash of version {sub.policy_version}"))
+        for ci, c in enumerate(sub.completions):
+            if c.prompt_index >= len(lease.prompts) or c.sample_index >= lease.samples_per_prompt:
+                out.append(Rejection(code=RejectionCode.lease_mismatch, completion_index=ci,
+                                     message=f"prompt {c.prompt_index} / sample {c.sample_index} is not in the lease"))
+        return out
+
+    def _termination(self, job: VerifyJob) -> list[Rejection]:
+        out = []
+        for ci, c in enumerate(job.submission.completions):
+            f = checks.check_termination(c.token_ids, c.finish_reason, job.lease.sampling, self.eos_ids)
+            if f:
+                out.append(Rejection(code=RejectionCode(f.code), message=f.message, stats=f.stats, completion_index=ci))
+        return out
+
+    def _spot_checked(self, job: VerifyJob) -> bool:
+        rate = self.config.spot_check_rate.get(job.trust_level, 1.0)
+        if rate >= 1.0:
+            return True
+        seed = int.from_bytes(hashlib.sha256(job.submission_id.encode()).digest()[:8], "little")
+        return random.Random(seed).random() < rate
+
+    def _deep_check(self, model, jobs: list[VerifyJob], rejections: list[list[Rejection]]) -> None:
+        tol = self.tolerances
+        sequences, sampling, where = [], [], []
+        for j, job in enumerate(jobs):
+            for ci, c in enumerate(job.submission.completions):
+                if c.token_ids.size and int(c.token_ids.max()) >= self.vocab_size:
+                    rejections[j].append(Rejection(code=RejectionCode.lease_mismatch, completion_index=ci,
+                                                   message=f"token id {int(c.token_ids.max())} outside the vocabulary of {self.vocab_size}"))
+                    continue
+                sequences.append((job.lease.prompts[c.prompt_index].token_ids, c.token_ids))
+                sampling.append(job.lease.sampling)
+                where.append((j, ci))
+        results = prefill(model, sequences, sampling, tol.support_logit_slack, self.config.max_batch_tokens, self.pad_id)
+        for (j, ci), ref in zip(where, results):
+            c = jobs[j].submission.completions[ci]
+            found = self._check_completion(c, ref, jobs[j].lease.sampling)
+            for r in found[:MAX_REJECTIONS_PER_COMPLETION]:
+                rejections[j].append(r.model_copy(update={"completion_index": ci}))
+
+    def _check_completion(self, c, ref, sampling) -> list[Rejection]:
+        tol = self.tolerances
+        out: list[Rejection] = []
+        term = checks.check_termination(c.token_ids, c.finish_reason, sampling, self.eos_ids)
+        if term:
+            out.append(Rejection(code=RejectionCode(term.code), message=term.message, stats=term.stats))
+        chunk_checks = proofs.check_proofs(c.proofs, ref.hidden, tol.proof)
+        for cc in chunk_checks:
+            if not cc.ok:
+                code = RejectionCode.proof_malformed if cc.reason.startswith(("malformed", "proof missing", "proof for")) else RejectionCode.proof_mismatch
+                out.append(Rejection(code=code, chunk_index=cc.chunk_index, message=f"chunk {cc.chunk_index}: {cc.reason}", stats=cc.stats()))
+                break  # one failing chunk is enough; its stats say why
+        lp = checks.check_logprobs(c.logprobs, ref.stats, tol.logprob_max_abs_diff, tol.logprob_max_mean_diff)
+        if lp:
+            out.append(Rejection(code=RejectionCode(lp.code), message=lp.message, stats=lp.stats))
+        for f in checks.check_support(ref.stats, sampling, self.config.min_token_logprob):
+            out.append(Rejection(code=RejectionCode(f.code), message=f.message, stats=f.stats))
+        return out
+
+    def _verdict(self, job: VerifyJob, rejections: list[Rejection]) -> Verdict:
+        tokens = job.submission.num_tokens
+        if rejections:
+            return Verdict(submission_id=job.submission_id, status=VerdictStatus.rejected, rejections=rejections[:1024], verified_tokens=0)
+        task = self.task(job.task_name, job.task_params)
+        rewards = [float(task.reward(job.items[c.prompt_index], self.decode(c.token_ids))) for c in job.submission.completions]
+        return Verdict(submission_id=job.submission_id, status=VerdictStatus.accepted, rewards=rewards, verified_tokens=tokens)

@@ -1,0 +1,253 @@
+"""Task registry: prompts and trusted rewards, computed from the completion text on the trusted side.
+
+A worker's own reward claim is never used. Every task makes seeded synthetic prompts (`make_prompts`)
+or loads JSONL rows (`from_record`), and scores a decoded completion with `reward` in [0, 1].
+
+- "toy": copy the digits of the prompt (`copy:4821=` -> `4821`), with partial credit, so a random tiny
+  model already gets a graded, nonzero reward and GRPO sees signal from the first step.
+- "countdown": combine the given numbers with + - * / into an expression equal to the target.
+- "math": free-form answers, checked with the `math-verify` library.
+
+Prompts of "toy" and "countdown" only use characters of `trainer.tiny_model.ALPHABET`, so the char
+tokenizer encodes them one token per character.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import operator
+import random
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass
+class TaskItem:
+    prompt_id: str
+    prompt: str
+    answer: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def _prompt_id(task: str, prompt: str) -> str:
+    return f"{task}-{hashlib.sha256(prompt.encode()).hexdigest()[:16]}"
+
+
+class Task:
+    name = ""
+
+    def make_prompts(self, n: int, seed: int) -> list[TaskItem]:
+        raise NotImplementedError
+
+    def reward(self, item: TaskItem, completion_text: str) -> float:
+        raise NotImplementedError
+
+    def from_record(self, record: dict) -> TaskItem:
+        """A JSONL row {"prompt": ..., "answer": ..., optional "prompt_id"/"id", anything else -> meta}."""
+        if not isinstance(record, dict):
+            raise ValueError(f"a task record must be an object, got {type(record).__name__}")
+        missing = [k for k in ("prompt", "answer") if k not in record]
+        if missing:
+            raise ValueError(f"task record lacks {missing}: keys are {sorted(record)}")
+        prompt, answer = record["prompt"], record["answer"]
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError("task record 'prompt' must be a non-empty string")
+        answer = str(answer)
+        pid = str(record.get("prompt_id") or record.get("id") or _prompt_id(self.name, prompt))
+        meta = {k: v for k, v in record.items() if k not in ("prompt", "answer", "prompt_id", "id")}
+        return TaskItem(pid, prompt, answer, meta)
+
+
+class ToyCopyTask(Task):
+    """`copy:<digits>=` -> the same digits, then EOS.
+
+    reward = 0.6 * (per answer position: 1 if right, 0.5 * (1 - |digit error| / 9) if a wrong digit) / len(answer)
+           + 0.2 * (fraction of the first len(answer) characters that are digits)
+           + 0.2 * length score (1 at the right length, falling linearly to 0 at twice the error)
+    The optimum (exact copy, then EOS) scores 1.0. Credit for a near digit makes the reward smooth in
+    the sampled digit, so a group of samples ranks "closer" above "further" and GRPO gets a direction
+    even before any sample copies a digit exactly. A random model scores a few percent, with variance
+    across samples from the digit and length terms, which is what GRPO needs to start climbing.
+    `digits` sets the difficulty; `digits=1` is the easiest.
+    """
+
+    name = "toy"
+
+    def __init__(self, digits: int = 3, prefix: str = "copy:"):
+        if not 1 <= int(digits) <= 32:
+            raise ValueError(f"toy task: digits must be in [1, 32], got {digits}")
+        self.digits = int(digits)
+        self.prefix = prefix
+
+    def make_prompts(self, n: int, seed: int) -> list[TaskItem]:
+        rng = random.Random(seed)
+        items = []
+        for _ in range(n):
+            answer = "".join(rng.choice("0123456789") for _ in range(self.digits))
+            prompt = f"{self.prefix}{answer}="
+            items.append(TaskItem(_prompt_id(self.name, prompt), prompt, answer, {}))
+        return items
+
+    def reward(self, item: TaskItem, completion_text: str) -> float:
+        a, c = item.answer, completion_text
+        n = len(a)
+        if n == 0:
+            return float(c == "")
+        matched = sum(_digit_credit(x, y) for x, y in zip(a, c)) / n
+        head = c[:n]
+        digits = sum(ch.isdigit() for ch in head) / n
+        length = max(0.0, 1.0 - abs(len(c) - n) / n)
+        return float(min(1.0, max(0.0, 0.6 * matched + 0.2 * digits + 0.2 * length)))
+
+
+def _digit_credit(want: str, got: str) -> float:
+    if want == got:
+        return 1.0
+    if want.isdigit() and got.isdigit():
+        return 0.5 * (1.0 - abs(int(want) - int(got)) / 9.0)
+    return 0.0
+
+
+# --------------------------------------------------------------------------------------------------
+# countdown
+
+_OPS: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+}
+
+
+def safe_arithmetic(expr: str) -> tuple[float, list[int]]:
+    """Evaluate + - * / over integer literals (and parentheses). Returns (value, literals used).
+
+    Raises ValueError on anything else: names, calls, powers, huge literals, division by zero.
+    """
+    if len(expr) > 200:
+        raise ValueError("expression too long")
+    try:
+        tree = ast.parse(expr.strip(), mode="eval")
+    except SyntaxError as exc:
+        raise ValueError(f"not an expression: {exc.msg}") from None
+    used: list[int] = []
+
+    def ev(node: ast.AST) -> float:
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            left, right = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Div) and right == 0:
+                raise ValueError("division by zero")
+            return _OPS[type(node.op)](left, right)
+        if isinstance(node, ast.Constant) and type(node.value) is int and 0 <= node.value < 10**6:
+            used.append(node.value)
+            return node.value
+        raise ValueError(f"not allowed in an expression: {type(node).__name__}")
+
+    return float(ev(tree.body)), used
+
+
+class CountdownTask(Task):
+    """`nums:3,5,7 target:22=` -> an expression such as `3*5+7`, using each number at most once.
+
+    reward: 1.0 for a correct expression; `format_reward` (0.1) for a well-formed expression over the
+    given numbers with the wrong value; 0 otherwise.
+    """
+
+    name = "countdown"
+
+    def __init__(self, num_numbers: int = 3, max_number: int = 20, format_reward: float = 0.1):
+        if not 2 <= int(num_numbers) <= 6:
+            raise ValueError(f"countdown: num_numbers must be in [2, 6], got {num_numbers}")
+        if not 2 <= int(max_number) <= 1000:
+            raise ValueError(f"countdown: max_number must be in [2, 1000], got {max_number}")
+        self.num_numbers, self.max_number, self.format_reward = int(num_numbers), int(max_number), float(format_reward)
+
+    def make_prompts(self, n: int, seed: int) -> list[TaskItem]:
+        rng = random.Random(seed)
+        items = []
+        while len(items) < n:
+            nums = [rng.randint(1, self.max_number) for _ in range(self.num_numbers)]
+            expr = str(nums[0])
+            for x in nums[1:]:
+                expr = f"{expr}{rng.choice('+-*')}{x}" if rng.random() < 0.5 or "*" in expr else f"({expr}){rng.choice('+-*')}{x}"
+            value, _ = safe_arithmetic(expr)
+            if value <= 0 or value != int(value):
+                continue
+            shown = sorted(nums)
+            prompt = f"nums:{','.join(map(str, shown))} target:{int(value)}="
+            items.append(TaskItem(_prompt_id(self.name, prompt), prompt, expr, {"nums": shown, "target": int(value)}))
+        return items
+
+    def from_record(self, record: dict) -> TaskItem:
+        item = super().from_record(record)
+        for key in ("nums", "target"):
+            if key not in item.meta:
+                raise ValueError(f"countdown record lacks {key!r}")
+        return item
+
+    def reward(self, item: TaskItem, completion_text: str) -> float:
+        text = completion_text.strip().split("=")[0].strip()
+        try:
+            value, used = safe_arithmetic(text)
+        except (ValueError, ArithmeticError, RecursionError):
+            return 0.0
+        pool = list(item.meta["nums"])
+        for x in used:
+            if x not in pool:
+                return 0.0
+            pool.remove(x)
+        return 1.0 if abs(value - float(item.meta["target"])) < 1e-9 else self.format_reward
+
+
+# --------------------------------------------------------------------------------------------------
+# math
+
+
+class MathTask(Task):
+    """Free-form math answers checked with `math-verify` (the answer may be LaTeX or a plain number).
+
+    Synthetic prompts are small arithmetic questions; real data comes in through `from_record`.
+    """
+
+    name = "math"
+
+    def __init__(self, max_operand: int = 50):
+        self.max_operand = int(max_operand)
+
+    def make_prompts(self, n: int, seed: int) -> list[TaskItem]:
+        rng = random.Random(seed)
+        items = []
+        for _ in range(n):
+            a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
+            op = rng.choice("+-*")
+            prompt = f"what is {a}{op}{b}? answer:"
+            answer = str(eval(f"{a}{op}{b}"))  # noqa: S307 -- our own two integers and one operator
+            items.append(TaskItem(_prompt_id(self.name, prompt), prompt, answer, {}))
+        return items
+
+    def reward(self, item: TaskItem, completion_text: str) -> float:
+        from math_verify import parse, verify
+
+        # math-verify's timeouts use SIGALRM, which only works in the main thread.
+        main = threading.current_thread() is threading.main_thread()
+        timeout = 5 if main else None
+        try:
+            gold = parse(item.answer if "$" in item.answer or "\\" in item.answer else f"${item.answer}$", parsing_timeout=timeout)
+            pred = parse(completion_text, parsing_timeout=timeout)
+            return 1.0 if pred and verify(gold, pred, timeout_seconds=timeout) else 0.0
+        except Exception:  # a malformed completion is a wrong answer, never a crash of the verifier
+            return 0.0
+
+
+TASKS: dict[str, type[Task]] = {"toy": ToyCopyTask, "countdown": CountdownTask, "math": MathTask}
+
+
+def get_task(name: str, **params: Any) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; choose one of {sorted(TASKS)}")
+    try:
+        return TASKS[name](**params)
+    except TypeError as exc:
+        raise ValueError(f"task {name!r}: bad parameters {params}: {exc}") from None
