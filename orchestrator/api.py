@@ -141,13 +141,18 @@ class LimitsMiddleware:
             await refuse(ApiError(ErrorCode.timeout, f"request not completed within {self.timeout_s:g} s", status=503, retry_after_s=1.0))
 
 
-def create_app(orch: Orchestrator, db_threads: int = 4) -> FastAPI:
+def create_app(orch: Orchestrator, db_threads: int = 0) -> FastAPI:
+    """`db_threads=0` (default): handlers that write SQLite run on the event loop itself. Their work is
+    CPU under the GIL plus SQLite commits that append to the WAL (synchronous=NORMAL: no fsync except
+    at a checkpoint, during which every request would wait for State's lock anyway), so a thread hop
+    adds two context switches and a lock hand-off per request and buys no parallelism.
+    `db_threads>0`: run them on that many threads."""
     cfg = orch.cfg
-    # Handlers that write SQLite run on a few threads of their own: a slow disk stalls those requests,
-    # not the event loop; and few threads (not Starlette's 40) keep lock and GIL hand-offs cheap.
-    pool = ThreadPoolExecutor(max_workers=db_threads, thread_name_prefix="orchestrator-db")
+    pool = ThreadPoolExecutor(max_workers=db_threads, thread_name_prefix="orchestrator-db") if db_threads > 0 else None
 
     async def run_in_threadpool(fn: Any, *args: Any) -> Any:
+        if pool is None:
+            return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     join_tokens = [t.encode() for t in cfg.join_tokens]

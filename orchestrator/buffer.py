@@ -34,6 +34,7 @@ def build_samples(submission_id: str, sub: RolloutSubmission, lease: TaskLease, 
         by_prompt.setdefault(c.prompt_index, []).append((i, float(r)))
     samples: list[SampleRow] = []
     kept = dropped = 0
+    version = sub.policy_version
     for p, members in sorted(by_prompt.items()):
         adv = group_advantages([r for _, r in members], use_std=use_std)
         if not has_signal(adv):
@@ -41,18 +42,19 @@ def build_samples(submission_id: str, sub: RolloutSubmission, lease: TaskLease, 
             continue
         kept += 1
         prompt_ids = lease.prompts[p].token_ids.astype("<i4").tobytes()
-        for (i, r), a in zip(members, adv):
+        # tolist(): plain floats, without a numpy scalar conversion per sample.
+        for (i, r), a in zip(members, adv.tolist()):
             c = sub.completions[i]
             samples.append(
                 SampleRow(
-                    sample_id=f"{submission_id}:{c.prompt_index}:{c.sample_index}",
-                    submission_id=submission_id,
-                    prompt_ids=prompt_ids,
-                    completion_ids=c.token_ids.astype("<i4").tobytes(),
-                    logprobs=c.logprobs.astype("<f4").tobytes(),
-                    advantage=float(a),
-                    reward=r,
-                    behaviour_version=sub.policy_version,
+                    f"{submission_id}:{c.prompt_index}:{c.sample_index}",
+                    submission_id,
+                    prompt_ids,
+                    c.token_ids.astype("<i4", copy=False).tobytes(),
+                    c.logprobs.astype("<f4", copy=False).tobytes(),
+                    a,
+                    r,
+                    version,
                 )
             )
     return Groups(samples, kept, dropped)

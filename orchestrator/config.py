@@ -76,6 +76,10 @@ class ResourcesConfig(BaseModel):
     trainer_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources, e.g. {trainer = 1} to land on the trainer group")
     verifier_resources: dict[str, float] = Field(default_factory=dict)
     max_restarts: int = Field(3, ge=0, description="times Ray restarts a crashed trainer or verifier actor")
+    cpu_affinity: dict[Literal["workers", "trainer", "verifier", "orchestrator", "relays"], list[int]] = Field(
+        default_factory=dict,
+        description="pin local components to CPU cores, e.g. {workers = [0], trainer = [1]}: one machine standing in for several",
+    )
 
 
 class RunConfig(BaseModel):

@@ -35,6 +35,12 @@ def init_ray(address: str = "", num_cpus: int | None = 2) -> None:
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
 
 
+def pin_to_cpus(cpus: list[int] | None) -> None:
+    """Pin this process to `cpus` (benchmarks use it to stand in for separate machines)."""
+    if cpus:
+        os.sched_setaffinity(0, set(cpus))
+
+
 class ShardcastWeights:
     """`weights_for_version` for a verifier: pull (and check) version v from shardcast servers into a
     local folder once, then reuse it. Picklable, so it can travel to a Ray actor."""
@@ -66,11 +72,12 @@ class ShardcastWeights:
 class VerifierActor:
     """One verifier process. Jobs travel as pickles (pydantic models, numpy arrays)."""
 
-    def __init__(self, config: Any, weights_for_version: Any, tokenizer_dir: str, num_threads: int = 1):
+    def __init__(self, config: Any, weights_for_version: Any, tokenizer_dir: str, num_threads: int = 1, cpus: list[int] | None = None):
         import torch
 
         from verifier.service import Verifier
 
+        pin_to_cpus(cpus)
         torch.set_num_threads(max(1, num_threads))
         self.verifier = Verifier(config, weights_for_version, Path(tokenizer_dir))
 
@@ -103,12 +110,13 @@ class RayVerifierPool:
         num_gpus: float = 0.0,
         resources: dict[str, float] | None = None,
         max_restarts: int = 3,
+        cpus: list[int] | None = None,
     ) -> "RayVerifierPool":
         import ray
 
         remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or None, max_restarts=max_restarts, max_task_retries=1)(VerifierActor)
         n = num_actors or config.num_actors
-        actors = [remote.remote(config, weights_for_version, tokenizer_dir) for _ in range(n)]
+        actors = [remote.remote(config, weights_for_version, tokenizer_dir, cpus=cpus) for _ in range(n)]
         ray.get([a.ping.remote() for a in actors])  # surface constructor errors now
         return cls(actors)
 
@@ -150,9 +158,11 @@ class OrchestratorActor:
         relay_urls: list[str] | None = None,
         manifest_public_key: str = "",
         model: str | None = None,
+        cpus: list[int] | None = None,
     ):
         from orchestrator.serve import OrchestratorServer, build_orchestrator
 
+        pin_to_cpus(cpus)
         pool = RayVerifierPool(verifier_actors)
         self.orch = build_orchestrator(config, pool, model=model, relay_urls=relay_urls, manifest_public_key=manifest_public_key)
         self.server = OrchestratorServer(self.orch).start()

@@ -50,6 +50,9 @@ class TrainerActor:
         from shardcast.server import serve_origin
         from trainer.train import Trainer
 
+        from orchestrator.ray_actors import pin_to_cpus
+
+        pin_to_cpus(config.resources.cpu_affinity.get("trainer"))
         if config.trainer.num_threads:
             torch.set_num_threads(config.trainer.num_threads)
         rd = RunDir(run_dir)
@@ -141,6 +144,11 @@ def _child_env(threads: int) -> dict[str, str]:
     return env
 
 
+def _pinner(cfg: RunConfig, component: str):
+    cpus = cfg.resources.cpu_affinity.get(component)  # type: ignore[call-overload]
+    return (lambda: os.sched_setaffinity(0, set(cpus))) if cpus else None
+
+
 def start_relay(origin_url: str, public_key: str, rd: RunDir, index: int, cfg: RunConfig) -> Proc:
     rd.logs.mkdir(parents=True, exist_ok=True)
     log_path = rd.logs / f"relay-{index}.log"
@@ -156,7 +164,7 @@ def start_relay(origin_url: str, public_key: str, rd: RunDir, index: int, cfg: R
         "--shard-wait-s", str(cfg.shardcast.relay_shard_wait_s),
         "--grace-s", str(cfg.shardcast.delete_grace_s),
     ]
-    popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_path.open("ab"), env=_child_env(1), text=True)
+    popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_path.open("ab"), env=_child_env(1), text=True, preexec_fn=_pinner(cfg, "relays"))
     assert popen.stdout is not None
     line = popen.stdout.readline()  # the relay announces {"url": ...} once it listens
     if not line:
@@ -183,7 +191,7 @@ def start_worker(url: str, model_dir: Path, rd: RunDir, index: int, cfg: RunConf
     for key in ("max_prompts_per_lease", "num_threads"):
         cmd += [f"--{key}", str(getattr(cfg.worker, key))]
     out = log_path.open("ab")
-    popen = subprocess.Popen(cmd, stdout=out, stderr=out, env=_child_env(max(1, cfg.worker.num_threads)))
+    popen = subprocess.Popen(cmd, stdout=out, stderr=out, env=_child_env(max(1, cfg.worker.num_threads)), preexec_fn=_pinner(cfg, "workers"))
     return Proc(f"worker-{index}", popen, log_path)
 
 
@@ -268,10 +276,14 @@ class Run:
         self.pool = RayVerifierPool.start(
             cfg.verifier, weights, str(model_dir), num_cpus=0, num_gpus=cfg.resources.verifier_gpus,
             resources=cfg.resources.verifier_resources, max_restarts=cfg.resources.max_restarts,
+            cpus=cfg.resources.cpu_affinity.get("verifier"),
         )
 
         log.info("starting orchestrator")
-        self.orch = start_orchestrator_actor(cfg, self.pool.actors, relay_urls=relay_urls, manifest_public_key=info["public_key"], model=str(model_dir))
+        self.orch = start_orchestrator_actor(
+            cfg, self.pool.actors, relay_urls=relay_urls, manifest_public_key=info["public_key"], model=str(model_dir),
+            cpus=cfg.resources.cpu_affinity.get("orchestrator"),
+        )
         self.url = ray.get(self.orch.url.remote())
         ray.get(self.orch.publish_version.remote(info["version"], info["model_hash"]))
 

@@ -152,6 +152,8 @@ class Orchestrator:
         self._bound_since: float | None = None
         self.wait_for_trainer_s = 0.0  # time workers were refused leases by the async bound
         self._buffer_changed = threading.Condition()
+        self._ready = 0  # samples ready for the trainer, as counted by the waiting trainer plus those added since
+        self._want: int | None = None  # how many a waiting trainer waits for (None: nobody waits)
         self._accepted: deque[tuple[float, int, float, int]] = deque()  # (t, tokens, reward sum, completions)
         self._rejected: deque[float] = deque()
         self._trained: deque[tuple[float, int]] = deque()
@@ -419,11 +421,17 @@ class Orchestrator:
         """Up to n verified samples for the trainer, waiting up to wait_s for n to be ready."""
         deadline = time.monotonic() + wait_s
         with self._buffer_changed:
-            while self.state.buffer_depth() < n and not self._stop.is_set():
+            # The verification thread counts what it adds and wakes us only once n are ready (each
+            # wake-up costs a thread switch); every 0.5 s we recount from SQLite, so nothing is missed.
+            self._ready = self.state.buffer_depth()
+            while self._ready < n and not self._stop.is_set():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._buffer_changed.wait(min(left, 0.5))
+                self._want = n if self._want is None else min(self._want, n)
+                if not self._buffer_changed.wait(min(left, 0.5)):
+                    self._ready = self.state.buffer_depth()
+            self._want = None
         return self.buffer.take(n, trainer_version)
 
     def commit_batch(self, batch_id: str, new_version: int, model_hash: str | None = None, dropped_stale: int = 0) -> dict[int, int]:
@@ -512,6 +520,12 @@ class Orchestrator:
                     log.exception("could not record a verdict; it stays pending until a restart", extra={"submission_id": item.submission_id})
         for item, (applied, banned_now) in results:
             self._after(item, applied, banned_now)
+        added = sum(len(item.groups.samples) for item, (applied, _) in results if applied and item.groups is not None)
+        if added:
+            with self._buffer_changed:
+                self._ready += added
+                if self._want is not None and self._ready >= self._want:
+                    self._buffer_changed.notify_all()
         return len(batch)
 
     def _prepare(self, submission_id: str, p: _Pending, v: Verdict) -> "_Applied":
@@ -549,8 +563,6 @@ class Orchestrator:
             else:
                 self._rejected.append(now)
         if a.accepted:
-            with self._buffer_changed:
-                self._buffer_changed.notify_all()
             self.metrics.verified_tokens.inc(a.verdict.verified_tokens)
             self.metrics.groups_dropped.inc(a.groups.dropped_zero_signal if a.groups else 0)
         else:

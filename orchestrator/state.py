@@ -176,6 +176,9 @@ class SampleRow:
     behaviour_version: int
 
 
+SAMPLE_COLUMNS = ", ".join(SampleRow.__dataclass_fields__)
+
+
 class State:
     """The run's SQLite state. `path=":memory:"` is for logic tests only (nothing survives)."""
 
@@ -191,6 +194,8 @@ class State:
         # NORMAL in WAL mode: a committed transaction survives a crash of the process (not of the OS).
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.execute("PRAGMA cache_size=-65536")  # 64 MiB of page cache: the hot tables stay in memory
+        self._db.execute("PRAGMA temp_store=MEMORY")
         self._db.executescript(SCHEMA)
         with self.tx() as db:
             for key in COUNTERS:
@@ -489,9 +494,11 @@ class State:
     def untrained_samples(self, db: sqlite3.Connection, samples_per_prompt: int) -> int:
         """Samples generated or being generated that the trainer has not consumed yet: those of open
         and submitted leases, plus the buffer (ready or taken). The async bound is checked against this."""
-        leased = sum(len(json.loads(r[0])) for r in db.execute("SELECT prompt_indices FROM leases WHERE status IN ('open', 'submitted')"))
+        leased = db.execute(
+            "SELECT COALESCE(SUM(json_array_length(prompt_indices)), 0) FROM leases WHERE status IN ('open', 'submitted')"
+        ).fetchone()[0]
         buffered = db.execute("SELECT COUNT(*) FROM samples WHERE status IN ('ready', 'taken')").fetchone()[0]
-        return leased * samples_per_prompt + int(buffered)
+        return int(leased) * samples_per_prompt + int(buffered)
 
     def buffer_depth(self) -> int:
         return int(self._one("SELECT COUNT(*) FROM samples WHERE status='ready'")[0])
@@ -511,9 +518,12 @@ class State:
                     (min_behaviour_version,),
                 ).rowcount
                 self._add(db, "samples_dropped_stale", dropped)
-            rows = db.execute("SELECT * FROM samples WHERE status='ready' ORDER BY seq LIMIT ?", (n,)).fetchall()
-            db.executemany("UPDATE samples SET status='taken', batch_id=? WHERE seq=?", [(batch_id, r["seq"]) for r in rows])
-        return [_sample(r) for r in rows], dropped
+            db.execute(
+                "UPDATE samples SET status='taken', batch_id=? WHERE seq IN (SELECT seq FROM samples WHERE status='ready' ORDER BY seq LIMIT ?)",
+                (batch_id, n),
+            )
+            rows = db.execute(f"SELECT {SAMPLE_COLUMNS} FROM samples WHERE batch_id=? ORDER BY seq", (batch_id,)).fetchall()
+        return [SampleRow(*r) for r in rows], dropped
 
     def commit_batch(self, batch_id: str, new_version: int, model_hash: str | None, dropped_stale: int = 0) -> dict[int, int]:
         """The trainer finished the step that used `batch_id` and published `new_version`: mark the batch
@@ -576,5 +586,4 @@ def _submission(r: sqlite3.Row) -> SubmissionRow:
     return SubmissionRow(**{k: r[k] for k in r.keys()})
 
 
-def _sample(r: sqlite3.Row) -> SampleRow:
-    return SampleRow(**{k: r[k] for k in SampleRow.__dataclass_fields__})
+

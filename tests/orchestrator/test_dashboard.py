@@ -27,6 +27,8 @@ def chromium(args: list[str], profile, timeout: float = 90) -> subprocess.Comple
 def busy_server(tmp_path):
     """A server with some history: accepted and rejected submissions over several housekeeping ticks."""
     cfg = run_config(tmp_path, admin_token="dash-admin", max_open_leases_per_worker=100)
+    # No trainer consumes the buffer here: steps big enough that the async bound never refuses a lease.
+    cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"samples_per_step": 4096})})
     orch = make_orchestrator(cfg)
     srv = OrchestratorServer(orch, port=0).start()
     rng = np.random.default_rng(0)

@@ -151,3 +151,47 @@ def test_serve_runs_in_foreground_and_stops_on_sigterm(tmp_path):
         rc = proc.wait(timeout=30)
     assert rc == 0, (tmp_path / "serve.log").read_text()[-3000:]
     assert (tmp_path / "orchestrator.sqlite").exists()
+
+
+def test_submission_acknowledged_with_200_survives_kill_9(tmp_path):
+    """Durability of the request path: once a submit returns 200, the submission (body, fingerprint, lease
+    status) is in SQLite, even if the process is killed the next instant (WAL checkpoints run in the
+    background, so the data may still be only in the WAL file: it must be found there)."""
+    port = free_port()
+    proc, url = start(tmp_path, port)
+    rng = np.random.default_rng(11)
+    try:
+        with httpx.Client(base_url=url, timeout=10) as c:
+            w = WorkerRegistered.model_validate_json(c.post(api.REGISTER.path, json={"name": "d"}, headers=auth("join")).content)
+            subs = [make_submission(lease(c, w), rng) for _ in range(3)]
+            receipts = []
+            for sub in subs:
+                r = c.post(api.SUBMIT.path, content=encode(sub), headers=auth(w.secret))
+                assert r.status_code == 200, r.text
+                receipts.append(SubmissionReceipt.model_validate_json(r.content).submission_id)
+            proc.send_signal(signal.SIGKILL)  # right after the last 200
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    db = sqlite3.connect(tmp_path / "orchestrator.sqlite")
+    rows = {sid: (lease_id, status) for sid, lease_id, status in db.execute("SELECT submission_id, lease_id, status FROM submissions")}
+    assert set(receipts) <= set(rows)
+    for sid, sub in zip(receipts, subs):
+        assert rows[sid][0] == sub.lease_id and rows[sid][1] in ("pending", "accepted", "rejected")
+        assert db.execute("SELECT status FROM leases WHERE lease_id=?", (sub.lease_id,)).fetchone()[0] in ("submitted", "done", "rejected")
+    assert db.execute("SELECT COUNT(*) FROM fingerprints WHERE submission_id IN (?, ?, ?)", receipts).fetchone()[0] == 3
+    db.close()
+
+    # ...and the restarted orchestrator refuses the same rollouts again (the replay fingerprint survived too).
+    proc, url = start(tmp_path, port)
+    try:
+        with httpx.Client(base_url=url, timeout=10) as c:
+            r = c.post(api.SUBMIT.path, content=encode(subs[0].model_copy(update={"lease_id": lease(c, w).lease_id})), headers=auth(w.secret))
+            assert r.status_code == 409 and r.json()["error"] == "duplicate", r.text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
