@@ -106,3 +106,11 @@ def test_cli_dry_run_prints_resolved_config_and_errors_exit_2(tmp_path):
     out = subprocess.run(swarmrl + ["run", "--config", str(bad), "--dry-run"], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 2
     assert "shardcast.keep" in out.stderr and "bad.toml" in out.stderr
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "configs").glob("*.toml")))
+def test_every_recipe_resolves_with_dry_run(recipe):
+    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--config", str(REPO / "configs" / recipe), "--dry-run"], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    resolved = RunConfig.model_validate(tomllib.loads(out.stdout))
+    assert resolved.name == tomllib.loads((REPO / "configs" / recipe).read_text())["name"]

@@ -1,0 +1,122 @@
+"""Async vs sync, end to end: the same config run twice in one go, with async_level = 2 and 0.
+
+Generation and training get one core each (CPU affinity), so one 2-core machine stands in for separate
+machines: the inference worker on core 0; trainer, verifier, orchestrator and relay (the trusted
+cluster) on core 1. Reports the ratio of trained samples per second and the reward reached at equal
+wall time. The ceiling is (generation + training) / max(generation, training).
+
+    python bench/e2e_async_bench.py [--minutes 4] [--size small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+
+
+def run_mode(out: Path, async_level: int, args) -> dict:
+    name = f"async{async_level}"
+    cmd = [
+        sys.executable, "-m", "orchestrator.cli", "run", "--config", str(REPO / "configs" / "demo.toml"),
+        "--output_dir", str(out), "--name", name,
+        "--orchestrator.async_level", str(async_level), "--trainer.max_staleness", str(max(async_level, 0)),
+        "--orchestrator.port", "0", "--model.init_size", args.size,
+        "--trainer.max_steps", "100000", "--max_minutes", str(args.minutes),
+        "--resources.cpu_affinity", json.dumps({"workers": [0], "trainer": [1], "verifier": [1], "orchestrator": [1], "relays": [1]}),
+        "--worker.num_threads", "1", "--trainer.num_threads", "1",
+        *args.extra,
+    ]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    log = (out / f"{name}.log").open("wb")
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+    try:
+        proc.wait(timeout=args.minutes * 60 + 600)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(120)
+    rows = [json.loads(l) for l in (out / name / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    if len(rows) < 3:
+        raise SystemExit(f"{name}: only {len(rows)} steps; see {out / (name + '.log')}")
+    # Steady state: from the end of the first step (start-up excluded) to the end of the last.
+    start, end = rows[0]["time"], rows[-1]["time"]
+    trained = sum(r.get("samples/trained", 0) for r in rows[1:])
+    gen = [r["time/wait_for_rollouts"] for r in rows[1:]]
+    train = [r["time/train"] for r in rows[1:]]
+    return {
+        "async_level": async_level,
+        "steps": len(rows),
+        "trained_samples_per_s": trained / (end - start),
+        "wall_s": time.time() - t0,
+        "mean_wait_for_rollouts_s": sum(gen) / len(gen),
+        "mean_train_s": sum(train) / len(train),
+        "curve": [(r["time"] - start, r["reward_mean"]) for r in rows],
+    }
+
+
+def reward_at(curve, t: float, window: int = 3) -> float:
+    before = [r for s, r in curve if s <= t and r is not None]
+    tail = before[-window:] or [curve[0][1]]
+    return sum(tail) / len(tail)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--minutes", type=float, default=4.0)
+    ap.add_argument("--size", default="small")
+    ap.add_argument("--out", default=str(REPO / "bench" / ".work" / "async"))
+    ap.add_argument("extra", nargs="*", help="more config overrides for both runs")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for level in (2, 0):  # side by side, one after the other in one run
+        subprocess.run(["sync"])
+        time.sleep(5)
+        results[level] = run_mode(out, level, args)
+        print(json.dumps({k: v for k, v in results[level].items() if k != "curve"}))
+    a, s = results[2], results[0]
+    horizon = min(a["curve"][-1][0], s["curve"][-1][0])
+    gen, train = s["mean_wait_for_rollouts_s"], s["mean_train_s"]  # the sync run separates the two phases
+    summary = {
+        "throughput_ratio_async_over_sync": a["trained_samples_per_s"] / s["trained_samples_per_s"],
+        "reward_at_equal_wall_time": {"seconds": horizon, "async": reward_at(a["curve"], horizon), "sync": reward_at(s["curve"], horizon)},
+        "ceiling_from_sync_phases": (gen + train) / max(gen, train),
+        "runs": {str(k): {kk: vv for kk, vv in v.items() if kk != "curve"} for k, v in results.items()},
+        "config": {"size": args.size, "minutes": args.minutes, "extra": args.extra},
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "e2e_async_bench.json").write_text(json.dumps({**summary, "curves": {str(k): v["curve"] for k, v in results.items()}}, indent=2))
+    lines = [
+        "# Async (async_level = 2) vs sync (async_level = 0), end to end",
+        "",
+        "Command: `python bench/e2e_async_bench.py " + " ".join(sys.argv[1:]) + "`",
+        "",
+        "Worker pinned to core 0; trainer, verifier, orchestrator and relay pinned to core 1.",
+        "",
+        "| | async 2 | sync 0 |",
+        "|---|---|---|",
+        f"| trained samples/s (steady state) | {a['trained_samples_per_s']:.2f} | {s['trained_samples_per_s']:.2f} |",
+        f"| steps | {a['steps']} | {s['steps']} |",
+        f"| mean wait for rollouts per step (s) | {a['mean_wait_for_rollouts_s']:.2f} | {s['mean_wait_for_rollouts_s']:.2f} |",
+        f"| mean train time per step (s) | {a['mean_train_s']:.2f} | {s['mean_train_s']:.2f} |",
+        f"| mean reward at {horizon:.0f} s | {summary['reward_at_equal_wall_time']['async']:.3f} | {summary['reward_at_equal_wall_time']['sync']:.3f} |",
+        "",
+        f"**Throughput ratio async / sync: {summary['throughput_ratio_async_over_sync']:.2f}x** "
+        f"(ceiling from the sync run's phases, (gen + train) / max(gen, train): {summary['ceiling_from_sync_phases']:.2f}x).",
+    ]
+    (RESULTS / "e2e_async_bench.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

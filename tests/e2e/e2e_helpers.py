@@ -1,0 +1,96 @@
+"""Helpers for whole-system runs: start `swarmrl run` as a process, read its run folder and database."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Small enough for a CI run of a few minutes on 2 cores, large enough that versions advance while
+# workers generate (so reloads and staleness really happen).
+FAST = [
+    "--model.init_size", "tiny",
+    "--orchestrator.port", "0",
+    "--orchestrator.samples_per_prompt", "4",
+    "--orchestrator.prompts_per_lease", "2",
+    "--orchestrator.sampling.max_tokens", "8",
+    "--trainer.samples_per_step", "16",
+    "--trainer.checkpoint_every", "1",
+    "--worker.max_prompts_per_lease", "2",
+    "--worker.engine.kv_cache_bytes", str(64 << 20),
+    "--worker.num_threads", "1",
+    "--trainer.num_threads", "1",
+    "--shardcast.shard_bytes", str(256 << 10),
+    "--log_level", "INFO",
+]
+
+
+def start_run(out: Path, *overrides: str) -> subprocess.Popen:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    log = (out / "driver.log").open("ab")
+    return subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "run", "--config", str(REPO / "configs" / "demo.toml"), "--output_dir", str(out), *FAST, *overrides],
+        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True,
+    )
+
+
+def wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None, poll_s: float = 0.5):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the run exited (code {proc.returncode}) while waiting for {what}")
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def pids(run_dir: Path) -> dict:
+    path = run_dir / "pids.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def stop_run(proc: subprocess.Popen, timeout_s: float = 90) -> int:
+    """SIGINT to the driver (what Ctrl-C sends); it shuts everything down and exits."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    return proc.returncode
+
+
+def db(run_dir: Path) -> sqlite3.Connection:
+    return sqlite3.connect(f"file:{run_dir / 'orchestrator.sqlite'}?mode=ro", uri=True, timeout=30)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
