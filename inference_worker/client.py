@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import random
+import secrets
 import time
 from typing import Callable, TypeVar
 
@@ -224,7 +225,8 @@ class OrchestratorClient:
         return self._parse(resp, m.HeartbeatAck)
 
     def lease(self, loaded_policy_version: int, max_prompts: int = 1) -> m.LeaseResponse:
-        req = m.LeaseRequest(loaded_policy_version=loaded_policy_version, max_prompts=max_prompts)
+        # One idempotency key per lease call: the body (and so the key) is the same on every retry.
+        req = m.LeaseRequest(loaded_policy_version=loaded_policy_version, max_prompts=max_prompts, request_id=f"r{secrets.token_hex(8)}")
         resp = self._request(api.LEASE, token=self._worker_token(), body=req.model_dump_json().encode())
         return self._parse(resp, m.LeaseResponse)
 

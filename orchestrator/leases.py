@@ -32,17 +32,50 @@ class LeaseBook:
         # Open leases, parsed, so a submission does not re-parse its lease (a cache: SQLite is the truth).
         self._open: dict[str, TaskLease] = {}
 
-    def issue(self, worker_id: str, max_prompts: int, current_version: int, now: float, max_untrained_samples: int | None = None) -> TaskLease:
+    def issue(
+        self,
+        worker_id: str,
+        max_prompts: int,
+        current_version: int,
+        now: float,
+        max_untrained_samples: int | None = None,
+        *,
+        samples_per_step: int | None = None,
+        max_staleness: int | None = None,
+        loaded_version: int | None = None,
+        request_id: str | None = None,
+    ) -> TaskLease:
         """A new lease. `max_untrained_samples` bounds how far generation may run ahead of the trainer
-        (AReaL's staleness bound): a lease that would exceed it raises GenerationBoundReached."""
+        (AReaL's staleness bound): a lease that would exceed it raises GenerationBoundReached.
+
+        With `samples_per_step` and `max_staleness`, the lease also says which version it must be
+        generated with: its samples queue behind the untrained ones, so they will be trained `slot`
+        steps from now, and a behaviour version below current + slot - max_staleness would be dropped
+        as stale when it gets there. A worker holding an older version is told to pull first.
+        """
         cfg = self.config
         n = min(max_prompts, cfg.prompts_per_lease)
+        min_version = min_policy_version(current_version, cfg.async_level)
         with self.state.tx() as db:
+            if request_id is not None:
+                earlier = self.state.open_lease_for_request(db, worker_id, request_id, now)
+                if earlier is not None:  # a retry of a request whose answer was lost: the same lease again
+                    return TaskLease.model_validate_json(earlier)
             if max_untrained_samples is not None:
-                room = (max_untrained_samples - self.state.untrained_samples(db, cfg.samples_per_prompt)) // cfg.samples_per_prompt
+                untrained = self.state.untrained_samples(db, cfg.samples_per_prompt)
+                room = (max_untrained_samples - untrained) // cfg.samples_per_prompt
                 if room <= 0:
                     raise GenerationBoundReached()
                 n = min(n, room)
+                if samples_per_step and max_staleness is not None:
+                    slot = (untrained + n * cfg.samples_per_prompt - 1) // samples_per_step
+                    min_version = max(min_version, min(current_version, current_version + slot - max_staleness))
+                    if loaded_version is not None and loaded_version < min_version:
+                        raise ApiError(
+                            ErrorCode.version_too_old,
+                            f"loaded policy version {loaded_version} would be stale by the time these samples are trained; pull version {min_version}",
+                            min_policy_version=min_version,
+                        )
             # Counted inside the transaction: two concurrent requests cannot both pass the cap.
             if self.state.open_leases(worker_id, now) >= cfg.max_open_leases_per_worker:
                 raise ApiError(
@@ -66,12 +99,12 @@ class LeaseBook:
                 samples_per_prompt=k,
                 sampling=cfg.sampling,
                 policy_version=current_version,
-                min_policy_version=min_policy_version(current_version, cfg.async_level),
+                min_policy_version=min_version,
                 deadline=now + cfg.lease_timeout_s,
             )
             self.state.insert_lease(
                 db,
-                LeaseRow(lease.lease_id, seq, worker_id, indices, lease.model_dump_json(), now, lease.deadline, "open"),
+                LeaseRow(lease.lease_id, seq, worker_id, indices, lease.model_dump_json(), now, lease.deadline, "open", request_id),
             )
         self._open[lease.lease_id] = lease
         return lease

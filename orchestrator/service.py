@@ -265,7 +265,11 @@ class Orchestrator:
         bound = (self.cfg.async_level + 1) * self.config.trainer.samples_per_step
         now = time.time()
         try:
-            lease = self.leases.issue(worker_id, req.max_prompts, self._version, now, max_untrained_samples=bound)
+            lease = self.leases.issue(
+                worker_id, req.max_prompts, self._version, now, max_untrained_samples=bound,
+                samples_per_step=self.config.trainer.samples_per_step, max_staleness=self.config.trainer.max_staleness,
+                loaded_version=req.loaded_policy_version, request_id=req.request_id,
+            )
         except GenerationBoundReached:
             with self._events_lock:
                 if self._bound_since is None:

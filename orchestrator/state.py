@@ -59,7 +59,8 @@ CREATE TABLE IF NOT EXISTS leases (
     body TEXT NOT NULL,             -- the TaskLease as sent (JSON)
     issued_at REAL NOT NULL,
     deadline REAL NOT NULL,
-    status TEXT NOT NULL            -- open | submitted | done | expired | released | rejected
+    status TEXT NOT NULL,           -- open | submitted | done | expired | released | rejected
+    request_id TEXT                 -- the worker's idempotency key, if it sent one
 );
 CREATE INDEX IF NOT EXISTS leases_by_worker ON leases (worker_id, status);
 CREATE INDEX IF NOT EXISTS leases_by_deadline ON leases (status, deadline);
@@ -149,6 +150,7 @@ class LeaseRow:
     issued_at: float
     deadline: float
     status: str
+    request_id: str | None = None
 
 
 @dataclass
@@ -197,6 +199,10 @@ class State:
         self._db.execute("PRAGMA cache_size=-65536")  # 64 MiB of page cache: the hot tables stay in memory
         self._db.execute("PRAGMA temp_store=MEMORY")
         self._db.executescript(SCHEMA)
+        columns = {r[1] for r in self._db.execute("PRAGMA table_info(leases)")}
+        if "request_id" not in columns:  # a database from before idempotent leases
+            self._db.execute("ALTER TABLE leases ADD COLUMN request_id TEXT")
+        self._db.execute("CREATE INDEX IF NOT EXISTS leases_by_request ON leases (worker_id, request_id)")
         with self.tx() as db:
             for key in COUNTERS:
                 db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, '0')", (key,))
@@ -368,10 +374,17 @@ class State:
 
     def insert_lease(self, db: sqlite3.Connection, lease: LeaseRow) -> None:
         db.execute(
-            "INSERT INTO leases (lease_id, seq, worker_id, prompt_indices, body, issued_at, deadline, status) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, 'open')",
-            (lease.lease_id, lease.seq, lease.worker_id, json.dumps(lease.prompt_indices), lease.body, lease.issued_at, lease.deadline),
+            "INSERT INTO leases (lease_id, seq, worker_id, prompt_indices, body, issued_at, deadline, status, request_id) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, 'open', ?)",
+            (lease.lease_id, lease.seq, lease.worker_id, json.dumps(lease.prompt_indices), lease.body, lease.issued_at, lease.deadline, lease.request_id),
         )
+
+    def open_lease_for_request(self, db: sqlite3.Connection, worker_id: str, request_id: str, now: float) -> str | None:
+        """The body of the open lease that this worker's request `request_id` already got, if any."""
+        row = db.execute(
+            "SELECT body FROM leases WHERE worker_id=? AND request_id=? AND status='open' AND deadline>=?", (worker_id, request_id, now)
+        ).fetchone()
+        return row[0] if row else None
 
     def lease(self, lease_id: str) -> LeaseRow | None:
         row = self._one("SELECT * FROM leases WHERE lease_id=?", (lease_id,))

@@ -176,6 +176,9 @@ class TaskLease(WireModel):
 class LeaseRequest(WireModel):
     loaded_policy_version: Version
     max_prompts: Annotated[int, Field(ge=1, le=limits.MAX_PROMPTS_PER_TASK)] = 1
+    # Idempotency key: a retried request (the answer to the first one was lost) gets the same open
+    # lease back instead of a second one that the worker would never know it holds.
+    request_id: Id | None = None
 
 
 class LeaseResponse(WireModel):

@@ -83,18 +83,18 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _fsync_tree(path: Path) -> None:
-    for p in sorted(path.rglob("*"), reverse=True):
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*"), reverse=True):
+        _fsync(p)
+    _fsync(path)
 
 
 def save_checkpoint(
@@ -132,11 +132,7 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(final)
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

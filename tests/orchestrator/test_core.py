@@ -451,3 +451,36 @@ def test_generation_never_runs_more_than_async_level_steps_ahead(tmp_path):
         assert lease(orch, wid, version=1) is not None
         assert orch.status().wait_for_trainer_s > 0
         orch.state.close()
+
+
+def test_lease_demands_a_version_that_will_not_be_stale_when_trained(tmp_path):
+    """Samples queue behind the untrained ones; their behaviour version must still be within
+    max_staleness of the trainer's version when they are trained, or they would be generated for nothing."""
+    config = run_config(tmp_path, async_level=2, max_open_leases_per_worker=8)
+    config = config.model_copy(update={"trainer": config.trainer.model_copy(update={"samples_per_step": 8, "max_staleness": 2})})
+    orch = make_orchestrator(config)
+    wid, _ = register(orch)
+    first = [lease(orch, wid) for _ in range(2)]  # 16 untrained samples: two steps' worth
+    assert [l.min_policy_version for l in first] == [0, 0]
+    for v in range(1, 6):
+        orch.publish_version(v, f"{v:064x}")
+    # Trained 2 steps from now at version >= 5 + 2: a version-3 worker (allowed by async_level) would be stale.
+    with pytest.raises(ApiError) as e:
+        orch.lease(wid, LeaseRequest(loaded_policy_version=3, max_prompts=2))
+    assert code_of(e) == ErrorCode.version_too_old and e.value.min_policy_version == 5
+    granted = orch.lease(wid, LeaseRequest(loaded_policy_version=5, max_prompts=2)).lease
+    assert granted is not None and granted.min_policy_version == 5
+    orch.state.close()
+
+
+def test_a_retried_lease_request_gets_the_same_lease(orch):
+    """A worker whose first answer was lost (timeout, dropped connection) retries with the same
+    idempotency key: it must get the lease it already holds, not a second, orphaned one."""
+    wid, _ = register(orch)
+    req = LeaseRequest(loaded_policy_version=0, max_prompts=2, request_id="r-retry-1")
+    first = orch.lease(wid, req).lease
+    again = orch.lease(wid, req).lease
+    assert again.lease_id == first.lease_id and again.model_dump(mode="json") == first.model_dump(mode="json")
+    assert orch.state.open_leases(wid, time.time()) == 1
+    other = orch.lease(wid, LeaseRequest(loaded_policy_version=0, max_prompts=2, request_id="r-retry-2")).lease
+    assert other.lease_id != first.lease_id
