@@ -39,10 +39,10 @@ system-deps:
 	fi
 
 test: install system-deps
-	$(PY) -m pytest tests
+	PY=$(PY) tests/run_suites.sh
 
 test-all: install system-deps
-	$(PY) -m pytest tests -m ""
+	PY=$(PY) tests/run_suites.sh -m ""
 
 demo: install
 	$(VENV)/bin/swarmrl run --config configs/demo.toml

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Run each test folder in its own pytest process. vLLM's in-process engines keep global state (its
+# distributed environment, the current config), so engines created by one package's tests must not
+# share a process with another package's. Prints every suite's summary and a combined closing line.
+set -u
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+status=0
+passed=0
+failed=0
+skipped=0
+for dir in tests/*/; do
+  name=$(basename "$dir")
+  [ "$name" = "__pycache__" ] && continue
+  echo "=== tests/$name"
+  out=$(mktemp)
+  "$PY" -m pytest "$dir" "$@" 2>&1 | tee "$out"
+  rc=${PIPESTATUS[0]}
+  # Exit code 5 means the folder had no selected test (e.g. only slow ones): not a failure.
+  if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then status=1; echo "=== tests/$name FAILED (exit $rc)"; fi
+  line=$(grep -E "^=+ .*(passed|failed|error|skipped|deselected).* in [0-9.]+s" "$out" | tail -1)
+  for kind in passed failed skipped; do
+    n=$(echo "$line" | grep -oE "[0-9]+ $kind" | grep -oE "[0-9]+" || true)
+    eval "$kind=\$(( $kind + ${n:-0} ))"
+  done
+  errors=$(echo "$line" | grep -oE "[0-9]+ error" | grep -oE "[0-9]+" || true)
+  failed=$(( failed + ${errors:-0} ))
+  rm -f "$out"
+done
+echo "suites: $passed passed, $failed failed, $skipped skipped"
+exit $status
