@@ -144,6 +144,14 @@ def _child_env(threads: int) -> dict[str, str]:
     return env
 
 
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
 def _pinner(cfg: RunConfig, component: str):
     cpus = cfg.resources.cpu_affinity.get(component)  # type: ignore[call-overload]
     return (lambda: os.sched_setaffinity(0, set(cpus))) if cpus else None
@@ -253,6 +261,11 @@ class Run:
         self._started_ray = not ray.is_initialized() and not cfg.ray_address
         init_ray(cfg.ray_address, num_cpus=None if cfg.ray_address else max(2, os.cpu_count() or 2))
 
+        if cfg.shardcast.origin_port == 0:
+            # Pick the origin's port once: a restarted trainer must serve at the same URL, which the
+            # relays and the verifiers already use.
+            port = _free_port(cfg.shardcast.host)
+            cfg = self.cfg = cfg.model_copy(update={"shardcast": cfg.shardcast.model_copy(update={"origin_port": port})})
         log.info("starting trainer and shardcast origin")
         actor = ray.remote(
             num_cpus=0,
