@@ -97,6 +97,7 @@ class TrainerActor:
         metrics = self.trainer.step(samples)
         latest = self.origin.latest()
         metrics["model_hash"] = self.origin.manifest(latest).model_hash if latest is not None else ""  # type: ignore[assignment]
+        metrics["pid"] = os.getpid()  # type: ignore[assignment]
         return metrics
 
     def checkpoint(self) -> None:
@@ -246,6 +247,7 @@ class Run:
         self.url = ""
         self._stop = threading.Event()
         self._started_ray = False
+        self._trainer_pid = 0
 
     # ---------------------------------------------------------------- start
 
@@ -306,6 +308,7 @@ class Run:
         log.info("run started", extra={"url": self.url, "run_dir": str(rd.root), "workers": cfg.num_workers})
 
     def _write_pids(self, trainer_pid: int) -> None:
+        self._trainer_pid = trainer_pid
         pids = {"driver": os.getpid(), "trainer": trainer_pid, "relays": [r.popen.pid for r in self.relays], "workers": [w.popen.pid for w in self.workers], "url": self.url}
         (self.rd.root / "pids.json").write_text(json.dumps(pids, indent=2))
 
@@ -335,6 +338,9 @@ class Run:
             except RayActorError as exc:
                 self._recover_trainer(batch.batch_id, exc)
                 continue
+            pid = int(metrics.pop("pid"))
+            if pid != self._trainer_pid:  # Ray restarted the trainer between two steps
+                self._write_pids(pid)
             # take_batch already counted the samples it dropped as stale; pass only the trainer's own.
             gaps = ray.get(self.orch.commit_batch.remote(batch.batch_id, int(metrics["version"]), metrics["model_hash"], int(metrics.get("samples/dropped_stale", 0))))
             ray.get(self.orch.publish_version.remote(int(metrics["version"]), metrics["model_hash"]))
