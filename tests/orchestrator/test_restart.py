@@ -43,6 +43,16 @@ def start(run_dir: Path, port: int) -> tuple[subprocess.Popen, str]:
     return proc, line
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the orchestrator we started; kill it if it does not exit in time."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def auth(secret: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {secret}"}
 
@@ -100,12 +110,7 @@ def test_kill_and_restart(tmp_path):
                 time.sleep(0.2)
             assert all(v.status.value == "accepted" for v in verdicts), [v.status for v in verdicts]
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
     db = sqlite3.connect(tmp_path / "orchestrator.sqlite")
     statuses = dict(db.execute("SELECT status, COUNT(*) FROM samples GROUP BY status").fetchall())
@@ -189,9 +194,4 @@ def test_submission_acknowledged_with_200_survives_kill_9(tmp_path):
             r = c.post(api.SUBMIT.path, content=encode(subs[0].model_copy(update={"lease_id": lease(c, w).lease_id})), headers=auth(w.secret))
             assert r.status_code == 409 and r.json()["error"] == "duplicate", r.text
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
