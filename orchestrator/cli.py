@@ -158,14 +158,15 @@ def init_model(
     size: str = typer.Option("tiny", "--size", help="tiny | small"),
     seed: int = typer.Option(0, "--seed"),
     tie_embeddings: bool = typer.Option(True, "--tie-embeddings/--no-tie-embeddings"),
+    pretrain_steps: int = typer.Option(0, "--pretrain-steps", min=0, help="short base-model pretraining (echo data, not the RL task)"),
 ) -> None:
     """Write a tiny Qwen2-architecture model and tokenizer, made locally (no hub)."""
     from trainer.tiny_model import SIZES, init_model as make
 
     if size not in SIZES:
         raise typer.BadParameter(f"choose one of {', '.join(SIZES)}", param_hint="--size")
-    path = make(out, size, seed, tie_embeddings)  # type: ignore[arg-type]
-    console.print(f"wrote a {size} model (seed {seed}, tied={tie_embeddings}) to {path}")
+    path = make(out, size, seed, tie_embeddings, pretrain_steps)  # type: ignore[arg-type]
+    console.print(f"wrote a {size} model (seed {seed}, tied={tie_embeddings}, pretrain steps {pretrain_steps}) to {path}")
 
 
 def _add_package_clis() -> None:

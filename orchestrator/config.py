@@ -31,6 +31,9 @@ class ModelConfig(BaseModel):
     init_size: Literal["tiny", "small"] = "tiny"
     init_seed: int = 0
     tie_embeddings: bool = True
+    init_pretrain_steps: int = Field(
+        0, ge=0, description="short base-model pretraining of the made model (trainer.tiny_model.pretrain_corpus)"
+    )
 
 
 class DataConfig(BaseModel):
@@ -92,7 +95,9 @@ class RunConfig(BaseModel):
     num_workers: int = Field(1, ge=0, description="local inference workers started by `swarmrl run`")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     max_minutes: float = Field(0.0, ge=0, description="stop after this much wall time; 0: no limit")
-    stop_reward: float | None = Field(None, description="stop once the mean reward stays at or above this for 5 steps")
+    stop_reward: float | None = Field(
+        None, description="stop once the mean reward of the accepted rollouts stays at or above this for 5 steps"
+    )
     resources: ResourcesConfig = ResourcesConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()

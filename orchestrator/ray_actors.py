@@ -185,6 +185,9 @@ class OrchestratorActor:
     def status(self) -> Any:
         return self.orch.status()
 
+    def reward_totals(self) -> tuple[float, int]:
+        return self.orch.reward_totals()
+
     def set_finished(self, error: str | None = None) -> None:
         self.orch.set_finished(error)
 

@@ -214,6 +214,7 @@ class Progress:
     version: int = 0
     reward: float | None = None
     rewards: deque = field(default_factory=lambda: deque(maxlen=5))
+    reward_totals: tuple[float, int] = (0.0, 0)
     status: Any = None
     last: dict[str, Any] = field(default_factory=dict)  # accumulates the wait before the next step
     last_metrics: dict[str, Any] = field(default_factory=dict)
@@ -228,7 +229,8 @@ def ensure_model(cfg: RunConfig, rd: RunDir) -> Path:
     if not (rd.model_dir / "config.json").exists():
         from trainer.tiny_model import init_model
 
-        init_model(rd.model_dir, cfg.model.init_size, cfg.model.init_seed, cfg.model.tie_embeddings)
+        log.info("making the base model", extra={"size": cfg.model.init_size, "pretrain_steps": cfg.model.init_pretrain_steps})
+        init_model(rd.model_dir, cfg.model.init_size, cfg.model.init_seed, cfg.model.tie_embeddings, cfg.model.init_pretrain_steps)
     return rd.model_dir
 
 
@@ -331,6 +333,10 @@ class Run:
                 if batch.samples:
                     ray.get(self.orch.give_back_batch.remote(batch.batch_id))
                 p.last["time/wait_for_rollouts"] = p.last.get("time/wait_for_rollouts", 0.0) + time.perf_counter() - t0
+                # A converged policy yields only zero-signal groups, so no batch: judge it by its rollouts.
+                self._update_reward(min_completions=cfg.trainer.samples_per_step)
+                if self._reward_reached():
+                    break
                 continue
             waited = p.last.pop("time/wait_for_rollouts", 0.0) + time.perf_counter() - t0
             try:
@@ -347,10 +353,30 @@ class Run:
             if not gaps and metrics.get("samples/trained", 0):
                 log.warning("the orchestrator did not know batch %s (restarted?); its samples were trained once already", batch.batch_id)
             self._record(metrics, waited, gaps)
-            if cfg.stop_reward is not None and len(p.rewards) == p.rewards.maxlen and min(p.rewards) >= cfg.stop_reward:
-                p.events.append(f"reward >= {cfg.stop_reward} for {p.rewards.maxlen} steps")
+            if self._reward_reached():
                 break
         ray.get(self.trainer.checkpoint.remote())
+
+    def _update_reward(self, min_completions: int) -> None:
+        """The mean reward of every rollout accepted since the last update, zero-signal groups included
+        (the trained samples alone leave out the groups that are all wrong or all right)."""
+        import ray
+
+        p = self.progress
+        reward_sum, completions = ray.get(self.orch.reward_totals.remote())
+        if completions < p.reward_totals[1]:  # the orchestrator restarted: its totals start again
+            p.reward_totals = (0.0, 0)
+        if completions - p.reward_totals[1] >= min_completions:
+            p.reward = (reward_sum - p.reward_totals[0]) / (completions - p.reward_totals[1])
+            p.rewards.append(p.reward)
+            p.reward_totals = (reward_sum, completions)
+
+    def _reward_reached(self) -> bool:
+        cfg, p = self.cfg, self.progress
+        if cfg.stop_reward is not None and len(p.rewards) == p.rewards.maxlen and min(p.rewards) >= cfg.stop_reward:
+            p.events.append(f"reward >= {cfg.stop_reward} for {p.rewards.maxlen} steps")
+            return True
+        return False
 
     def _record(self, metrics: dict[str, Any], waited: float, gaps: dict[int, int]) -> None:
         import ray
@@ -358,9 +384,7 @@ class Run:
         p = self.progress
         p.step += 1
         p.version = int(metrics["version"])
-        if "reward/mean" in metrics:
-            p.reward = float(metrics["reward/mean"])
-            p.rewards.append(p.reward)
+        self._update_reward(min_completions=1)
         try:
             p.status = ray.get(self.orch.status.remote(), timeout=10)
         except Exception:  # status is for display only

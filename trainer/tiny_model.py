@@ -9,6 +9,7 @@ starts near-uniform over ~50 tokens, so GRPO sees signal from the first step.
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Literal
 
@@ -74,7 +75,53 @@ def make_config(size: Literal["tiny", "small"] = "tiny", tie_embeddings: bool = 
     )
 
 
-def init_model(out: str | Path, size: Literal["tiny", "small"] = "tiny", seed: int = 0, tie_embeddings: bool = True) -> Path:
+def pretrain_corpus(n: int, rng: random.Random) -> list[str]:
+    """Base-model data: `copy:<letters>=<letters>` and `say:<digits>=<digits>`, short words echoed.
+
+    It gives the random model what RL post-training builds on (attend to the prompt, write the answer
+    after `=`, stop) but never the demo's task itself, `copy:<digits>=`: the base model has to combine
+    two things it saw apart, does so only sometimes, and RL has to make it reliable.
+    """
+    texts = []
+    for i in range(n):
+        prefix, chars = ("copy:", "abcdefghijklmnopqrstuvwxyz") if i % 2 == 0 else ("say:", "0123456789")
+        word = "".join(rng.choice(chars) for _ in range(rng.randint(1, 3)))
+        texts.append(f"{prefix}{word}={word}")
+    return texts
+
+
+def pretrain(model, steps: int, seed: int, batch_size: int = 64, lr: float = 1e-3) -> list[float]:
+    """A short next-token pretraining of `model` on `pretrain_corpus` (loss on the answer and EOS)."""
+    tok = make_tokenizer()
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
+    losses = []
+    model.train()
+    for _ in range(steps):
+        rows = [tok(t)["input_ids"] + [EOS_ID] for t in pretrain_corpus(batch_size, rng)]
+        width = max(map(len, rows))
+        ids = torch.full((len(rows), width), PAD_ID)
+        labels = torch.full((len(rows), width), -100)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)] = torch.tensor(row)
+            answer_start = row.index(vocab()["="]) + 1
+            labels[i, answer_start : len(row)] = ids[i, answer_start : len(row)]
+        loss = model(input_ids=ids, attention_mask=(ids != PAD_ID).long(), labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+def init_model(
+    out: str | Path,
+    size: Literal["tiny", "small"] = "tiny",
+    seed: int = 0,
+    tie_embeddings: bool = True,
+    pretrain_steps: int = 0,
+) -> Path:
     """Write a randomly initialised model and its tokenizer to `out`. Deterministic for a given seed."""
     from transformers import GenerationConfig, Qwen2ForCausalLM
 
@@ -84,9 +131,11 @@ def init_model(out: str | Path, size: Literal["tiny", "small"] = "tiny", seed: i
     devnull_rng = torch.random.get_rng_state()
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).float()
+    if pretrain_steps:
+        pretrain(model, pretrain_steps, seed)
     torch.random.set_rng_state(devnull_rng)
     model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     model.save_pretrained(out, safe_serialization=True)
     make_tokenizer().save_pretrained(out)
-    (out / "swarmrl_model.json").write_text(json.dumps({"size": size, "seed": seed, "tie_embeddings": tie_embeddings}, indent=2))
+    (out / "swarmrl_model.json").write_text(json.dumps({"size": size, "seed": seed, "tie_embeddings": tie_embeddings, "pretrain_steps": pretrain_steps}, indent=2))
     return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -17,13 +18,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
 def test_demo_reaches_reward_0_9_within_10_minutes(tmp_path):
+    started = time.monotonic()
     out = subprocess.run(
         [sys.executable, "-m", "orchestrator.cli", "run", "--config", str(REPO / "configs" / "demo.toml"), "--output_dir", str(tmp_path), "--orchestrator.port", "0"],
         capture_output=True, text=True, cwd=REPO, timeout=15 * 60,
     )
+    wall_s = time.monotonic() - started  # the whole command: model making, start-up, training, shutdown
     assert out.returncode == 0, out.stderr[-3000:]
     rows = metrics(tmp_path / "demo")
-    first, last = rows[0], rows[-5:]
-    assert first["reward_mean"] < 0.5
+    # Step 1 trains on version-0 rollouts: its reward is the base model's level.
+    assert rows[0]["staleness"] == {"0": rows[0]["samples/trained"]}
+    assert rows[0]["reward_mean"] < 0.6
+    last = rows[-5:]
     assert min(r["reward_mean"] for r in last) >= 0.9, [round(r["reward_mean"], 3) for r in rows[::10]]
-    assert last[-1]["time"] - first["time"] <= 10 * 60
+    assert wall_s <= 10 * 60

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trainer.tiny_model import ALPHABET, EOS_ID, init_model, make_tokenizer
+from trainer.tiny_model import ALPHABET, EOS_ID, init_model, make_tokenizer, pretrain_corpus
 
 
 def tensor_digest(path: Path) -> str:
@@ -28,6 +28,36 @@ def test_same_seed_same_model_other_seed_other_model(tmp_path):
     c = init_model(tmp_path / "c", "tiny", seed=4)
     assert tensor_digest(a) == tensor_digest(b) != tensor_digest(c)
     assert (a / "tokenizer.json").read_text() == (b / "tokenizer.json").read_text()
+
+
+def test_pretrain_corpus_never_shows_the_demo_task():
+    import random
+    import re
+
+    texts = pretrain_corpus(2000, random.Random(0))
+    assert all(re.fullmatch(r"copy:([a-z]{1,3})=\1|say:([0-9]{1,3})=\2", t) for t in texts), texts[:5]
+    assert {t.split(":")[0] for t in texts} == {"copy", "say"}
+    assert not any(re.match(r"copy:[0-9]", t) for t in texts)  # the toy task's prompts
+
+
+def test_pretraining_teaches_the_echo_and_is_deterministic(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    a = init_model(tmp_path / "a", "tiny", seed=3, pretrain_steps=30)
+    assert tensor_digest(a) == tensor_digest(init_model(tmp_path / "b", "tiny", seed=3, pretrain_steps=30))
+    assert tensor_digest(a) != tensor_digest(init_model(tmp_path / "c", "tiny", seed=3))
+    assert json.loads((a / "swarmrl_model.json").read_text())["pretrain_steps"] == 30
+
+    tok = make_tokenizer()
+    ids = torch.tensor([tok("say:7=")["input_ids"] + [tok.convert_tokens_to_ids("7"), EOS_ID]])
+
+    def answer_loss(path: Path) -> float:
+        model = AutoModelForCausalLM.from_pretrained(path)
+        labels = ids.clone()
+        labels[0, :6] = -100
+        return model(input_ids=ids, labels=labels).loss.item()
+
+    assert answer_loss(a) < answer_loss(tmp_path / "c") - 0.5
 
 
 def test_tied_and_untied(tiny_model_dir, tiny_untied_model_dir):
@@ -60,6 +90,11 @@ def test_init_model_cli(tmp_path):
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "m" / "config.json").read_text())["tie_word_embeddings"] is False
     res = CliRunner().invoke(app, ["init-model", "--out", str(tmp_path / "x"), "--size", "huge"])
+    assert res.exit_code != 0
+    res = CliRunner().invoke(app, ["init-model", "--out", str(tmp_path / "p"), "--size", "tiny", "--pretrain-steps", "2"])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "p" / "swarmrl_model.json").read_text())["pretrain_steps"] == 2
+    res = CliRunner().invoke(app, ["init-model", "--out", str(tmp_path / "q"), "--pretrain-steps", "-1"])
     assert res.exit_code != 0
 
 
