@@ -30,7 +30,7 @@ def run_mode(out: Path, async_level: int, args) -> dict:
         "--output_dir", str(out), "--name", name,
         "--orchestrator.async_level", str(async_level), "--trainer.max_staleness", str(max(async_level, 0)),
         "--orchestrator.port", "0", "--model.init_size", args.size,
-        "--trainer.max_steps", "100000", "--max_minutes", str(args.minutes),
+        "--trainer.max_steps", "100000", "--max_minutes", str(args.minutes), "--stop_reward", "null",
         "--resources.cpu_affinity", json.dumps({"workers": [0], "trainer": [1], "verifier": [1], "orchestrator": [1], "relays": [1]}),
         "--worker.num_threads", "1", "--trainer.num_threads", "1",
         *args.extra,

@@ -136,7 +136,10 @@ def parse_overrides(args: list[str]) -> dict[str, str]:
 
 
 def _coerce(text: str) -> Any:
-    """Override values are strings; JSON-looking ones (lists, objects) are parsed, the rest left to pydantic."""
+    """Override values are strings; JSON-looking ones (lists, objects) are parsed, `null` is None (which
+    TOML cannot say), the rest is left to pydantic."""
+    if text == "null":
+        return None
     if text[:1] in "[{":
         try:
             return json.loads(text)

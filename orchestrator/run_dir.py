@@ -67,7 +67,15 @@ class RunDir:
         ax1.set_ylim(-0.02, 1.02)
         ax1.grid(alpha=0.3)
         ax1.set_title(f"{self.root.name}: reward and throughput")
-        ax2.plot(minutes, [r.get("trained_samples_per_s", 0.0) for r in rows], color="tab:green", label="trained samples/s")
+        # Over the last few steps, from the step records themselves (the orchestrator's own rate is a
+        # 60 s window, which lags a short run).
+        window = 5
+        rate = [
+            sum(r.get("samples/trained", 0.0) for r in rows[max(1, i - window + 1) : i + 1]) / (r["time"] - rows[max(0, i - window)]["time"])
+            if i and r["time"] > rows[max(0, i - window)]["time"] else float("nan")
+            for i, r in enumerate(rows)
+        ]
+        ax2.plot(minutes, rate, color="tab:green", label=f"trained samples/s (last {window} steps)")
         ax2.set_ylabel("samples / s")
         ax2.set_xlabel("wall time (minutes)")
         ax2.grid(alpha=0.3)

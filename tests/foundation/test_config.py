@@ -40,6 +40,13 @@ def test_list_override_is_parsed_as_json():
     assert cfg.orchestrator.join_tokens == ["a", "b"]
 
 
+def test_null_override_clears_an_optional_field():
+    assert load_config(DEMO, environ={}).stop_reward is not None
+    assert load_config(DEMO, ["--stop_reward", "null"], environ={}).stop_reward is None
+    with pytest.raises(ConfigError, match="trainer.lr"):
+        load_config(DEMO, ["--trainer.lr", "null"], environ={})  # not optional: refused, not None
+
+
 def test_environment_between_file_and_command_line():
     env = {"SWARMRL_TRAINER__LR": "0.5", "SWARMRL_ORCHESTRATOR__ADMIN_TOKEN": "from-env", "SWARMRL_LOG_LEVEL": "DEBUG", "UNRELATED": "x"}
     cfg = load_config(DEMO, environ=env)
