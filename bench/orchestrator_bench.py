@@ -15,10 +15,13 @@ clients are pinned to different cores, standing in for separate machines.
 Reported per point: accepted submissions/s, submit / lease latency p50 and p99, the server's
 CPU-seconds per accepted submission (from the kernel's accounting of the server process: independent
 of other load on the machine, unlike wall-clock throughput) and the implied capacity of one core, RSS.
-`--compare-head` also runs the code of git HEAD's `orchestrator/` side by side (the "before").
+`--compare-head` also runs the code of git HEAD's `orchestrator/`, `protocol/` and `trainer/` side by side (the "before").
+Then, unless `--no-steps`: the server's CPU per step of a cycle measured in-process (no HTTP, no
+threads; thread CPU time), to show where the time goes.
 
     python bench/orchestrator_bench.py                          # 64 and 256 workers, 15 s each
     python bench/orchestrator_bench.py --workers 64 --seconds 10 --compare-head
+    python bench/orchestrator_bench.py --steps --compare-head   # only the per-step table
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ LEASE_MARK = "LEASEMARK"
 PROOF_MARK = "PROOFMARK"
 ADMIN, JOIN = "bench-admin", "bench-join"
 HEAD_DIR = REPO / "bench" / ".work" / "orchestrator_head"
+# The packages whose code is on the server's path: the "before" runs git HEAD's copy of all of them.
+HEAD_PACKAGES = ("orchestrator", "protocol", "trainer")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -100,7 +105,7 @@ def serve_main(args) -> None:
 
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
-    if args.src:  # run another copy of orchestrator/ (e.g. git HEAD's) against the same harness
+    if args.src:  # run another copy of orchestrator/, protocol/, trainer/ (e.g. git HEAD's) against the same harness
         sys.path.insert(0, args.src)
     from orchestrator.data import PromptSet
     from orchestrator.serve import OrchestratorServer
@@ -125,6 +130,88 @@ def serve_main(args) -> None:
         pass
     trainer.join(timeout=10)
     server.stop()
+
+
+STEPS = ("lease", "submit", "verify", "take", "commit")
+
+
+def steps_main(args) -> None:
+    """In-process CPU per step of one cycle, no HTTP and no threads: where the server's time goes,
+    step by step (thread CPU time, so less sensitive to other load than wall-clock numbers). One cycle:
+    lease (+ its JSON response) and submit (+ receipt) for one of 64 workers; every 16 cycles the
+    verification of the queued submissions (stub verifier) and one trainer pull (take + commit)."""
+    import gc
+    import shutil
+    import tempfile
+
+    if args.src:
+        sys.path.insert(0, args.src)
+    import zstandard
+
+    from orchestrator.data import PromptSet
+    from orchestrator.service import Orchestrator
+    from orchestrator.state import State
+    from protocol.models import LeaseRequest, WorkerRegistration
+    from trainer.tiny_model import make_tokenizer, padded_vocab_size
+    from verifier.tasks import get_task
+
+    run_dir = Path(tempfile.mkdtemp(prefix="swarmrl-orch-steps-"))
+    cfg = bench_config(run_dir, 0, args)
+    items = get_task("toy", digits=6).make_prompts(cfg.data.num_prompts, 0)
+    orch = Orchestrator(cfg, State(cfg.orchestrator.db_path), PromptSet.from_items(items, make_tokenizer(), 0, padded_vocab_size()),
+                        StubVerifier(), verify_batch=64)
+    orch.publish_version(0, "0" * 64)
+    workers = [orch.authenticate(orch.register(WorkerRegistration(name="bench")).secret) for _ in range(64)]
+    tmpl, cctx, rng = template(args), zstandard.ZstdCompressor(level=1), np.random.default_rng(0)
+    spent = dict.fromkeys(STEPS, 0.0)
+    clock = time.thread_time
+
+    def cycle(i: int) -> None:
+        wid = workers[i % len(workers)]
+        t0 = clock()
+        resp = orch.lease(wid, LeaseRequest(loaded_policy_version=0, max_prompts=64))
+        resp.model_dump_json()
+        t1 = clock()
+        body = cctx.compress(tmpl.replace(LEASE_MARK, resp.lease.lease_id).replace(PROOF_MARK, base64.b64encode(rng.bytes(258)).decode()).encode())
+        t2 = clock()
+        orch.submit(wid, body, "zstd").model_dump_json()
+        t3 = clock()
+        spent["lease"] += t1 - t0
+        spent["submit"] += t3 - t2
+        if i % 16 == 15:
+            orch.verify_pending()
+            t4 = clock()
+            batch = orch.take_batch(512)
+            t5 = clock()
+            orch.commit_batch(batch.batch_id, 0)
+            spent["verify"] += t4 - t3
+            spent["take"] += t5 - t4
+            spent["commit"] += clock() - t5
+
+    for i in range(200):  # warm-up
+        cycle(i)
+    gc.collect()
+    gc.freeze()  # as the server now does at start; HEAD's server did not: its full-collection stalls show in the wall-clock points
+    spent = dict.fromkeys(STEPS, 0.0)
+    process0 = time.process_time()
+    for i in range(args.steps_cycles):
+        cycle(200 + i)
+    process = time.process_time() - process0
+    out = {k: round(1e3 * v / args.steps_cycles, 3) for k, v in spent.items()}
+    out["total"] = round(sum(out.values()), 3)
+    # All threads (e.g. a background WAL checkpointer) and the harness's own compression: an upper bound.
+    out["process"] = round(1e3 * process / args.steps_cycles, 3)
+    print(json.dumps(out), flush=True)
+    orch.state.close()
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def run_steps(args, src: str = "") -> dict:
+    cmd = [sys.executable, __file__, "--steps-worker", "--steps-cycles", str(args.steps_cycles), "--src", src, "--cpus", args.server_cpus,
+           "--samples-per-prompt", str(args.samples_per_prompt), "--prompts-per-lease", str(args.prompts_per_lease),
+           "--max-tokens", str(args.max_tokens), "--samples-per-step", str(args.samples_per_step)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=dict(os.environ, PYTHONPATH=str(REPO))).stdout
+    return {"code": "git HEAD (before)" if src else "working tree (after)", **json.loads(out.strip().splitlines()[-1])}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -351,16 +438,25 @@ def main() -> None:
     two = (os.cpu_count() or 1) >= 2
     ap.add_argument("--server-cpus", default="0" if two else "", help="pin the server to these cores ('' = no pinning)")
     ap.add_argument("--client-cpus", default="1" if two else "", help="pin the client processes to these cores")
-    ap.add_argument("--compare-head", action="store_true", help="also run git HEAD's orchestrator/ (the 'before'), side by side")
+    ap.add_argument("--compare-head", action="store_true", help="also run git HEAD's orchestrator/, protocol/ and trainer/ (the 'before'), side by side")
     ap.add_argument("--no-ceiling", action="store_true", help="skip the GET /healthz ceiling points")
     ap.add_argument("--prompts-per-lease", type=int, default=4)
     ap.add_argument("--samples-per-prompt", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=16, help="16: the demo config")
     ap.add_argument("--samples-per-step", type=int, default=4096)
+    ap.add_argument("--steps", action="store_true", help="only the in-process CPU per step (no HTTP points)")
+    ap.add_argument("--no-steps", action="store_true", help="skip the in-process CPU per step")
+    ap.add_argument("--steps-cycles", type=int, default=1500)
+    ap.add_argument("--steps-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "orchestrator_bench"))
     args = ap.parse_args()
     if args.serve:
         serve_main(args)
+        return
+    if args.steps_worker:
+        if args.cpus:
+            os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+        steps_main(args)
         return
     tmpl = template(args)
     head_rev = ""
@@ -369,11 +465,11 @@ def main() -> None:
 
         shutil.rmtree(HEAD_DIR, ignore_errors=True)
         HEAD_DIR.mkdir(parents=True)
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", "HEAD", "orchestrator"], check=True, capture_output=True).stdout
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", "HEAD", *HEAD_PACKAGES], check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", str(HEAD_DIR)], input=archive, check=True)
         head_rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     rows = []
-    for n in args.workers:  # side by side, interleaved: ceiling, before, after for each worker count
+    for n in [] if args.steps else args.workers:  # side by side, interleaved: ceiling, before, after for each worker count
         if not args.no_ceiling:
             rows.append(run_point(args, n, tmpl, ceiling=True))
             print(json.dumps(rows[-1]), flush=True)
@@ -382,6 +478,15 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
         rows.append(run_point(args, n, tmpl))
         print(json.dumps(rows[-1]), flush=True)
+    steps = []
+    if not args.no_steps:  # 3 interleaved runs per code version; the median of each step
+        runs: dict[str, list[dict]] = {}
+        for _ in range(3):
+            for src in ([str(HEAD_DIR)] if args.compare_head else []) + [""]:
+                r = run_steps(args, src)
+                runs.setdefault(r.pop("code"), []).append(r)
+                print(json.dumps(r), flush=True)
+        steps = [{"code": code, **{k: float(np.median([r[k] for r in rs])) for k in rs[0]}} for code, rs in runs.items()]
     result = {
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
@@ -390,6 +495,7 @@ def main() -> None:
         "shape": {"prompts_per_lease": args.prompts_per_lease, "samples_per_prompt": args.samples_per_prompt, "max_tokens": args.max_tokens},
         "verification": "stubbed (benchmark only); stub trainer consumes the buffer",
         "rows": rows,
+        "steps_ms_per_cycle": steps,
     }
     Path(args.out + ".json").write_text(json.dumps(result, indent=2))
     lines = [
@@ -398,7 +504,7 @@ def main() -> None:
         f"`{result['command']}` on {os.cpu_count()} shared cores; server pinned to cpu {args.server_cpus or '-'}, "
         f"{args.client_procs} client processes pinned to cpu {args.client_cpus or '-'} (standing in for separate machines).",
         f"Each cycle: lease + one zstd submission of {args.prompts_per_lease}x{args.samples_per_prompt} completions of "
-        f"{args.max_tokens // 2}-{args.max_tokens} tokens with proofs ({rows[0]['body_json_kb']} KiB JSON). Verification stubbed (benchmark only).",
+        f"{args.max_tokens // 2}-{args.max_tokens} tokens with proofs ({len(tmpl) / 1024:.1f} KiB JSON). Verification stubbed (benchmark only).",
         "Server CPU ms per submission is the server process's user+system CPU over the measured window divided by accepted "
         "submissions (lease + submit + admission + verdict bookkeeping + buffer + stub trainer pulls): it does not depend on other "
         "load on the machine the way wall-clock throughput does; 1000 / it = what one dedicated core sustains.",
@@ -412,6 +518,16 @@ def main() -> None:
             f"{p['lease_p50_ms']} | {p['lease_p99_ms']} | {p['server_cpu_ms_per_submission']:.2f} | {p['one_core_capacity_per_s']:.0f} | "
             f"{p['server_cpu_share']:.2f} | {p['orchestrator_rss_peak_mb']:.0f} | {p['load_average_at_start']:.1f} | {p['errors'] or '-'} |"
         )
+    if steps:
+        lines += [
+            "",
+            f"In-process server CPU per step (ms per cycle; no HTTP, no threads; median of 3 runs of {args.steps_cycles} cycles; "
+            "`verify` = stub verification + verdict bookkeeping, `take`/`commit` = the trainer's pulls):",
+            "",
+            "| code | " + " | ".join(STEPS) + " | total | process CPU (all threads, incl. the harness's zstd) |",
+            "|---|" + "---|" * (len(STEPS) + 2),
+        ]
+        lines += [f"| {r['code']} | " + " | ".join(f"{r[k]:.3f}" for k in (*STEPS, "total", "process")) + " |" for r in steps]
     lines.append("")
     Path(args.out + ".md").write_text("\n".join(lines))
     print("\n".join(lines))

@@ -22,9 +22,16 @@ MAX_ZSTD_WINDOW = 16 << 20
 READ_CHUNK = 1 << 20
 
 
+_local = threading.local()
+
+
 def decompress_zstd(body: bytes, max_output: int = limits.MAX_DECOMPRESSED_BODY_BYTES) -> bytes:
     """Stream-decompress, stopping as soon as the output would exceed `max_output` (zstd bombs)."""
-    dctx = zstandard.ZstdDecompressor(max_window_size=MAX_ZSTD_WINDOW)
+    # One decompression context per thread, reused (each stream_reader starts a fresh frame): creating
+    # one costs about as much as decompressing a typical submission.
+    dctx = getattr(_local, "dctx", None)
+    if dctx is None:
+        dctx = _local.dctx = zstandard.ZstdDecompressor(max_window_size=MAX_ZSTD_WINDOW)
     out = io.BytesIO()
     try:
         # read_across_frames: a body of several concatenated frames is decompressed whole.

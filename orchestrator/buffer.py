@@ -60,16 +60,28 @@ def build_samples(submission_id: str, sub: RolloutSubmission, lease: TaskLease, 
     return Groups(samples, kept, dropped)
 
 
-def to_train_sample(row: SampleRow) -> TrainSample:
-    return TrainSample(
-        prompt_ids=np.frombuffer(row.prompt_ids, dtype="<i4").astype(np.int64),
-        completion_ids=np.frombuffer(row.completion_ids, dtype="<i4").astype(np.int64),
-        behaviour_logprobs=np.frombuffer(row.logprobs, dtype="<f4").astype(np.float32),
-        advantage=row.advantage,
-        reward=row.reward,
-        behaviour_version=row.behaviour_version,
-        sample_id=row.sample_id,
-    )
+def to_train_samples(rows: list[SampleRow]) -> list[TrainSample]:
+    """Decode a batch of buffer rows: each array kind in one numpy call for the whole batch (samples get
+    slices of it), and one prompt array per group (its samples share it).
+
+    Trusted (no TrainSample checks): the buffer holds only what build_samples wrote from a submission
+    that protocol validated (token ids >= 0, logprobs finite and <= 0, one logprob per token), with
+    finite advantages from group_advantages."""
+    completions = np.frombuffer(b"".join(r.completion_ids for r in rows), dtype="<i4").astype(np.int64)
+    logprobs = np.frombuffer(b"".join(r.logprobs for r in rows), dtype="<f4").astype(np.float32)
+    prompts: dict[bytes, np.ndarray] = {}
+    out = []
+    start = 0
+    for r in rows:
+        end = start + len(r.completion_ids) // 4
+        prompt = prompts.get(r.prompt_ids)
+        if prompt is None:
+            prompt = prompts[r.prompt_ids] = np.frombuffer(r.prompt_ids, dtype="<i4").astype(np.int64)
+        out.append(
+            TrainSample.trusted(prompt, completions[start:end], logprobs[start:end], r.advantage, r.reward, r.behaviour_version, r.sample_id)
+        )
+        start = end
+    return out
 
 
 @dataclass
@@ -101,7 +113,7 @@ class RolloutBuffer:
             lowest = trainer_version - self.max_staleness
         batch_id = f"B{secrets.token_hex(6)}"
         rows, dropped = self.state.take_batch(batch_id, n, lowest)
-        return Batch(batch_id, [to_train_sample(r) for r in rows], dropped)
+        return Batch(batch_id, to_train_samples(rows) if rows else [], dropped)
 
     def commit(self, batch_id: str, new_version: int, model_hash: str | None = None, dropped_stale: int = 0) -> dict[int, int]:
         return self.state.commit_batch(batch_id, new_version, model_hash, dropped_stale)

@@ -79,13 +79,16 @@ class TrainerActor:
             self.origin.drop(version)  # a restarted trainer re-publishes a version it lost
         self.origin.publish(version, state_dict)
 
-    def info(self) -> dict[str, Any]:
+    def _latest_model_hash(self) -> str:
         latest = self.origin.latest()
+        return self.origin.manifest(latest).model_hash if latest is not None else ""
+
+    def info(self) -> dict[str, Any]:
         return {
             "origin_url": self.server.url,
             "public_key": self.origin.public_key_b64,
             "version": self.trainer.version,
-            "model_hash": self.origin.manifest(latest).model_hash if latest is not None else "",
+            "model_hash": self._latest_model_hash(),
             "last_batch_id": self.trainer.data_cursor.get("last_batch_id"),
             "pid": os.getpid(),
         }
@@ -95,8 +98,7 @@ class TrainerActor:
         # batch was trained (commit it) or not (give it back): trained exactly once either way.
         self.trainer.data_cursor["last_batch_id"] = batch_id
         metrics = self.trainer.step(samples)
-        latest = self.origin.latest()
-        metrics["model_hash"] = self.origin.manifest(latest).model_hash if latest is not None else ""  # type: ignore[assignment]
+        metrics["model_hash"] = self._latest_model_hash()  # type: ignore[assignment]
         metrics["pid"] = os.getpid()  # type: ignore[assignment]
         return metrics
 
@@ -216,7 +218,7 @@ class Progress:
     rewards: deque = field(default_factory=lambda: deque(maxlen=5))
     reward_totals: tuple[float, int] = (0.0, 0)
     status: Any = None
-    last: dict[str, Any] = field(default_factory=dict)  # accumulates the wait before the next step
+    waited_s: float = 0.0  # the wait for rollouts so far before the next step
     last_metrics: dict[str, Any] = field(default_factory=dict)
     wait_for_trainer_total: float = 0.0
     started: float = field(default_factory=time.time)
@@ -332,13 +334,13 @@ class Run:
             if len(batch.samples) < cfg.trainer.samples_per_step:
                 if batch.samples:
                     ray.get(self.orch.give_back_batch.remote(batch.batch_id))
-                p.last["time/wait_for_rollouts"] = p.last.get("time/wait_for_rollouts", 0.0) + time.perf_counter() - t0
+                p.waited_s += time.perf_counter() - t0
                 # A converged policy yields only zero-signal groups, so no batch: judge it by its rollouts.
                 self._update_reward(min_completions=cfg.trainer.samples_per_step)
                 if self._reward_reached():
                     break
                 continue
-            waited = p.last.pop("time/wait_for_rollouts", 0.0) + time.perf_counter() - t0
+            waited, p.waited_s = p.waited_s + time.perf_counter() - t0, 0.0
             try:
                 metrics = ray.get(self.trainer.step.remote(batch.batch_id, batch.samples))
             except RayActorError as exc:
@@ -410,7 +412,6 @@ class Run:
                 buffer_depth=st.buffer_depth,
                 groups_dropped_zero_signal=st.groups_dropped_zero_signal,
             )
-        p.last = {}
         p.last_metrics = record
         self.rd.append_metrics(record)
         log.info("step", extra={"step": p.step, "version": p.version, "reward": None if p.reward is None else round(p.reward, 3)})

@@ -60,6 +60,11 @@ TRUSTED_AFTER_ACCEPTED = 20
 # above MAX_PARSED_PENDING are not kept in memory but re-read from SQLite when their turn comes.
 MAX_VERIFY_BACKLOG = 4096
 MAX_PARSED_PENDING = 1024
+# The verification thread, woken by a submission, waits this long for more before it verifies and
+# records them together: one transaction and one verifier call per batch instead of per submission
+# (at 500 submissions/s, ~10 per batch instead of ~2). Verdicts come this much later; the submit
+# response does not wait for them.
+VERIFY_GATHER_S = 0.02
 
 
 class Verification(Protocol):
@@ -489,12 +494,16 @@ class Orchestrator:
             trust_level="trusted" if trusted else "new",
         )
 
-    def verify_pending(self, max_jobs: int | None = None, block: float = 0.0) -> int:
-        """Verify queued submissions (up to max_jobs) and apply their verdicts. Returns how many."""
+    def verify_pending(self, max_jobs: int | None = None, block: float = 0.0, gather_s: float = 0.0) -> int:
+        """Verify queued submissions (up to max_jobs) and apply their verdicts. Returns how many.
+        `block`: wait that long for a first one; `gather_s`: then wait that long for more to batch with it."""
         ids: list[str] = []
+        limit = max_jobs or self.verify_batch
         try:
             ids.append(self._queue.get(timeout=block) if block else self._queue.get_nowait())
-            while len(ids) < (max_jobs or self.verify_batch):
+            if gather_s and self._queue.qsize() < limit - 1:
+                self._stop.wait(gather_s)
+            while len(ids) < limit:
                 ids.append(self._queue.get_nowait())
         except queue.Empty:
             pass
@@ -589,7 +598,7 @@ class Orchestrator:
     def _verify_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self.verify_pending(block=0.2)
+                self.verify_pending(block=0.2, gather_s=VERIFY_GATHER_S)
             except Exception:  # never let the thread die: log and keep serving
                 log.exception("verification loop error")
                 self._stop.wait(1.0)

@@ -45,6 +45,33 @@ class TrainSample:
         if self.prompt_ids.min() < 0 or self.completion_ids.min() < 0:
             raise ValueError(f"{where}: token ids must be >= 0")
 
+    @classmethod
+    def trusted(
+        cls,
+        prompt_ids: np.ndarray,
+        completion_ids: np.ndarray,
+        behaviour_logprobs: np.ndarray,
+        advantage: float,
+        reward: float,
+        behaviour_version: int,
+        sample_id: str = "",
+    ) -> "TrainSample":
+        """A sample without the checks of `__post_init__`, for data that already passed equivalent or
+        stricter ones (the orchestrator's buffer: arrays of a submission that `protocol` validated on
+        admission, advantages from `group_advantages`). The caller passes 1-D arrays of the final dtypes
+        (int64, int64, float32)."""
+        s = cls.__new__(cls)
+        s.__dict__.update(
+            prompt_ids=prompt_ids,
+            completion_ids=completion_ids,
+            behaviour_logprobs=behaviour_logprobs,
+            advantage=advantage,
+            reward=reward,
+            behaviour_version=behaviour_version,
+            sample_id=sample_id,
+        )
+        return s
+
     @property
     def num_tokens(self) -> int:
         return int(self.prompt_ids.size + self.completion_ids.size)

@@ -85,10 +85,22 @@ def test_faults_worker_killed_trainer_killed_tampering_worker(tmp_path):
 
         # 1. A worker killed mid-task: its lease expires and the prompts are done by the other worker.
         victim = info["workers"][0]
-        with db(run_dir) as con:
-            wait_for(lambda: con.execute("SELECT COUNT(*) FROM leases WHERE status='open' AND worker_id IN (SELECT worker_id FROM workers WHERE name='local-0')").fetchone()[0] > 0, 60, "worker 0 to hold a lease", proc, poll_s=0.05)
+
+        def victim_open_leases() -> int:
+            with db(run_dir) as con:
+                return con.execute("SELECT COUNT(*) FROM leases WHERE status='open' AND worker_id IN (SELECT worker_id FROM workers WHERE name='local-0')").fetchone()[0]
+
+        # Freeze the worker first, then make sure it still holds an open lease: a submission already on
+        # the wire when we looked would otherwise close the lease we meant to orphan.
+        deadline = time.time() + 60
+        while True:
+            wait_for(lambda: victim_open_leases() > 0, 60, "worker 0 to hold a lease", proc, poll_s=0.05)
+            os.kill(victim, signal.SIGSTOP)
+            time.sleep(1.0)  # a request sent before the stop has landed by now
+            if victim_open_leases() > 0 or time.time() > deadline:
+                break
+            os.kill(victim, signal.SIGCONT)
         os.kill(victim, signal.SIGKILL)
-        killed_at = time.time()
 
         # 2. A cheating worker: valid shape, forged proofs and tokens. It is rejected, then banned.
         cheater = OrchestratorClient(url)

@@ -174,6 +174,17 @@ def test_submit_bad_inputs(client, server):
     big["completions"][0]["logprobs"] = pack([-1.0], "float32")
     big["completions"][0]["proofs"] = big["completions"][0]["proofs"][:1]
     error(client.post(api.SUBMIT.path, json=big, headers=h), 422, "invalid_request")
+    # Arrays are checked for all completions at once: a bad value in the last completion is refused and named.
+    last = len(good.completions) - 1
+    n = good.completions[last].token_ids.size
+    for field, values, reason in [
+        ("logprobs", [-0.5] * (n - 1) + [float("nan")], f"completion {last}: logprobs contain NaN"),
+        ("logprobs", [0.5] + [-0.5] * (n - 1), f"completion {last}: logprobs must be <= 0"),
+        ("token_ids", [3] * (n - 1) + [64], f"completion {last}: token id 64 is outside the vocabulary"),
+    ]:
+        doc = good.model_dump(mode="json")
+        doc["completions"][last][field] = pack(values, "float32" if field == "logprobs" else "int32")
+        assert reason in error(client.post(api.SUBMIT.path, json=doc, headers=h), 422, "invalid_request").detail
     # lease / version
     error(client.post(api.SUBMIT.path, content=encode(good.model_copy(update={"lease_id": "L-unknown"})), headers=h), 404, "not_found")
     error(client.post(api.SUBMIT.path, content=encode(good.model_copy(update={"completions": good.completions[:3]})), headers=h), 409, "lease_mismatch")

@@ -484,3 +484,82 @@ def test_a_retried_lease_request_gets_the_same_lease(orch):
     assert orch.state.open_leases(wid, time.time()) == 1
     other = orch.lease(wid, LeaseRequest(loaded_policy_version=0, max_prompts=2, request_id="r-retry-2")).lease
     assert other.lease_id != first.lease_id
+
+
+def test_buffer_samples_carry_the_submitted_arrays_exactly(orch):
+    """The trainer's samples (decoded for a whole batch at once, without TrainSample's checks) hold
+    exactly the prompt, tokens and logprobs that were submitted, with the dtypes TrainSample's own
+    constructor gives, and pass that constructor's checks."""
+    from trainer.samples import TrainSample
+
+    wid, _ = register(orch)
+    subs = {}
+    for seed in range(2):  # two submissions, so a batch spans several submissions and groups
+        l = lease(orch, wid)
+        sub = make_submission(l, np.random.default_rng(seed))
+        receipt = submit(orch, wid, sub)
+        subs[receipt.submission_id] = (l, sub)
+    drain(orch)
+    batch = orch.take_batch(100)
+    assert len(batch.samples) == orch.state.get_int("groups_kept") * 4 > 0
+    for s in batch.samples:
+        sid, p, k = s.sample_id.rsplit(":", 2)
+        l, sub = subs[sid]
+        c = next(c for c in sub.completions if (c.prompt_index, c.sample_index) == (int(p), int(k)))
+        assert s.prompt_ids.dtype == np.int64 and s.completion_ids.dtype == np.int64 and s.behaviour_logprobs.dtype == np.float32
+        assert s.prompt_ids.tolist() == l.prompts[int(p)].token_ids.tolist()
+        assert s.completion_ids.tolist() == c.token_ids.tolist()
+        assert np.array_equal(s.behaviour_logprobs, c.logprobs)
+        TrainSample(s.prompt_ids, s.completion_ids, s.behaviour_logprobs, s.advantage, s.reward, s.behaviour_version, s.sample_id)
+
+
+def test_untrained_counters_match_the_rows_through_every_transition(tmp_path):
+    """The async bound reads two counters kept alongside the lease and sample rows; after each kind of
+    transition (issue, submit, accept, reject, release, expire, take, stale drop, give back, commit,
+    restart) they equal a recount of the rows."""
+    cfg = run_config(tmp_path, max_open_leases_per_worker=10, strikes_to_ban=100)
+    cfg.trainer.max_staleness = 1
+    orch = make_orchestrator(cfg)
+    k = cfg.orchestrator.samples_per_prompt
+
+    def recount() -> int:
+        db = orch.state._db
+        leased = db.execute("SELECT COALESCE(SUM(json_array_length(prompt_indices)), 0) FROM leases WHERE status IN ('open', 'submitted')").fetchone()[0]
+        buffered = db.execute("SELECT COUNT(*) FROM samples WHERE status IN ('ready', 'taken')").fetchone()[0]
+        return int(leased) * k + int(buffered)
+
+    def check() -> None:
+        with orch.state.tx() as db:
+            assert orch.state.untrained_samples(db, k) == recount()
+
+    wid, _ = register(orch)
+    rng = np.random.default_rng(5)
+    l1, l2, l3, l4 = (lease(orch, wid) for _ in range(4))
+    check()
+    submit(orch, wid, make_submission(l1, rng))  # accepted
+    submit(orch, wid, make_submission(l2, rng, bad=True))  # rejected: its prompts go back
+    check()
+    drain(orch)
+    assert orch.state.buffer_depth() > 0
+    check()
+    orch.release(wid, l3.lease_id)
+    orch.housekeeping(now=time.time() + 3600)  # l4 expires
+    check()
+    b = orch.take_batch(2)
+    check()
+    orch.give_back_batch(b.batch_id)
+    check()
+    b = orch.take_batch(2)
+    orch.commit_batch(b.batch_id, 1, HASH1)
+    check()
+    l5 = lease(orch, wid, version=1)
+    submit(orch, wid, make_submission(l5, rng))
+    drain(orch)
+    orch.take_batch(1)  # taken, never committed
+    check()
+    dropped = orch.take_batch(100, trainer_version=3)  # everything left is stale for version 3
+    assert dropped.dropped_stale > 0
+    check()
+    orch.state.close()
+    orch = make_orchestrator(cfg)  # restart: the taken batch is ready again, the counters recounted
+    check()

@@ -245,3 +245,57 @@ def test_manifest_signing_payload_is_canonical_and_excludes_signature():
 def test_heartbeat_rejects_nan():
     with pytest.raises(ValidationError):
         p.Heartbeat.model_validate_json('{"state": "idle", "tokens_per_s": NaN}')
+
+
+@pytest.mark.parametrize(
+    "field,values,message",
+    [
+        ("token_ids", [-1] + list(range(39)), "completion 2: negative token id -1"),
+        ("token_ids", [70] + list(range(39)), "completion 2: token id 70 is outside the vocabulary of 64"),
+        ("logprobs", [-0.5] * 39 + [float("nan")], "completion 2: logprobs contain NaN or infinity at index 39"),
+        ("logprobs", [-0.5] * 5 + [float("-inf")] + [-0.5] * 34, "completion 2: logprobs contain NaN or infinity at index 5"),
+        ("logprobs", [-0.5] * 7 + [0.25] + [-0.5] * 32, "completion 2: logprobs must be <= 0, got 0.25 at index 7"),
+    ],
+)
+@pytest.mark.parametrize("wire", [True, False], ids=["json", "python"])
+def test_submission_checks_every_completion_array(field, values, message, wire):
+    """A submission checks token ids and logprobs of all its completions in one pass: a bad value in a
+    later completion is refused, and the error names that completion."""
+    comps = [completion(sample_index=i) for i in range(4)]
+    ok = submission(completions=comps)
+    bad = submission(completions=[dict(c) for c in comps])
+    dtype = "int32" if field == "token_ids" else "float32"
+    bad["completions"][2][field] = p.pack(values, dtype) if wire else values
+    ctx = {"vocab_size": 64}
+    if wire:
+        ok_json = p.RolloutSubmission.model_validate(ok).model_dump_json()
+        p.RolloutSubmission.model_validate_json(ok_json, context=ctx)
+        doc = json.loads(ok_json)
+        doc["completions"][2][field] = bad["completions"][2][field]
+        with pytest.raises(ValidationError, match=message):
+            p.RolloutSubmission.model_validate_json(json.dumps(doc), context=ctx)
+    else:
+        p.RolloutSubmission.model_validate(ok, context=ctx)
+        with pytest.raises(ValidationError, match=message):
+            p.RolloutSubmission.model_validate(bad, context=ctx)
+    # The same completion on its own is refused by Completion's own checks.
+    with pytest.raises(ValidationError, match=message.split(": ", 1)[1].split(" at index")[0].split(" of ")[0]):
+        p.Completion.model_validate(bad["completions"][2], context=ctx)
+
+
+def test_packed_array_json_path_refuses_what_unpack_refuses():
+    """The fast base64 path of PackedArray keeps every rule of `unpack`: strict base64, whole values, length cap."""
+    doc = json.loads(p.RolloutSubmission.model_validate(submission()).model_dump_json())
+    for value, message in [
+        ("not base64!!", "not valid base64"),
+        ("QUJD", "not a whole number of 4-byte values"),  # 3 bytes
+        ("QUJ", "not valid base64"),  # bad padding
+        ("é" * 8, "not valid base64"),
+        ("A" * (4 * ((limits.MAX_COMPLETION_TOKENS * 4 + 2) // 3) + 4), "longer than"),
+    ]:
+        d = json.loads(json.dumps(doc))
+        d["completions"][0]["token_ids"] = value
+        with pytest.raises(ValidationError, match=message):
+            p.RolloutSubmission.model_validate_json(json.dumps(d))
+    arr = p.RolloutSubmission.model_validate_json(json.dumps(doc)).completions[0].token_ids
+    assert arr.dtype == np.int32 and arr.flags.writeable and arr.tolist() == list(range(3, 43))
