@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,6 +36,8 @@ def run_mode(out: Path, async_level: int, args) -> dict:
         "--worker.num_threads", "1", "--trainer.num_threads", "1",
         *args.extra,
     ]
+    if (out / name).exists():  # a fresh run: an old run folder would be resumed from its checkpoint
+        shutil.rmtree(out / name)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     log = (out / f"{name}.log").open("wb")
     t0 = time.time()

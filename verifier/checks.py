@@ -87,19 +87,38 @@ class Finding:
     stats: dict[str, float]
 
 
-def check_logprobs(reported: np.ndarray, stats: TokenStats, max_abs_diff: float, max_mean_diff: float) -> Finding | None:
+def logprob_diffs(reported: np.ndarray, stats: TokenStats) -> np.ndarray | Finding:
+    """|reported - recomputed| per token, or a Finding if the shapes differ."""
     reported = np.asarray(reported, dtype=np.float64)
     if reported.shape != stats.logprob.shape:
         return Finding("logprob_mismatch", f"{reported.size} logprobs for {len(stats)} tokens", {})
-    diff = np.abs(reported - stats.logprob)
+    return np.abs(reported - stats.logprob)
+
+
+def check_logprob_max(diff: np.ndarray, max_abs_diff: float) -> Finding | None:
+    """Per token: a tampered logprob shows here."""
     worst = int(diff.argmax())
-    mean = float(diff.mean())
-    if diff[worst] > max_abs_diff or mean > max_mean_diff:
+    if diff[worst] > max_abs_diff:
         return Finding(
             "logprob_mismatch",
-            f"reported logprobs disagree with the recomputation: max |diff| {diff[worst]:.3g} at token {worst} "
-            f"(limit {max_abs_diff}), mean {mean:.3g} (limit {max_mean_diff})",
-            {"max_abs_diff": float(diff[worst]), "mean_abs_diff": mean, "token_index": float(worst)},
+            f"reported logprobs disagree with the recomputation: |diff| {diff[worst]:.3g} at token {worst} (limit {max_abs_diff})",
+            {"max_abs_diff": float(diff[worst]), "token_index": float(worst)},
+        )
+    return None
+
+
+def check_logprob_mean(diff_sum: float, tokens: int, max_mean_diff: float) -> Finding | None:
+    """Over a whole submission: systematic drift (another dtype, other weights) shows in the mean.
+
+    Over a submission, not per completion: a short completion's mean is one token's noise divided by
+    a handful, and an honest worker's rare outlier token (seen at 1e-4 on a trained model, CPU) then
+    failed a 4-token completion's mean while honest submissions' means stay ~1e-7."""
+    mean = diff_sum / max(tokens, 1)
+    if mean > max_mean_diff:
+        return Finding(
+            "logprob_mismatch",
+            f"reported logprobs drift from the recomputation: mean |diff| {mean:.3g} over {tokens} tokens (limit {max_mean_diff})",
+            {"mean_abs_diff": mean, "tokens": float(tokens)},
         )
     return None
 

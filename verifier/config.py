@@ -20,7 +20,7 @@ class Tolerances(BaseModel):
 
     proof: ProofThresholds
     logprob_max_abs_diff: float = Field(gt=0, description="per token, reported vs recomputed raw logprob")
-    logprob_max_mean_diff: float = Field(gt=0, description="mean over a completion")
+    logprob_max_mean_diff: float = Field(gt=0, description="mean over a submission's tokens")
     support_logit_slack: float = Field(ge=0, description="a token within this many logits of the support is inside")
 
 
@@ -63,7 +63,7 @@ class VerifierConfig(BaseModel):
     # Unset (None): the calibrated default for `dtype` (CALIBRATED above).
     thresholds: ProofThresholds | None = None
     logprob_max_abs_diff: float | None = Field(None, gt=0, description="per token, reported vs recomputed")
-    logprob_max_mean_diff: float | None = Field(None, gt=0, description="mean over a completion")
+    logprob_max_mean_diff: float | None = Field(None, gt=0, description="mean over a submission's tokens")
     support_logit_slack: float | None = Field(None, ge=0)
     min_token_logprob: float = Field(-20.0, lt=0, description="below this a sampled token is implausible")
     spot_check_rate: dict[str, float] = Field(

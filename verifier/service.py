@@ -178,13 +178,23 @@ class Verifier:
                 sampling.append(job.lease.sampling)
                 where.append((j, ci))
         results = prefill(model, sequences, sampling, tol.support_logit_slack, self.config.max_batch_tokens, self.pad_id)
+        diff_sums, diff_tokens = [0.0] * len(jobs), [0] * len(jobs)
         for (j, ci), ref in zip(where, results):
             c = jobs[j].submission.completions[ci]
-            found = self._check_completion(c, ref, jobs[j].lease.sampling)
+            found, diff = self._check_completion(c, ref, jobs[j].lease.sampling)
             for r in found[:MAX_REJECTIONS_PER_COMPLETION]:
                 rejections[j].append(r.model_copy(update={"completion_index": ci}))
+            if diff is not None:
+                diff_sums[j] += float(diff.sum())
+                diff_tokens[j] += int(diff.size)
+        for j in range(len(jobs)):
+            if diff_tokens[j]:
+                f = checks.check_logprob_mean(diff_sums[j], diff_tokens[j], tol.logprob_max_mean_diff)
+                if f:
+                    rejections[j].append(Rejection(code=RejectionCode(f.code), message=f.message, stats=f.stats))
 
-    def _check_completion(self, c, ref, sampling) -> list[Rejection]:
+    def _check_completion(self, c, ref, sampling) -> tuple[list[Rejection], np.ndarray | None]:
+        """The completion's own findings, and its per-token |logprob diff| for the submission's mean."""
         tol = self.tolerances
         out: list[Rejection] = []
         term = checks.check_termination(c.token_ids, c.finish_reason, sampling, self.eos_ids)
@@ -196,12 +206,13 @@ class Verifier:
                 code = RejectionCode.proof_malformed if cc.reason.startswith(("malformed", "proof missing", "proof for")) else RejectionCode.proof_mismatch
                 out.append(Rejection(code=code, chunk_index=cc.chunk_index, message=f"chunk {cc.chunk_index}: {cc.reason}", stats=cc.stats()))
                 break  # one failing chunk is enough; its stats say why
-        lp = checks.check_logprobs(c.logprobs, ref.stats, tol.logprob_max_abs_diff, tol.logprob_max_mean_diff)
+        diff = checks.logprob_diffs(c.logprobs, ref.stats)
+        lp = diff if isinstance(diff, checks.Finding) else checks.check_logprob_max(diff, tol.logprob_max_abs_diff)
         if lp:
             out.append(Rejection(code=RejectionCode(lp.code), message=lp.message, stats=lp.stats))
         for f in checks.check_support(ref.stats, sampling, self.config.min_token_logprob):
             out.append(Rejection(code=RejectionCode(f.code), message=f.message, stats=f.stats))
-        return out
+        return out, None if isinstance(diff, checks.Finding) else diff
 
     def _verdict(self, job: VerifyJob, rejections: list[Rejection]) -> Verdict:
         tokens = job.submission.num_tokens

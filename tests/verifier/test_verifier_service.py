@@ -118,7 +118,8 @@ def test_batch_of_jobs_judged_independently(verifier, honest):
                                      job(honest, completions=[lie], sid="c")])
     assert [v.submission_id for v in verdicts] == ["a", "b", "c"]
     assert [v.status for v in verdicts] == [VerdictStatus.accepted, VerdictStatus.rejected, VerdictStatus.rejected]
-    assert {(r.code, r.completion_index) for r in verdicts[1].rejections} == {(RejectionCode.logprob_mismatch, 1)}
+    # The forged completion fails per token, and drags the submission's mean over its limit too.
+    assert {(r.code, r.completion_index) for r in verdicts[1].rejections} == {(RejectionCode.logprob_mismatch, 1), (RejectionCode.logprob_mismatch, None)}
     assert verdicts[2].rejections[0].code == RejectionCode.bad_termination
 
 
