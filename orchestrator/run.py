@@ -305,6 +305,7 @@ class Run:
         )
         self.url = ray.get(self.orch.url.remote())
         ray.get(self.orch.publish_version.remote(info["version"], info["model_hash"]))
+        self.progress.reward_totals = ray.get(self.orch.reward_totals.remote())  # a resumed run starts from here
 
         for i in range(cfg.num_workers):
             self.workers.append(start_worker(self.url, model_dir, rd, i, cfg))
@@ -366,8 +367,6 @@ class Run:
 
         p = self.progress
         reward_sum, completions = ray.get(self.orch.reward_totals.remote())
-        if completions < p.reward_totals[1]:  # the orchestrator restarted: its totals start again
-            p.reward_totals = (0.0, 0)
         if completions - p.reward_totals[1] >= min_completions:
             p.reward = (reward_sum - p.reward_totals[0]) / (completions - p.reward_totals[1])
             p.rewards.append(p.reward)

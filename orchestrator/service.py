@@ -162,7 +162,6 @@ class Orchestrator:
         self._accepted: deque[tuple[float, int, float, int]] = deque()  # (t, tokens, reward sum, completions)
         self._rejected: deque[float] = deque()
         self._trained: deque[tuple[float, int]] = deque()
-        self._reward_totals = (0.0, 0)  # (reward sum, completions) of every accepted rollout since start
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_POINTS)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -394,11 +393,11 @@ class Orchestrator:
         )
 
     def reward_totals(self) -> tuple[float, int]:
-        """(reward sum, completions) of all accepted rollouts since this process started, zero-signal
-        groups included: the driver's per-step mean reward, which the trained samples alone overstate
-        early (dropped groups are often all-zero) and understate late (all-one)."""
-        with self._events_lock:
-            return self._reward_totals
+        """(reward sum, completions) of all accepted rollouts of the run, zero-signal groups included:
+        the driver's per-step mean reward, which the trained samples alone overstate early (dropped
+        groups are often all-zero) and understate late (all-one). Persisted with each verdict."""
+        c = self.state.counters()
+        return c.get("reward_sum", 0.0), int(c.get("reward_count", 0))
 
     def _window(self, now: float) -> dict[str, Any]:
         """Rates over the last WINDOW_S seconds (or since start, if shorter)."""
@@ -581,7 +580,6 @@ class Orchestrator:
         with self._events_lock:
             if a.accepted:
                 self._accepted.append((now, a.verdict.verified_tokens, float(sum(a.rewards)), len(a.rewards)))
-                self._reward_totals = (self._reward_totals[0] + float(sum(a.rewards)), self._reward_totals[1] + len(a.rewards))
             else:
                 self._rejected.append(now)
         if a.accepted:

@@ -90,12 +90,12 @@ def pretrain_corpus(n: int, rng: random.Random) -> list[str]:
     return texts
 
 
-def pretrain(model, steps: int, seed: int, batch_size: int = 64, lr: float = 1e-3) -> list[float]:
+def pretrain(model, steps: int, seed: int, batch_size: int = 64, lr: float = 1e-3) -> None:
     """A short next-token pretraining of `model` on `pretrain_corpus` (loss on the answer and EOS)."""
     tok = make_tokenizer()
+    equals = vocab()["="]
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
-    losses = []
     model.train()
     for _ in range(steps):
         rows = [tok(t)["input_ids"] + [EOS_ID] for t in pretrain_corpus(batch_size, rng)]
@@ -104,15 +104,13 @@ def pretrain(model, steps: int, seed: int, batch_size: int = 64, lr: float = 1e-
         labels = torch.full((len(rows), width), -100)
         for i, row in enumerate(rows):
             ids[i, : len(row)] = torch.tensor(row)
-            answer_start = row.index(vocab()["="]) + 1
+            answer_start = row.index(equals) + 1
             labels[i, answer_start : len(row)] = ids[i, answer_start : len(row)]
         loss = model(input_ids=ids, attention_mask=(ids != PAD_ID).long(), labels=labels).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(loss.item())
     model.eval()
-    return losses
 
 
 def init_model(

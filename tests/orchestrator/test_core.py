@@ -366,13 +366,17 @@ def test_take_batch_waits_for_samples(orch):
 
 def test_status_reports_run(orch):
     wid, _ = register(orch)
-    submit(orch, wid, make_submission(lease(orch, wid), np.random.default_rng(6)))
+    l1 = lease(orch, wid)
+    submit(orch, wid, make_submission(l1, np.random.default_rng(6)))
     l2 = lease(orch, wid)
     submit(orch, wid, make_submission(l2, np.random.default_rng(7), bad=True))
     drain(orch)
     st = orch.status()
     assert st.submissions_accepted == 1 and st.submissions_rejected == 1 and st.acceptance_rate == 0.5
     assert st.workers_online == 1 and st.rollout_tokens_per_s > 0 and st.mean_reward is not None
+    # The run's reward totals count the accepted submission's completions only, zero-signal groups included.
+    reward_sum, completions = orch.reward_totals()
+    assert completions == len(l1.prompts) * l1.samples_per_prompt and reward_sum / completions == pytest.approx(st.mean_reward)
     orch.housekeeping()
     assert orch.history[-1]["workers_online"] == 1
 
