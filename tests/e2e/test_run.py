@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -57,6 +58,19 @@ def test_short_run_advances_versions_and_trains_only_verified_samples(tmp_path):
     # by a version >= k-1-async_level.
     for r in rows:
         assert all(int(gap) <= 1 for gap in r["staleness"]), r["staleness"]
+
+
+def reissued_prompts_done(run_dir: Path) -> bool:
+    """local-0's expired leases exist, and every prompt in them is in a lease another worker completed."""
+    with db(run_dir) as con:
+        expired = con.execute(
+            "SELECT prompt_indices FROM leases WHERE status='expired' AND worker_id IN (SELECT worker_id FROM workers WHERE name='local-0')"
+        ).fetchall()
+        done = con.execute(
+            "SELECT prompt_indices FROM leases WHERE status='done' AND worker_id NOT IN (SELECT worker_id FROM workers WHERE name='local-0')"
+        ).fetchall()
+    done_prompts = {i for (row,) in done for i in json.loads(row)}
+    return bool(expired) and {i for (row,) in expired for i in json.loads(row)} <= done_prompts
 
 
 def test_faults_worker_killed_trainer_killed_tampering_worker(tmp_path):
@@ -142,6 +156,9 @@ def test_faults_worker_killed_trainer_killed_tampering_worker(tmp_path):
         wait_for(lambda: not pid_alive(trainer_pid), 30, "the trainer to die")
         wait_for(lambda: len(metrics(run_dir)) >= before + 3, 300, "three more steps after the trainer restarted", proc)
         assert pids(run_dir)["trainer"] != trainer_pid
+        # The killed worker's lease expires after lease_timeout_s; its prompts then go to the queue of
+        # re-issued prompts (the cheater may draw them first, and lose them again): wait for an honest finish.
+        wait_for(lambda: reissued_prompts_done(run_dir), 120, "the killed worker's prompts to be done by another worker", proc)
     finally:
         stop_run(proc)
 
