@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orchestrator.state import SampleRow, State
+from orchestrator.state import GroupRow, State
 from protocol.models import RolloutSubmission, TaskLease
 from trainer.advantages import group_advantages, has_signal
 from trainer.samples import TrainSample
@@ -20,67 +20,74 @@ from trainer.samples import TrainSample
 
 @dataclass
 class Groups:
-    samples: list[SampleRow]
-    kept: int
+    rows: list[GroupRow]  # the groups with a learning signal, for the buffer
     dropped_zero_signal: int
 
+    @property
+    def num_samples(self) -> int:
+        return sum(g.num_samples for g in self.rows)
 
-def build_samples(submission_id: str, sub: RolloutSubmission, lease: TaskLease, rewards: list[float], use_std: bool = True) -> Groups:
-    """Samples of every group with a learning signal, with their behaviour version and logprobs."""
+
+def build_groups(submission_id: str, sub: RolloutSubmission, lease: TaskLease, rewards: list[float], use_std: bool = True) -> Groups:
+    """Every group with a learning signal, with its advantages, behaviour version and logprobs."""
     if len(rewards) != len(sub.completions):
         raise ValueError(f"{len(rewards)} rewards for {len(sub.completions)} completions")
-    by_prompt: dict[int, list[tuple[int, float]]] = {}
-    for i, (c, r) in enumerate(zip(sub.completions, rewards)):
-        by_prompt.setdefault(c.prompt_index, []).append((i, float(r)))
-    samples: list[SampleRow] = []
-    kept = dropped = 0
-    version = sub.policy_version
+    by_prompt: dict[int, list[int]] = {}
+    for i, c in enumerate(sub.completions):
+        by_prompt.setdefault(c.prompt_index, []).append(i)
+    rows: list[GroupRow] = []
+    dropped = 0
     for p, members in sorted(by_prompt.items()):
-        adv = group_advantages([r for _, r in members], use_std=use_std)
+        group_rewards = np.array([rewards[i] for i in members], dtype="<f8")
+        adv = group_advantages(group_rewards, use_std=use_std)
         if not has_signal(adv):
             dropped += 1
             continue
-        kept += 1
-        prompt_ids = lease.prompts[p].token_ids.astype("<i4").tobytes()
-        # tolist(): plain floats, without a numpy scalar conversion per sample.
-        for (i, r), a in zip(members, adv.tolist()):
-            c = sub.completions[i]
-            samples.append(
-                SampleRow(
-                    f"{submission_id}:{c.prompt_index}:{c.sample_index}",
-                    submission_id,
-                    prompt_ids,
-                    c.token_ids.astype("<i4", copy=False).tobytes(),
-                    c.logprobs.astype("<f4", copy=False).tobytes(),
-                    a,
-                    r,
-                    version,
-                )
+        comps = [sub.completions[i] for i in members]
+        rows.append(
+            GroupRow(
+                submission_id,
+                p,
+                [c.sample_index for c in comps],
+                sub.policy_version,
+                np.asarray(adv, dtype="<f8").tobytes(),
+                group_rewards.tobytes(),
+                np.array([c.token_ids.size for c in comps], dtype="<i4").tobytes(),
+                lease.prompts[p].token_ids.astype("<i4").tobytes(),
+                np.concatenate([c.token_ids for c in comps]).astype("<i4", copy=False).tobytes(),
+                np.concatenate([c.logprobs for c in comps]).astype("<f4", copy=False).tobytes(),
             )
-    return Groups(samples, kept, dropped)
+        )
+    return Groups(rows, dropped)
 
 
-def to_train_samples(rows: list[SampleRow]) -> list[TrainSample]:
-    """Decode a batch of buffer rows: each array kind in one numpy call for the whole batch (samples get
-    slices of it), and one prompt array per group (its samples share it).
+def to_train_samples(groups: list[GroupRow]) -> list[TrainSample]:
+    """Decode a batch of buffer groups into samples: each array kind in one numpy call for the whole
+    batch (samples get slices of it); a group's samples share its prompt array.
 
-    Trusted (no TrainSample checks): the buffer holds only what build_samples wrote from a submission
+    Trusted (no TrainSample checks): the buffer holds only what build_groups wrote from a submission
     that protocol validated (token ids >= 0, logprobs finite and <= 0, one logprob per token), with
     finite advantages from group_advantages."""
-    completions = np.frombuffer(b"".join(r.completion_ids for r in rows), dtype="<i4").astype(np.int64)
-    logprobs = np.frombuffer(b"".join(r.logprobs for r in rows), dtype="<f4").astype(np.float32)
-    prompts: dict[bytes, np.ndarray] = {}
+    def concat(field: str, dtype: str, out: type) -> np.ndarray:
+        return np.frombuffer(b"".join(getattr(g, field) for g in groups), dtype=dtype).astype(out)
+
+    completions, logprobs = concat("completion_ids", "<i4", np.int64), concat("logprobs", "<f4", np.float32)
+    lengths = concat("completion_lengths", "<i4", np.int64)
+    ends = np.cumsum(lengths).tolist()
+    advantages, rewards = concat("advantages", "<f8", np.float64).tolist(), concat("rewards", "<f8", np.float64).tolist()
     out = []
-    start = 0
-    for r in rows:
-        end = start + len(r.completion_ids) // 4
-        prompt = prompts.get(r.prompt_ids)
-        if prompt is None:
-            prompt = prompts[r.prompt_ids] = np.frombuffer(r.prompt_ids, dtype="<i4").astype(np.int64)
-        out.append(
-            TrainSample.trusted(prompt, completions[start:end], logprobs[start:end], r.advantage, r.reward, r.behaviour_version, r.sample_id)
-        )
-        start = end
+    k = start = 0
+    for g in groups:
+        prompt = np.frombuffer(g.prompt_ids, dtype="<i4").astype(np.int64)
+        for sample_index in g.sample_indices:
+            end = ends[k]
+            out.append(
+                TrainSample.trusted(
+                    prompt, completions[start:end], logprobs[start:end], advantages[k], rewards[k], g.behaviour_version,
+                    f"{g.submission_id}:{g.prompt_index}:{sample_index}",
+                )
+            )
+            k, start = k + 1, end
     return out
 
 
@@ -106,8 +113,8 @@ class RolloutBuffer:
         return self.state.buffer_depth()
 
     def take(self, n: int, trainer_version: int | None = None) -> Batch:
-        """Up to n samples, oldest first. Samples older than `trainer_version - max_staleness` are
-        dropped (counted as stale) rather than handed out."""
+        """Up to n samples in whole groups, oldest first (see State.take_batch). Samples older than
+        `trainer_version - max_staleness` are dropped (counted as stale) rather than handed out."""
         lowest = None
         if self.max_staleness is not None and trainer_version is not None:
             lowest = trainer_version - self.max_staleness

@@ -13,7 +13,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from inference_worker.config import WorkerConfig
 from protocol.models import SamplingParams
@@ -110,6 +110,16 @@ class RunConfig(BaseModel):
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.name
+
+    @model_validator(mode="after")
+    def _whole_groups_per_step(self) -> "RunConfig":
+        # The buffer hands out whole GRPO groups; a step of a fraction of a group would leave it short.
+        if self.trainer.samples_per_step % self.orchestrator.samples_per_prompt:
+            raise ValueError(
+                f"trainer.samples_per_step ({self.trainer.samples_per_step}) must be a multiple of "
+                f"orchestrator.samples_per_prompt, the group size ({self.orchestrator.samples_per_prompt})"
+            )
+        return self
 
 
 class ConfigError(ValueError):

@@ -22,7 +22,7 @@ import zstandard
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from orchestrator import admission
-from orchestrator.buffer import Batch, Groups, RolloutBuffer, build_samples
+from orchestrator.buffer import Batch, Groups, RolloutBuffer, build_groups
 from orchestrator.config import RunConfig
 from orchestrator.data import PromptSet
 from orchestrator.errors import ApiError
@@ -540,7 +540,7 @@ class Orchestrator:
                     log.exception("could not record a verdict; it stays pending until a restart", extra={"submission_id": item.submission_id})
         for item, (applied, banned_now) in results:
             self._after(item, applied, banned_now)
-        added = sum(len(item.groups.samples) for item, (applied, _) in results if applied and item.groups is not None)
+        added = sum(item.groups.num_samples for item, (applied, _) in results if applied and item.groups is not None)
         if added:
             with self._buffer_changed:
                 self._ready += added
@@ -555,7 +555,7 @@ class Orchestrator:
         if accepted and len(rewards) != len(p.submission.completions):
             log.error("accepted verdict without one reward per completion; treated as rejected", extra={"submission_id": submission_id})
             accepted = False
-        groups = build_samples(submission_id, p.submission, p.lease, rewards, self.config.trainer.loss.advantage_std) if accepted else None
+        groups = build_groups(submission_id, p.submission, p.lease, rewards, self.config.trainer.loss.advantage_std) if accepted else None
         return _Applied(submission_id, p.worker_id, v, accepted, rewards if accepted else [], groups)
 
     def _record_verdict(self, a: "_Applied") -> tuple[bool, bool]:
@@ -564,8 +564,7 @@ class Orchestrator:
             a.accepted,
             a.verdict.model_dump_json(),
             a.verdict.verified_tokens if a.accepted else 0,
-            a.groups.samples if a.groups else [],
-            a.groups.kept if a.groups else 0,
+            a.groups.rows if a.groups else [],
             a.groups.dropped_zero_signal if a.groups else 0,
             a.rewards,
             self.cfg.strikes_to_ban,

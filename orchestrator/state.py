@@ -9,9 +9,11 @@ Tables:
 - leases: every task handed out, its deadline and status, and whether its prompts were re-issued;
 - submissions: every submission accepted for verification, its body (zstd) until verified, its verdict;
 - fingerprints: a hash of each submission's generated content, so replays are refused;
-- samples: verified samples waiting for the trainer. A batch taken by the trainer is marked with a
-  batch id; only `commit_batch` marks it trained. After a restart, samples of an uncommitted batch go
-  back to the queue, so an accepted rollout is neither lost nor trained twice.
+- sample_groups: verified samples waiting for the trainer, one row per GRPO group (the unit the
+  trainer learns from, and 1/group-size the rows, statements and index updates of a row per sample).
+  A batch taken by the trainer is marked with a batch id; only `commit_batch` marks it trained. After
+  a restart, groups of an uncommitted batch go back to the queue, so an accepted rollout is neither
+  lost nor trained twice. The view `samples` lists them one row per sample (audits, operators' SQL).
 
 All methods are thread-safe (one connection, one lock): the HTTP server, the verification thread and
 the trainer's pulls (Ray actor threads) share one `State`. A second connection, on a thread of its own,
@@ -81,27 +83,33 @@ CREATE TABLE IF NOT EXISTS submissions (
 );
 CREATE INDEX IF NOT EXISTS submissions_pending ON submissions (status);
 CREATE TABLE IF NOT EXISTS fingerprints (fingerprint TEXT PRIMARY KEY, submission_id TEXT NOT NULL);
--- Written 32+ rows per submission, so every index costs: seq is a plain rowid (rows are never
--- deleted, so it only grows, as AUTOINCREMENT would, without its sqlite_sequence update per row);
--- sample_id is unique by construction (submission id + prompt/sample index, inserted only by the one
--- verdict that moves its submission out of 'pending'), so it has no UNIQUE index; batch_id is indexed
--- only once set. (Databases created before keep their schema; the queries work on both.)
-CREATE TABLE IF NOT EXISTS samples (
+-- One row per kept group: its members' arrays concatenated in member order, split by
+-- completion_lengths. seq is a plain rowid (rows are never deleted, so it only grows, as AUTOINCREMENT
+-- would); batch_id is indexed only once set. Trained and stale groups keep their row (the audit trail:
+-- trained exactly once) without their token arrays.
+CREATE TABLE IF NOT EXISTS sample_groups (
     seq INTEGER PRIMARY KEY,
-    sample_id TEXT NOT NULL,
     submission_id TEXT NOT NULL,
-    prompt_ids BLOB NOT NULL,       -- int32 little-endian
-    completion_ids BLOB NOT NULL,   -- int32 little-endian
-    logprobs BLOB NOT NULL,         -- float32 little-endian
-    advantage REAL NOT NULL,
-    reward REAL NOT NULL,
+    prompt_index INTEGER NOT NULL,  -- the group's prompt within its lease
+    num_samples INTEGER NOT NULL,
+    sample_indices TEXT NOT NULL,   -- JSON list: each member's sample index within the group
     behaviour_version INTEGER NOT NULL,
     created_at REAL NOT NULL,
     status TEXT NOT NULL,           -- ready | taken | trained | stale
-    batch_id TEXT
+    batch_id TEXT,
+    advantages BLOB NOT NULL,       -- float64 little-endian, one per member
+    rewards BLOB NOT NULL,          -- float64 little-endian, one per member
+    completion_lengths BLOB NOT NULL,  -- int32 little-endian, one per member
+    prompt_ids BLOB NOT NULL,       -- int32 little-endian
+    completion_ids BLOB NOT NULL,   -- int32 little-endian, all members
+    logprobs BLOB NOT NULL          -- float32 little-endian, all members
 );
-CREATE INDEX IF NOT EXISTS samples_by_status ON samples (status, seq);
-CREATE INDEX IF NOT EXISTS samples_by_batch ON samples (batch_id) WHERE batch_id IS NOT NULL;
+CREATE INDEX IF NOT EXISTS sample_groups_by_status ON sample_groups (status, seq);
+CREATE INDEX IF NOT EXISTS sample_groups_by_batch ON sample_groups (batch_id) WHERE batch_id IS NOT NULL;
+CREATE VIEW IF NOT EXISTS samples AS
+    SELECT g.submission_id || ':' || g.prompt_index || ':' || m.value AS sample_id, g.submission_id, g.prompt_index,
+           CAST(m.value AS INTEGER) AS sample_index, g.behaviour_version, g.status, g.batch_id, g.seq AS group_seq
+    FROM sample_groups g, json_each(g.sample_indices) m;
 """
 
 # SQLite checkpoints the WAL itself after the commit that takes it past this many pages (default
@@ -185,18 +193,26 @@ class SubmissionRow:
 
 
 @dataclass
-class SampleRow:
-    sample_id: str
+class GroupRow:
+    """A kept group as the buffer stores it (see the sample_groups table)."""
+
     submission_id: str
+    prompt_index: int
+    sample_indices: list[int]
+    behaviour_version: int
+    advantages: bytes
+    rewards: bytes
+    completion_lengths: bytes
     prompt_ids: bytes
     completion_ids: bytes
     logprobs: bytes
-    advantage: float
-    reward: float
-    behaviour_version: int
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.sample_indices)
 
 
-SAMPLE_COLUMNS = ", ".join(SampleRow.__dataclass_fields__)
+GROUP_COLUMNS = ", ".join(GroupRow.__dataclass_fields__)
 
 
 class State:
@@ -217,6 +233,12 @@ class State:
         self._db.execute("PRAGMA cache_size=-65536")  # 64 MiB of page cache: the hot tables stay in memory
         self._db.execute(f"PRAGMA wal_autocheckpoint={WAL_AUTOCHECKPOINT_PAGES}")
         self._db.execute("PRAGMA temp_store=MEMORY")
+        if self._db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='samples'").fetchone():
+            self._db.close()
+            raise RuntimeError(
+                f"{self.path} is from an older swarmrl (one buffer row per sample); finish or restart that run with "
+                "the version that created it, or start a new run (another output_dir / db_path)"
+            )
         self._db.executescript(SCHEMA)
         columns = {r[1] for r in self._db.execute("PRAGMA table_info(leases)")}
         if "request_id" not in columns:  # a database from before idempotent leases
@@ -292,9 +314,9 @@ class State:
             return self._db.execute(sql, args).fetchall()
 
     def recover(self) -> int:
-        """After a restart: samples of batches that were taken but never committed become ready again."""
+        """After a restart: groups of batches that were taken but never committed become ready again."""
         with self.tx() as db:
-            n = db.execute("UPDATE samples SET status='ready', batch_id=NULL WHERE status='taken'").rowcount
+            n = db.execute("UPDATE sample_groups SET status='ready', batch_id=NULL WHERE status='taken'").rowcount
         return n
 
     # ---------------------------------------------------------------------------------------------
@@ -494,8 +516,7 @@ class State:
         accepted: bool,
         verdict_json: str,
         verified_tokens: int,
-        samples: list[SampleRow],
-        groups_kept: int,
+        groups: list[GroupRow],
         groups_dropped: int,
         rewards: list[float],
         strikes_to_ban: int,
@@ -527,19 +548,19 @@ class State:
                     (verified_tokens, worker_id),
                 )
                 self._add(db, "submissions_accepted", 1)
-                self._add(db, "groups_kept", groups_kept)
+                self._add(db, "groups_kept", len(groups))
                 self._add(db, "groups_dropped_zero_signal", groups_dropped)
                 self._add(db, "reward_sum", float(sum(rewards)))
                 self._add(db, "reward_count", len(rewards))
                 db.executemany(
-                    "INSERT INTO samples (sample_id, submission_id, prompt_ids, completion_ids, logprobs, advantage, reward, "
-                    "behaviour_version, created_at, status) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'ready')",
+                    f"INSERT INTO sample_groups ({GROUP_COLUMNS}, num_samples, created_at, status) VALUES ({', '.join('?' * 12)}, 'ready')",
                     [
-                        (s.sample_id, s.submission_id, s.prompt_ids, s.completion_ids, s.logprobs, s.advantage, s.reward, s.behaviour_version, now)
-                        for s in samples
+                        (g.submission_id, g.prompt_index, json.dumps(g.sample_indices), g.behaviour_version, g.advantages, g.rewards,
+                         g.completion_lengths, g.prompt_ids, g.completion_ids, g.logprobs, g.num_samples, now)
+                        for g in groups
                     ],
                 )
-                self._add(db, BUFFERED_SAMPLES, len(samples))
+                self._add(db, BUFFERED_SAMPLES, sum(g.num_samples for g in groups))
             else:
                 db.execute("UPDATE workers SET rejected=rejected+1, strikes=strikes+1 WHERE worker_id=?", (worker_id,))
                 self._add(db, "submissions_rejected", 1)
@@ -567,57 +588,69 @@ class State:
         leased = db.execute(
             "SELECT COALESCE(SUM(json_array_length(prompt_indices)), 0) FROM leases WHERE status IN ('open', 'submitted')"
         ).fetchone()[0]
-        buffered = db.execute("SELECT COUNT(*) FROM samples WHERE status IN ('ready', 'taken')").fetchone()[0]
+        buffered = db.execute("SELECT COALESCE(SUM(num_samples), 0) FROM sample_groups WHERE status IN ('ready', 'taken')").fetchone()[0]
         self._set(db, LEASED_PROMPTS, int(leased))
         self._set(db, BUFFERED_SAMPLES, int(buffered))
 
     def buffer_depth(self) -> int:
-        return int(self._one("SELECT COUNT(*) FROM samples WHERE status='ready'")[0])
+        return int(self._one("SELECT COALESCE(SUM(num_samples), 0) FROM sample_groups WHERE status='ready'")[0])
 
-    def take_batch(self, batch_id: str, n: int, min_behaviour_version: int | None) -> tuple[list[SampleRow], int]:
-        """Mark up to n ready samples (oldest first) as taken by `batch_id`.
+    def take_batch(self, batch_id: str, n: int, min_behaviour_version: int | None) -> tuple[list[GroupRow], int]:
+        """Mark the oldest ready groups holding up to n samples in all as taken by `batch_id` (whole
+        groups only; a first group larger than n is taken whole, so a small n still makes progress).
 
-        Samples below `min_behaviour_version` would be dropped by the trainer anyway: they are marked
-        stale here and counted, instead of travelling to the trainer. Returns (samples, dropped_stale).
+        Groups below `min_behaviour_version` would be dropped by the trainer anyway: they are marked
+        stale here and their samples counted, instead of travelling to the trainer. Returns (groups,
+        samples dropped as stale).
         """
         with self.tx() as db:
             dropped = 0
             if min_behaviour_version is not None:
-                dropped = db.execute(
-                    "UPDATE samples SET status='stale', prompt_ids=x'', completion_ids=x'', logprobs=x'' "
-                    "WHERE status='ready' AND behaviour_version<?",
-                    (min_behaviour_version,),
-                ).rowcount
-                self._add(db, "samples_dropped_stale", dropped)
-                self._add(db, BUFFERED_SAMPLES, -dropped)
-            db.execute(
-                "UPDATE samples SET status='taken', batch_id=? WHERE seq IN (SELECT seq FROM samples WHERE status='ready' ORDER BY seq LIMIT ?)",
-                (batch_id, n),
-            )
-            rows = db.execute(f"SELECT {SAMPLE_COLUMNS} FROM samples WHERE batch_id=? ORDER BY seq", (batch_id,)).fetchall()
-        return [SampleRow(*r) for r in rows], dropped
+                dropped = int(db.execute(
+                    "SELECT COALESCE(SUM(num_samples), 0) FROM sample_groups WHERE status='ready' AND behaviour_version<?", (min_behaviour_version,)
+                ).fetchone()[0])
+                if dropped:
+                    db.execute(
+                        "UPDATE sample_groups SET status='stale', completion_lengths=x'', prompt_ids=x'', completion_ids=x'', logprobs=x'' "
+                        "WHERE status='ready' AND behaviour_version<?",
+                        (min_behaviour_version,),
+                    )
+                    self._add(db, "samples_dropped_stale", dropped)
+                    self._add(db, BUFFERED_SAMPLES, -dropped)
+            # Ready groups are taken in seq order, so a batch is every ready group up to the last one that fits.
+            last, total = None, 0
+            for seq, size in db.execute("SELECT seq, num_samples FROM sample_groups WHERE status='ready' ORDER BY seq LIMIT ?", (max(1, n),)):
+                if last is not None and total + size > n:
+                    break
+                last, total = seq, total + size
+            if last is None:
+                return [], dropped
+            db.execute("UPDATE sample_groups SET status='taken', batch_id=? WHERE status='ready' AND seq<=?", (batch_id, last))
+            rows = db.execute(f"SELECT {GROUP_COLUMNS} FROM sample_groups WHERE batch_id=? ORDER BY seq", (batch_id,)).fetchall()
+        return [GroupRow(r[0], r[1], json.loads(r[2]), *r[3:]) for r in rows], dropped
 
     def commit_batch(self, batch_id: str, new_version: int, model_hash: str | None, dropped_stale: int = 0) -> dict[int, int]:
         """The trainer finished the step that used `batch_id` and published `new_version`: mark the batch
         trained, advance the step and the policy version, all in one transaction. Returns the staleness
         (version gap -> samples) of the batch. Committing the same batch twice changes nothing."""
         with self.tx() as db:
-            rows = db.execute("SELECT behaviour_version FROM samples WHERE batch_id=? AND status='taken'", (batch_id,)).fetchall()
+            rows = db.execute("SELECT behaviour_version, num_samples FROM sample_groups WHERE batch_id=? AND status='taken'", (batch_id,)).fetchall()
             if not rows:
                 return {}
-            # Trained samples keep their row (the audit trail: trained exactly once) but not their tokens.
             db.execute(
-                "UPDATE samples SET status='trained', prompt_ids=x'', completion_ids=x'', logprobs=x'' WHERE batch_id=? AND status='taken'",
+                "UPDATE sample_groups SET status='trained', completion_lengths=x'', prompt_ids=x'', completion_ids=x'', logprobs=x'' "
+                "WHERE batch_id=? AND status='taken'",
                 (batch_id,),
             )
             gaps: dict[int, int] = {}
-            for r in rows:
-                gap = max(0, new_version - 1 - int(r[0]))
-                gaps[gap] = gaps.get(gap, 0) + 1
+            for version, size in rows:
+                gap = max(0, new_version - 1 - int(version))
+                gaps[gap] = gaps.get(gap, 0) + int(size)
             for gap, n in gaps.items():
                 self._add(db, f"staleness:{gap}", n)
-            self._add(db, "samples_trained", len(rows))
-            self._add(db, BUFFERED_SAMPLES, -len(rows))
+            trained = sum(gaps.values())
+            self._add(db, "samples_trained", trained)
+            self._add(db, BUFFERED_SAMPLES, -trained)
             self._add(db, "samples_dropped_stale", dropped_stale)
             self._add(db, "step", 1)
             if model_hash is not None:
@@ -630,15 +663,19 @@ class State:
         return gaps
 
     def return_batch(self, batch_id: str) -> int:
-        """The trainer gave a batch back untrained (e.g. it failed): its samples are ready again."""
+        """The trainer gave a batch back untrained (e.g. it failed): its groups are ready again. Returns
+        how many samples."""
         with self.tx() as db:
-            return db.execute("UPDATE samples SET status='ready', batch_id=NULL WHERE batch_id=? AND status='taken'", (batch_id,)).rowcount
+            n = db.execute("SELECT COALESCE(SUM(num_samples), 0) FROM sample_groups WHERE batch_id=? AND status='taken'", (batch_id,)).fetchone()[0]
+            db.execute("UPDATE sample_groups SET status='ready', batch_id=NULL WHERE batch_id=? AND status='taken'", (batch_id,))
+            return int(n)
 
     def sample_status_counts(self) -> dict[str, int]:
-        return {r["status"]: int(r["n"]) for r in self._all("SELECT status, COUNT(*) AS n FROM samples GROUP BY status")}
+        """Samples by buffer status (ready, taken, trained, stale)."""
+        return {r["status"]: int(r["n"]) for r in self._all("SELECT status, SUM(num_samples) AS n FROM sample_groups GROUP BY status")}
 
     def trained_sample_ids(self) -> list[str]:
-        return [r[0] for r in self._all("SELECT sample_id FROM samples WHERE status='trained' ORDER BY seq")]
+        return [r[0] for r in self._all("SELECT sample_id FROM samples WHERE status='trained' ORDER BY group_seq, sample_index")]
 
     def staleness_histogram(self) -> dict[str, int]:
         rows = self._all("SELECT key, value FROM meta WHERE key LIKE 'staleness:%'")

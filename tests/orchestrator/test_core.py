@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from orch_fakes import HASH1, FakeVerifier, encode, make_orchestrator, make_submission, run_config
+from orchestrator.config import RunConfig
 from orchestrator.errors import ApiError
 from orchestrator.state import State
 from protocol.models import ErrorCode, Heartbeat, LeaseRequest, VerdictStatus, WorkerRegistration, WorkerState
@@ -359,9 +360,66 @@ def test_take_batch_waits_for_samples(orch):
         assert orch.take_batch(1, wait_s=0.2).samples == []
         submit(orch, wid, make_submission(lease(orch, wid), np.random.default_rng(2)))
         got = orch.take_batch(1, wait_s=10)
-        assert len(got.samples) == 1
+        assert len(got.samples) == orch.cfg.samples_per_prompt  # one whole group, though n < its size
     finally:
         orch.stop()
+
+
+def test_batches_are_whole_groups_oldest_first(orch):
+    """The buffer stores and hands out whole GRPO groups: a batch is the oldest ready groups that fit
+    in n samples (a first group larger than n is taken whole), and each group's samples travel together."""
+    wid, _ = register(orch)
+    k = orch.cfg.samples_per_prompt
+    rng = np.random.default_rng(11)
+    for _ in range(20):
+        if orch.state.buffer_depth() >= 4 * k:
+            break
+        submit(orch, wid, make_submission(lease(orch, wid), rng))
+        drain(orch)
+    seqs = [r[0] for r in orch.state._db.execute("SELECT seq FROM sample_groups WHERE status='ready' ORDER BY seq")]
+
+    def group_keys(batch):
+        return [s.sample_id.rsplit(":", 1)[0] for s in batch.samples]
+
+    b1 = orch.take_batch(2 * k - 1)  # room for one group and a bit: one group
+    assert len(b1.samples) == k and len(set(group_keys(b1))) == 1
+    b2 = orch.take_batch(2 * k)  # exactly two groups
+    assert len(b2.samples) == 2 * k and len(set(group_keys(b2))) == 2
+    # Oldest first: the batches hold the first three groups in insertion order.
+    taken = orch.state._db.execute("SELECT seq, batch_id FROM sample_groups WHERE status='taken' ORDER BY seq").fetchall()
+    assert [seq for seq, _ in taken] == seqs[:3]
+    assert [b for _, b in taken] == [b1.batch_id, b2.batch_id, b2.batch_id]
+    # Every member of a group, each once, with the group's centred advantages.
+    for batch in (b1, b2):
+        by_group: dict[str, list[int]] = {}
+        for s in batch.samples:
+            key, sample_index = s.sample_id.rsplit(":", 1)
+            by_group.setdefault(key, []).append(int(sample_index))
+        assert all(sorted(v) == list(range(k)) for v in by_group.values())
+    # The per-sample view matches: one row per sample, with the group's status and batch.
+    view = orch.state._db.execute("SELECT sample_id FROM samples WHERE batch_id=? ORDER BY sample_id", (b2.batch_id,)).fetchall()
+    assert [r[0] for r in view] == sorted(s.sample_id for s in b2.samples)
+    assert orch.give_back_batch(b2.batch_id) == 2 * k
+    assert orch.state.sample_status_counts()["taken"] == k
+
+
+def test_a_step_must_hold_whole_groups(tmp_path):
+    run_config(tmp_path)  # 64 per step, groups of 4: fine
+    with pytest.raises(ValueError, match="multiple of"):
+        RunConfig.model_validate({**run_config(tmp_path).model_dump(), "trainer": {"samples_per_step": 10}})
+
+
+def test_a_database_with_a_per_sample_buffer_is_refused_not_misread(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "old.sqlite"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE samples (seq INTEGER PRIMARY KEY, sample_id TEXT, status TEXT)")
+        db.execute("INSERT INTO samples (sample_id, status) VALUES ('S1:0:0', 'ready')")
+    with pytest.raises(RuntimeError, match="older swarmrl"):
+        State(path)
+    with sqlite3.connect(path) as db:  # untouched
+        assert db.execute("SELECT sample_id, status FROM samples").fetchall() == [("S1:0:0", "ready")]
 
 
 def test_status_reports_run(orch):
@@ -556,9 +614,11 @@ def test_untrained_counters_match_the_rows_through_every_transition(tmp_path):
     b = orch.take_batch(2)
     orch.commit_batch(b.batch_id, 1, HASH1)
     check()
-    l5 = lease(orch, wid, version=1)
-    submit(orch, wid, make_submission(l5, rng))
-    drain(orch)
+    for _ in range(20):  # two groups: one to take, one left to go stale
+        if orch.state.buffer_depth() >= 2 * k:
+            break
+        submit(orch, wid, make_submission(lease(orch, wid, version=1), rng, model_hash=HASH1))
+        drain(orch)
     orch.take_batch(1)  # taken, never committed
     check()
     dropped = orch.take_batch(100, trainer_version=3)  # everything left is stale for version 3
