@@ -35,29 +35,33 @@ def build_groups(submission_id: str, sub: RolloutSubmission, lease: TaskLease, r
     by_prompt: dict[int, list[int]] = {}
     for i, c in enumerate(sub.completions):
         by_prompt.setdefault(c.prompt_index, []).append(i)
+    prompts = sorted(by_prompt)
+    members = [by_prompt[p] for p in prompts]
+    if len({len(m) for m in members}) != 1:  # admission.check_shape guarantees it for real submissions
+        raise ValueError("every group of a submission must have the same number of samples")
+    group_rewards = np.array([[rewards[i] for i in m] for m in members], dtype="<f8")
+    advantages = group_advantages(group_rewards, use_std=use_std)  # all groups in one pass
+    signal = has_signal(advantages)
     rows: list[GroupRow] = []
-    dropped = 0
-    for p, members in sorted(by_prompt.items()):
-        group_rewards = np.array([rewards[i] for i in members], dtype="<f8")
-        adv = group_advantages(group_rewards, use_std=use_std)
-        if not has_signal(adv):
-            dropped += 1
+    for p, m, r, adv, keep in zip(prompts, members, group_rewards, advantages, signal):
+        if not keep:
             continue
-        comps = [sub.completions[i] for i in members]
+        comps = [sub.completions[i] for i in m]
         rows.append(
             GroupRow(
                 submission_id,
                 p,
                 [c.sample_index for c in comps],
                 sub.policy_version,
-                np.asarray(adv, dtype="<f8").tobytes(),
-                group_rewards.tobytes(),
+                adv.astype("<f8").tobytes(),
+                r.tobytes(),
                 np.array([c.token_ids.size for c in comps], dtype="<i4").tobytes(),
                 lease.prompts[p].token_ids.astype("<i4").tobytes(),
                 np.concatenate([c.token_ids for c in comps]).astype("<i4", copy=False).tobytes(),
                 np.concatenate([c.logprobs for c in comps]).astype("<f4", copy=False).tobytes(),
             )
         )
+    dropped = len(prompts) - len(rows)
     return Groups(rows, dropped)
 
 

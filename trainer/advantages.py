@@ -14,22 +14,26 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def group_advantages(rewards: Sequence[float], use_std: bool = True, eps: float = 1e-6) -> np.ndarray:
+def group_advantages(rewards: Sequence[float] | np.ndarray, use_std: bool = True, eps: float = 1e-6) -> np.ndarray:
+    """Advantages of one group (rewards of shape (k,)) or of several groups of the same size at once
+    (shape (groups, k), one group per row: one numpy pass for all the groups of a submission)."""
     r = np.asarray(rewards, dtype=np.float64)
-    if r.ndim != 1 or r.size == 0:
-        raise ValueError(f"rewards must be a non-empty 1-D sequence, got shape {r.shape}")
+    if r.ndim not in (1, 2) or r.size == 0:
+        raise ValueError(f"rewards must be a non-empty group (k,) or groups (groups, k), got shape {r.shape}")
     if not np.all(np.isfinite(r)):
         raise ValueError("rewards must be finite")
     if eps <= 0:
         raise ValueError("eps must be > 0")
-    if np.ptp(r) == 0:  # exactly zero, not mean-rounding noise divided by eps
-        return np.zeros(r.size, dtype=np.float32)
-    centered = r - r.mean()
+    centered = r - r.mean(axis=-1, keepdims=True)
     if use_std:
-        centered = centered / (r.std() + eps)
+        centered = centered / (r.std(axis=-1, keepdims=True) + eps)
+    # Rewards all equal: exactly zero, not mean-rounding noise divided by eps.
+    centered[np.ptp(r, axis=-1) == 0] = 0.0
     return centered.astype(np.float32)
 
 
-def has_signal(advantages: Sequence[float], tol: float = 1e-8) -> bool:
-    """False for a zero-signal group (all rewards equal): online difficulty filtering drops those."""
-    return bool(np.any(np.abs(np.asarray(advantages)) > tol))
+def has_signal(advantages: Sequence[float] | np.ndarray, tol: float = 1e-8) -> bool | np.ndarray:
+    """False for a zero-signal group (all rewards equal): online difficulty filtering drops those.
+    For groups (groups, k): one bool per group."""
+    a = np.abs(np.asarray(advantages)) > tol
+    return bool(a.any()) if a.ndim == 1 else a.any(axis=-1)

@@ -30,7 +30,27 @@ def test_equal_rewards_give_zero_signal():
     assert has_signal(group_advantages([0.0, 1.0]))
 
 
-@pytest.mark.parametrize("bad", [[], [[1.0, 2.0]], [1.0, float("nan")], [float("inf"), 0.0]])
+@pytest.mark.parametrize("bad", [[], [[[1.0, 2.0]]], [1.0, float("nan")], [float("inf"), 0.0], [[0.0, 1.0], [0.0, float("nan")]]])
 def test_bad_rewards_are_rejected(bad):
     with pytest.raises(ValueError):
         group_advantages(bad)
+
+
+@pytest.mark.parametrize("use_std", [True, False])
+def test_several_groups_at_once_equal_each_group_alone_bit_for_bit(use_std):
+    """The orchestrator computes all groups of a submission in one call; the result must be exactly
+    what each group gets alone, ties and all-equal groups included."""
+    rng = np.random.default_rng(0)
+    for k in (1, 2, 3, 8, 16, 33):
+        groups = np.concatenate([
+            rng.random((5, k)),  # continuous
+            rng.integers(0, 2, (5, k)).astype(float),  # 0/1 rewards: ties, sometimes all equal
+            np.full((2, k), 0.7),  # all equal
+            rng.choice([0.0, 0.25, 1.0], (5, k)),
+        ])
+        together = group_advantages(groups, use_std=use_std)
+        alone = np.stack([group_advantages(g, use_std=use_std) for g in groups])
+        assert together.dtype == np.float32 and together.shape == groups.shape
+        assert np.array_equal(together, alone)
+        assert has_signal(together).tolist() == [has_signal(a) for a in alone]
+    assert not has_signal(group_advantages(np.full((1, 4), 1.0)))[0]
