@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import secrets
 
+import numpy as np
+
 from orchestrator.config import OrchestratorConfig
 from orchestrator.data import PromptSet
 from orchestrator.errors import ApiError
@@ -31,6 +33,19 @@ class LeaseBook:
         self.config = config
         # Open leases, parsed, so a submission does not re-parse its lease (a cache: SQLite is the truth).
         self._open: dict[str, TaskLease] = {}
+        # Prompt index -> (prompt_id, token ids) as validated by the first lease that carried the prompt.
+        # The token array is shared, read-only, by every later lease of that prompt.
+        self._checked_prompts: dict[int, tuple[str, np.ndarray]] = {}
+
+    def _task_prompt(self, index: int, seeds: list[int]) -> TaskPrompt:
+        checked = self._checked_prompts.get(index)
+        if checked is None:
+            p = self.prompts.prompts[index]
+            prompt = TaskPrompt(prompt_id=p.prompt_id, token_ids=p.token_ids, seeds=seeds)
+            prompt.token_ids.flags.writeable = False
+            self._checked_prompts[index] = (prompt.prompt_id, prompt.token_ids)
+            return prompt
+        return TaskPrompt.model_construct(prompt_id=checked[0], token_ids=checked[1], seeds=seeds)
 
     def issue(
         self,
@@ -90,12 +105,11 @@ class LeaseBook:
                 indices += [self.prompts.order(start + i) for i in range(n - len(indices))]
             seeds = self.prompts.sample_seeds(seq, n * cfg.samples_per_prompt)
             k = cfg.samples_per_prompt
-            lease = TaskLease(
+            # Built without re-validation: every field is ours (each prompt was validated by the first
+            # lease that carried it; ids, seeds, versions and deadline are made right here).
+            lease = TaskLease.model_construct(
                 lease_id=f"L{seq:08d}-{secrets.token_hex(4)}",
-                prompts=[
-                    TaskPrompt(prompt_id=self.prompts.prompts[i].prompt_id, token_ids=self.prompts.prompts[i].token_ids, seeds=seeds[j * k : (j + 1) * k])
-                    for j, i in enumerate(indices)
-                ],
+                prompts=[self._task_prompt(i, seeds[j * k : (j + 1) * k]) for j, i in enumerate(indices)],
                 samples_per_prompt=k,
                 sampling=cfg.sampling,
                 policy_version=current_version,
@@ -104,7 +118,7 @@ class LeaseBook:
             )
             self.state.insert_lease(
                 db,
-                LeaseRow(lease.lease_id, seq, worker_id, indices, lease.model_dump_json(), now, lease.deadline, "open", request_id),
+                LeaseRow(lease.lease_id, seq, worker_id, indices, lease.to_json(), now, lease.deadline, "open", request_id),
             )
         self._open[lease.lease_id] = lease
         return lease

@@ -131,6 +131,47 @@ def test_lease_release(client):
     error(client.post(api.LEASE.path, json={"loaded_policy_version": 9}, headers=bearer(w.secret)), 422, "invalid_request")
 
 
+def test_lease_bad_inputs(client):
+    # lease parses its own body and token (no FastAPI body parameter): refused as FastAPI refused them.
+    w = register(client)
+    h = bearer(w.secret)
+    good = b'{"loaded_policy_version": 0}'
+    for content, headers, reason in [
+        (good, {"content-type": "text/plain"}, "expected JSON"),
+        (good, {}, "expected JSON"),  # no Content-Type
+        (b"{not json", {"content-type": "application/json"}, "Invalid JSON"),
+        (b"", {"content-type": "application/json"}, "body"),
+        (b"[1, 2]", {"content-type": "application/json"}, "body"),
+        (b'{"loaded_policy_version": "x"}', {"content-type": "application/json"}, "body.loaded_policy_version"),
+        (b'{"loaded_policy_version": 0, "max_prompts": 65}', {"content-type": "application/json"}, "body.max_prompts"),
+        (b'{"loaded_policy_version": 0, "worker": "w2"}', {"content-type": "application/json"}, "body.worker"),
+        (b'{"loaded_policy_version": 0, "request_id": "bad id"}', {"content-type": "application/vnd.x+json"}, "body.request_id"),
+    ]:
+        assert reason in error(client.post(api.LEASE.path, content=content, headers=h | headers), 422, "invalid_request").detail
+    # The body is checked before the token, as before.
+    error(client.post(api.LEASE.path, content=b"{not json", headers={"content-type": "application/json"}), 422, "invalid_request")
+    for headers in ({}, {"Authorization": w.secret}, {"Authorization": "Basic " + w.secret}, {"Authorization": "Bearer"}, bearer(ADMIN),
+                    bearer(w.secret + "x")):
+        error(client.post(api.LEASE.path, json={"loaded_policy_version": 0}, headers=headers), 401, "unauthorized")
+    # Charset parameters and case are fine.
+    r = client.post(api.LEASE.path, content=good, headers=h | {"content-type": "Application/JSON; charset=utf-8"})
+    assert r.status_code == 200 and LeaseResponse.model_validate_json(r.content).lease is not None
+
+
+def test_hot_endpoints_documented_like_the_others(client):
+    spec = client.get("/openapi.json").json()
+    for ep, model in ((api.LEASE, "LeaseRequest"), (api.SUBMIT, "RolloutSubmission")):
+        op = spec["paths"][ep.path]["post"]
+        assert op["security"] == [{"HTTPBearer": []}]
+        assert op["requestBody"]["required"] is True
+        assert op["requestBody"]["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{model}"}
+        assert op["responses"]["200"]["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{ep.response.__name__}"}
+        assert op["responses"]["422"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorBody"}
+    lease_request = spec["components"]["schemas"]["LeaseRequest"]
+    assert lease_request["required"] == ["loaded_policy_version"] and lease_request["additionalProperties"] is False
+    assert set(lease_request["properties"]) == {"loaded_policy_version", "max_prompts", "request_id"}
+
+
 def test_submit_and_verdict(client, server):
     w = register(client)
     lease = get_lease(client, w)

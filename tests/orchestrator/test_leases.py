@@ -1,0 +1,59 @@
+"""Leases as LeaseBook issues them: built without re-validating the run's own prompt arrays, so check
+that what is stored and sent is exactly what full validation accepts, and that a prompt the wire
+contract refuses is still refused."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from orch_fakes import make_prompts, run_config
+from orchestrator.data import Prompt, PromptSet
+from orchestrator.leases import LeaseBook
+from orchestrator.state import State
+from protocol.models import LeaseResponse, TaskLease
+
+
+@pytest.fixture
+def book(tmp_path):
+    cfg = run_config(tmp_path, max_open_leases_per_worker=100)
+    state = State(cfg.orchestrator.db_path)
+    yield LeaseBook(state, make_prompts(cfg), cfg.orchestrator)
+    state.close()
+
+
+def test_issued_lease_is_what_full_validation_gives(book):
+    for _ in range(3):  # a prompt's first lease validates it; later leases reuse it
+        lease = book.issue("w1", 2, 0, time.time())
+        row = book.state.lease(lease.lease_id)
+        # The stored row and the answer's lease are the same JSON, and it passes the wire contract.
+        assert row.body == lease.to_json() == lease.model_dump_json()
+        again = TaskLease.model_validate_json(row.body, context={"vocab_size": book.prompts.vocab_size})
+        assert again.model_dump_json() == lease.model_dump_json()
+        resp = LeaseResponse(lease=lease)
+        assert resp.to_json() == resp.model_dump_json()
+        for p, i in zip(lease.prompts, LeaseBook.prompt_indices(row)):
+            assert p.prompt_id == book.prompts.prompts[i].prompt_id
+            assert p.token_ids.dtype == np.int32 and np.array_equal(p.token_ids, book.prompts.prompts[i].token_ids)
+            assert len(p.seeds) == lease.samples_per_prompt and all(0 <= s < 2**63 for s in p.seeds)
+            # Shared by every lease of this prompt: nobody may write to it.
+            assert not p.token_ids.flags.writeable
+            with pytest.raises(ValueError):
+                p.token_ids[0] = 1
+
+
+def test_prompt_refused_by_the_wire_contract_is_still_refused(tmp_path):
+    cfg = run_config(tmp_path, prompts_per_lease=1, max_open_leases_per_worker=100)
+    bad_id = Prompt(SimpleNamespace(prompt_id="has spaces"), np.array([1, 2], dtype=np.int32))
+    negative = Prompt(SimpleNamespace(prompt_id="neg"), np.array([3, -1], dtype=np.int32))
+    for prompt in (bad_id, negative):
+        state = State(tmp_path / f"{prompt.prompt_id}.sqlite")
+        book = LeaseBook(state, PromptSet([prompt], seed=0, vocab_size=64), cfg.orchestrator)
+        for _ in range(2):  # every time, not only the first
+            with pytest.raises(ValidationError):
+                book.issue("w1", 1, 0, time.time())
+        state.close()
