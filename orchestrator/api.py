@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from concurrent.futures import ThreadPoolExecutor
 import logging
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orchestrator.dashboard import HTML as DASHBOARD
 from orchestrator.errors import ApiError
+from orchestrator.group_commit import GroupCommit, GroupCommitMiddleware
 from orchestrator.service import Orchestrator
 from protocol import api, limits
 from protocol.models import (
@@ -179,20 +179,12 @@ class LimitsMiddleware:
             await refuse(ApiError(ErrorCode.timeout, f"request not completed within {self.timeout_s:g} s", status=503, retry_after_s=1.0))
 
 
-def create_app(orch: Orchestrator, db_threads: int = 0) -> FastAPI:
-    """`db_threads=0` (default): handlers that write SQLite run on the event loop itself. Their work is
-    CPU under the GIL plus SQLite commits that append to the WAL (synchronous=NORMAL: no fsync except
-    at a checkpoint, during which every request would wait for State's lock anyway), so a thread hop
-    adds two context switches and a lock hand-off per request and buys no parallelism.
-    `db_threads>0`: run them on that many threads."""
+def create_app(orch: Orchestrator) -> FastAPI:
+    """Handlers run on the event loop itself: their work is CPU under the GIL plus SQLite statements,
+    and their writes join one transaction per loop iteration (group_commit.py), committed before any
+    of them answers. (A thread pool would add two context switches and a lock hand-off per request
+    and buy no parallelism.)"""
     cfg = orch.cfg
-    pool = ThreadPoolExecutor(max_workers=db_threads, thread_name_prefix="orchestrator-db") if db_threads > 0 else None
-
-    async def run_in_threadpool(fn: Any, *args: Any) -> Any:
-        if pool is None:
-            return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
-
     join_tokens = [t.encode() for t in cfg.join_tokens]
     admin_token = cfg.admin_token.encode()
     errors = {code: {"model": ErrorBody} for code in (401, 403, 404, 409, 410, 413, 415, 422, 429)}
@@ -220,6 +212,10 @@ def create_app(orch: Orchestrator, db_threads: int = 0) -> FastAPI:
                 swagger_favicon_url="data:,",
             )
 
+    # Added first, so it runs inside LimitsMiddleware: a request joins the shared transaction once its
+    # body is read, right before its handler.
+    app.state.group_commit = group = GroupCommit(orch.state)
+    app.add_middleware(GroupCommitMiddleware, group=group)
     app.add_middleware(LimitsMiddleware, timeout_s=cfg.request_timeout_s)
     app.state.orchestrator = orch
 
@@ -288,7 +284,7 @@ def create_app(orch: Orchestrator, db_threads: int = 0) -> FastAPI:
 
     @app.post(api.HEARTBEAT.path, response_model=api.HEARTBEAT.response, responses=errors, summary=api.HEARTBEAT.summary, tags=["worker"])
     async def heartbeat(worker_id: str, body: Heartbeat, creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> Response:
-        return json_response(await run_in_threadpool(orch.heartbeat, require_worker(creds), worker_id, body))
+        return json_response(orch.heartbeat(require_worker(creds), worker_id, body))
 
     # The two hot endpoints (every worker calls both once per task) take the bare request and parse
     # their body and bearer token themselves: FastAPI's per-request dependency and body machinery cost
@@ -296,7 +292,7 @@ def create_app(orch: Orchestrator, db_threads: int = 0) -> FastAPI:
     @bare_post(api.LEASE, openapi_extra={"requestBody": json_body_schema(LeaseRequest), "security": BEARER_SECURITY})
     async def lease(request: Request) -> Response:
         body = parse_json_body(LeaseRequest, await request.body(), request.headers.get("content-type"))
-        return json_response(await run_in_threadpool(orch.lease, require_worker(await bearer(request)), body))
+        return json_response(orch.lease(require_worker(await bearer(request)), body))
 
     @app.post(api.RELEASE.path, response_model=api.RELEASE.response, responses=errors, summary=api.RELEASE.summary, tags=["worker"])
     async def release(lease_id: str, body: ReleaseRequest | None = None, creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> Response:
@@ -317,7 +313,7 @@ def create_app(orch: Orchestrator, db_threads: int = 0) -> FastAPI:
     async def submit(request: Request) -> Response:
         worker_id = require_worker(await bearer(request))
         body = await request.body()
-        return json_response(await run_in_threadpool(orch.submit, worker_id, body, request.headers.get("content-encoding")))
+        return json_response(orch.submit(worker_id, body, request.headers.get("content-encoding")))
 
     @app.get(api.VERDICT.path, response_model=api.VERDICT.response, responses=errors, summary=api.VERDICT.summary, tags=["worker"])
     async def verdict(submission_id: str, creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> Response:

@@ -301,7 +301,15 @@ class State:
                     if depth:
                         self._db.execute(f"RELEASE sp{depth}")
                     raise
-                self._db.execute("COMMIT" if depth == 0 else f"RELEASE sp{depth}")
+                if depth:
+                    self._db.execute(f"RELEASE sp{depth}")
+                else:
+                    try:
+                        self._db.execute("COMMIT")
+                    except BaseException:  # e.g. disk full: SQLite may leave the transaction open
+                        if self._db.in_transaction:
+                            self._db.execute("ROLLBACK")
+                        raise
             finally:
                 self._depth -= 1
 
