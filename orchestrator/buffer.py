@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -97,9 +98,21 @@ def to_train_samples(groups: list[GroupRow]) -> list[TrainSample]:
 
 @dataclass
 class Batch:
+    """What the trainer pulls: whole groups as the buffer stores them. They cross process boundaries
+    (Ray) as a few byte strings per group; the samples are decoded where they are used (the trainer's
+    side), not by the orchestrator, which serves the workers' requests."""
+
     batch_id: str
-    samples: list[TrainSample]
+    groups: list[GroupRow]
     dropped_stale: int
+
+    @property
+    def num_samples(self) -> int:
+        return sum(g.num_samples for g in self.groups)
+
+    @cached_property
+    def samples(self) -> list[TrainSample]:
+        return to_train_samples(self.groups) if self.groups else []
 
 
 class RolloutBuffer:
@@ -124,7 +137,7 @@ class RolloutBuffer:
             lowest = trainer_version - self.max_staleness
         batch_id = f"B{secrets.token_hex(6)}"
         rows, dropped = self.state.take_batch(batch_id, n, lowest)
-        return Batch(batch_id, to_train_samples(rows) if rows else [], dropped)
+        return Batch(batch_id, rows, dropped)
 
     def commit(self, batch_id: str, new_version: int, model_hash: str | None = None, dropped_stale: int = 0) -> dict[int, int]:
         return self.state.commit_batch(batch_id, new_version, model_hash, dropped_stale)

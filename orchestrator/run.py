@@ -332,8 +332,8 @@ class Run:
             self._check_components()
             t0 = time.perf_counter()
             batch = ray.get(self.orch.take_batch.remote(cfg.trainer.samples_per_step, p.version, wait_s=2.0))
-            if len(batch.samples) < cfg.trainer.samples_per_step:
-                if batch.samples:
+            if batch.num_samples < cfg.trainer.samples_per_step:
+                if batch.num_samples:
                     ray.get(self.orch.give_back_batch.remote(batch.batch_id))
                 p.waited_s += time.perf_counter() - t0
                 # A converged policy yields only zero-signal groups, so no batch: judge it by its rollouts.

@@ -563,6 +563,12 @@ def test_buffer_samples_carry_the_submitted_arrays_exactly(orch):
         subs[receipt.submission_id] = (l, sub)
     drain(orch)
     batch = orch.take_batch(100)
+    # The batch travels to the trainer (Ray pickles it) as groups; samples are decoded on the far side.
+    import pickle
+
+    travelled = pickle.loads(pickle.dumps(batch))
+    assert "samples" not in batch.__dict__ and travelled.num_samples == batch.num_samples
+    assert [s.sample_id for s in travelled.samples] == [s.sample_id for s in batch.samples]
     assert len(batch.samples) == orch.state.get_int("groups_kept") * 4 > 0
     for s in batch.samples:
         sid, p, k = s.sample_id.rsplit(":", 2)
