@@ -130,7 +130,7 @@ class RolloutBuffer:
         return self.state.buffer_depth()
 
     def take(self, n: int, trainer_version: int | None = None) -> Batch:
-        """Up to n samples in whole groups, oldest first (see State.take_batch). Samples older than
+        """n samples in whole groups, oldest first (see State.take_batch), or what is ready. Samples older than
         `trainer_version - max_staleness` are dropped (counted as stale) rather than handed out."""
         lowest = None
         if self.max_staleness is not None and trainer_version is not None:

@@ -604,8 +604,9 @@ class State:
         return int(self._one("SELECT COALESCE(SUM(num_samples), 0) FROM sample_groups WHERE status='ready'")[0])
 
     def take_batch(self, batch_id: str, n: int, min_behaviour_version: int | None) -> tuple[list[GroupRow], int]:
-        """Mark the oldest ready groups holding up to n samples in all as taken by `batch_id` (whole
-        groups only; a first group larger than n is taken whole, so a small n still makes progress).
+        """Mark the oldest ready groups as taken by `batch_id`, whole groups until they hold n samples
+        (n exactly when n is a multiple of the group size, as RunConfig requires; otherwise up to one
+        group more, so groups of another size from an earlier config never leave a batch short).
 
         Groups below `min_behaviour_version` would be dropped by the trainer anyway: they are marked
         stale here and their samples counted, instead of travelling to the trainer. Returns (groups,
@@ -625,12 +626,12 @@ class State:
                     )
                     self._add(db, "samples_dropped_stale", dropped)
                     self._add(db, BUFFERED_SAMPLES, -dropped)
-            # Ready groups are taken in seq order, so a batch is every ready group up to the last one that fits.
+            # Ready groups are taken in seq order, so a batch is every ready group up to the last one it needs.
             last, total = None, 0
             for seq, size in db.execute("SELECT seq, num_samples FROM sample_groups WHERE status='ready' ORDER BY seq LIMIT ?", (max(1, n),)):
-                if last is not None and total + size > n:
-                    break
                 last, total = seq, total + size
+                if total >= n:
+                    break
             if last is None:
                 return [], dropped
             db.execute("UPDATE sample_groups SET status='taken', batch_id=? WHERE status='ready' AND seq<=?", (batch_id, last))

@@ -366,8 +366,8 @@ def test_take_batch_waits_for_samples(orch):
 
 
 def test_batches_are_whole_groups_oldest_first(orch):
-    """The buffer stores and hands out whole GRPO groups: a batch is the oldest ready groups that fit
-    in n samples (a first group larger than n is taken whole), and each group's samples travel together."""
+    """The buffer stores and hands out whole GRPO groups: a batch is the oldest ready groups until they
+    hold n samples (a group is never split), and each group's samples travel together."""
     wid, _ = register(orch)
     k = orch.cfg.samples_per_prompt
     rng = np.random.default_rng(11)
@@ -381,15 +381,15 @@ def test_batches_are_whole_groups_oldest_first(orch):
     def group_keys(batch):
         return [s.sample_id.rsplit(":", 1)[0] for s in batch.samples]
 
-    b1 = orch.take_batch(2 * k - 1)  # room for one group and a bit: one group
+    b1 = orch.take_batch(k)  # exactly one group
     assert len(b1.samples) == k and len(set(group_keys(b1))) == 1
-    b2 = orch.take_batch(2 * k)  # exactly two groups
+    b2 = orch.take_batch(k + 1)  # one group is not enough: two
     assert len(b2.samples) == 2 * k and len(set(group_keys(b2))) == 2
     # Oldest first: the batches hold the first three groups in insertion order.
     taken = orch.state._db.execute("SELECT seq, batch_id FROM sample_groups WHERE status='taken' ORDER BY seq").fetchall()
     assert [seq for seq, _ in taken] == seqs[:3]
     assert [b for _, b in taken] == [b1.batch_id, b2.batch_id, b2.batch_id]
-    # Every member of a group, each once, with the group's centred advantages.
+    # Every member of a group, each once.
     for batch in (b1, b2):
         by_group: dict[str, list[int]] = {}
         for s in batch.samples:
@@ -633,3 +633,22 @@ def test_untrained_counters_match_the_rows_through_every_transition(tmp_path):
     orch.state.close()
     orch = make_orchestrator(cfg)  # restart: the taken batch is ready again, the counters recounted
     check()
+
+
+def test_groups_of_another_size_never_leave_a_batch_short(tmp_path):
+    """Groups of 4 and 3 (a run resumed with another group size): a batch of 8 takes groups until it
+    holds 8 or more, never stopping short while more are ready."""
+    state = State(tmp_path / "s.sqlite")
+    with state.tx() as db:
+        for i, size in enumerate([4, 3, 3, 4]):
+            db.execute(
+                "INSERT INTO sample_groups (submission_id, prompt_index, num_samples, sample_indices, behaviour_version, created_at, "
+                "status, advantages, rewards, completion_lengths, prompt_ids, completion_ids, logprobs) "
+                "VALUES (?, 0, ?, ?, 0, 0, 'ready', x'', x'', x'', x'', x'', x'')",
+                (f"S{i}", size, str(list(range(size)))),
+            )
+    groups, _ = state.take_batch("B1", 8, None)
+    assert [g.submission_id for g in groups] == ["S0", "S1", "S2"] and sum(g.num_samples for g in groups) == 10
+    groups, _ = state.take_batch("B2", 8, None)  # only 4 left: all of them
+    assert [g.submission_id for g in groups] == ["S3"]
+    state.close()
