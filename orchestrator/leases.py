@@ -118,7 +118,7 @@ class LeaseBook:
             )
             self.state.insert_lease(
                 db,
-                LeaseRow(lease.lease_id, seq, worker_id, indices, lease.to_json(), now, lease.deadline, "open", request_id),
+                LeaseRow(lease.lease_id, seq, worker_id, indices, lease.model_dump_json(), now, lease.deadline, "open", request_id),
             )
         self._open[lease.lease_id] = lease
         return lease

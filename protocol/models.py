@@ -17,7 +17,7 @@ from enum import Enum
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from protocol import limits
 from protocol.arrays import PackedArray
@@ -175,20 +175,6 @@ class TaskLease(WireModel):
                 raise ValueError(f"prompt {p.prompt_id}: {len(p.seeds)} seeds for {self.samples_per_prompt} samples")
         return self
 
-    # The lease's JSON, made once: the orchestrator stores it and sends it. A lease is not changed once
-    # issued (its row and the worker's copy must agree); a changed copy (model_copy) makes its own.
-    _json: str | None = PrivateAttr(default=None)
-
-    def to_json(self) -> str:
-        if self._json is None:
-            self._json = self.model_dump_json()
-        return self._json
-
-    def model_copy(self, *, update: Any = None, deep: bool = False) -> "TaskLease":
-        copied = super().model_copy(update=update, deep=deep)
-        copied._json = None
-        return copied
-
     @property
     def num_completions(self) -> int:
         return len(self.prompts) * self.samples_per_prompt
@@ -206,12 +192,6 @@ class LeaseResponse(WireModel):
     lease: TaskLease | None = None
     # When no task is available: how long to wait before asking again.
     retry_after_s: Annotated[float, Field(ge=0)] = 0.0
-
-    def to_json(self) -> str:
-        """model_dump_json(), reusing the lease's JSON (already made for the orchestrator's own record)."""
-        if self.lease is None or self.retry_after_s != 0.0:
-            return self.model_dump_json()
-        return '{"lease":' + self.lease.to_json() + ',"retry_after_s":0.0}'
 
 
 class ReleaseRequest(WireModel):

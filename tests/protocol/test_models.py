@@ -300,16 +300,3 @@ def test_packed_array_json_path_refuses_what_unpack_refuses():
     arr = p.RolloutSubmission.model_validate_json(json.dumps(doc)).completions[0].token_ids
     assert arr.dtype == np.int32 and arr.flags.writeable and arr.tolist() == list(range(3, 43))
 
-
-def test_lease_json_is_made_once_and_is_the_models_json():
-    tl = p.TaskLease.model_validate(lease(deadline=1.8e9 + 0.125))
-    first = tl.to_json()
-    assert first == tl.model_dump_json() and tl.to_json() is first  # made once
-    assert p.TaskLease.model_validate_json(first).model_dump_json() == first
-    changed = tl.model_copy(update={"deadline": 1.9e9})
-    assert changed.to_json() == changed.model_dump_json() != first and tl.to_json() == first
-    # The response reuses the lease's JSON and is exactly what the model would dump.
-    for resp in (p.LeaseResponse(lease=tl), p.LeaseResponse(lease=None, retry_after_s=0.2), p.LeaseResponse(),
-                 p.LeaseResponse(lease=tl, retry_after_s=1e-7)):
-        assert resp.to_json() == resp.model_dump_json()
-        assert p.LeaseResponse.model_validate_json(resp.to_json()).model_dump_json() == resp.model_dump_json()
