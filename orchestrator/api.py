@@ -79,10 +79,18 @@ class BareRoute(APIRoute):
     """A route whose endpoint takes only the `Request` and returns a `Response`: documented like any
     FastAPI route (its body and security through `openapi_extra`), but called directly, without
     FastAPI's per-request dependency solving (it parses the query, headers and cookies even for an
-    endpoint that declares none). Exceptions still go to the app's exception handlers."""
+    endpoint that declares none) and without the per-route exception wrapper and exit stack: its
+    exceptions go to the app's exception handlers through ExceptionMiddleware, as before."""
 
-    def get_route_handler(self) -> Any:
-        return self.endpoint
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        endpoint = self.endpoint
+
+        async def app(scope: dict, receive: Any, send: Any) -> None:
+            response = await endpoint(Request(scope, receive, send))
+            await response(scope, receive, send)
+
+        self.app = app
 
 
 def json_body_schema(model: type[BaseModel]) -> dict[str, Any]:

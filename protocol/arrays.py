@@ -49,8 +49,9 @@ def unpack(text: str | bytes, dtype: str, max_len: int | None = None) -> np.ndar
 class PackedArray:
     """Pydantic annotation: `Annotated[np.ndarray, PackedArray("int32", max_len=...)]`.
 
-    Accepts a base64 string (from JSON), or a list / ndarray (from Python). Always yields a 1-D ndarray
-    of exactly `dtype`; serializes to base64 in JSON mode.
+    Accepts a base64 string (from JSON: decoded by pydantic-core, which also takes unpadded and URL-safe
+    base64), or a list / ndarray / strict base64 string (from Python). Always yields a 1-D ndarray of
+    exactly `dtype` (a writable copy); serializes to base64 in JSON mode.
     """
 
     dtype: str
@@ -85,11 +86,22 @@ class PackedArray:
         return arr
 
     def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> core_schema.CoreSchema:
-        return core_schema.no_info_plain_validator_function(
-            self._validate,
-            serialization=core_schema.plain_serializer_function_ser_schema(
-                lambda arr: pack(arr, self.dtype), when_used="json"
-            ),
+        le, native = _wire_dtype(self.dtype)
+        size, max_bytes = le.itemsize, self.max_len * le.itemsize
+
+        def from_wire(raw: bytes) -> np.ndarray:
+            # JSON input arrives base64-decoded by pydantic-core (WireModel sets `val_json_bytes`), so
+            # the Python call per array (a submission has up to 512) is only this.
+            if len(raw) % size:
+                raise PydanticCustomError("packed_array", "{n} bytes is not a whole number of {size}-byte values", {"n": len(raw), "size": size})
+            if len(raw) > max_bytes:
+                raise PydanticCustomError("packed_array", "array has {n} values, limit is {limit}", {"n": len(raw) // size, "limit": self.max_len})
+            return np.frombuffer(raw, dtype=le).astype(native)
+
+        return core_schema.json_or_python_schema(
+            json_schema=core_schema.no_info_after_validator_function(from_wire, core_schema.bytes_schema()),
+            python_schema=core_schema.no_info_plain_validator_function(self._validate),
+            serialization=core_schema.plain_serializer_function_ser_schema(lambda arr: pack(arr, self.dtype), when_used="json"),
         )
 
     def __get_pydantic_json_schema__(self, schema: Any, handler: Any) -> dict[str, Any]:

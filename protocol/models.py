@@ -32,7 +32,8 @@ Logprobs = Annotated[np.ndarray, PackedArray("float32", limits.MAX_COMPLETION_TO
 
 
 class WireModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, ser_json_inf_nan="constants")
+    # Bytes travel as base64 in JSON (proofs, and PackedArray's arrays, which pydantic-core decodes).
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, ser_json_inf_nan="constants", ser_json_bytes="base64", val_json_bytes="base64")
 
     def to_json(self) -> str:
         return self.model_dump_json()
@@ -223,8 +224,6 @@ class Completion(WireModel):
     finish_reason: FinishReason
     # One TOPLOC-style proof per PROOF_CHUNK_TOKENS generated tokens (the last chunk may be partial).
     proofs: Annotated[list[ProofBlob], Field(max_length=limits.MAX_COMPLETION_TOKENS // limits.PROOF_CHUNK_TOKENS + 1)]
-
-    model_config = ConfigDict(ser_json_bytes="base64", val_json_bytes="base64")
 
     # One validator for all of a completion's value rules (one Python call per completion instead of
     # one per field: a submission has up to 256 completions).

@@ -283,20 +283,24 @@ def test_submission_checks_every_completion_array(field, values, message, wire):
         p.Completion.model_validate(bad["completions"][2], context=ctx)
 
 
-def test_packed_array_json_path_refuses_what_unpack_refuses():
-    """The fast base64 path of PackedArray keeps every rule of `unpack`: strict base64, whole values, length cap."""
+def test_packed_array_json_path_refuses_bad_arrays():
+    """From JSON, pydantic-core decodes the base64 (padding optional, URL-safe alphabet accepted, as for
+    proofs: the decoded bytes are what every check and the replay fingerprint see); PackedArray then
+    refuses partial values and arrays over the cap."""
     doc = json.loads(p.RolloutSubmission.model_validate(submission()).model_dump_json())
     for value, message in [
-        ("not base64!!", "not valid base64"),
+        ("not base64!!", "valid base64"),
+        ("é" * 8, "valid base64"),
         ("QUJD", "not a whole number of 4-byte values"),  # 3 bytes
-        ("QUJ", "not valid base64"),  # bad padding
-        ("é" * 8, "not valid base64"),
-        ("A" * (4 * ((limits.MAX_COMPLETION_TOKENS * 4 + 2) // 3) + 4), "longer than"),
+        ("A" * (4 * ((limits.MAX_COMPLETION_TOKENS * 4 + 2) // 3) + 4), "limit is"),
     ]:
         d = json.loads(json.dumps(doc))
         d["completions"][0]["token_ids"] = value
         with pytest.raises(ValidationError, match=message):
             p.RolloutSubmission.model_validate_json(json.dumps(d))
+    unpadded = json.loads(json.dumps(doc))
+    unpadded["completions"][0]["token_ids"] = unpadded["completions"][0]["token_ids"].rstrip("=")
+    assert p.RolloutSubmission.model_validate_json(json.dumps(unpadded)).completions[0].token_ids.tolist() == list(range(3, 43))
     arr = p.RolloutSubmission.model_validate_json(json.dumps(doc)).completions[0].token_ids
     assert arr.dtype == np.int32 and arr.flags.writeable and arr.tolist() == list(range(3, 43))
 
