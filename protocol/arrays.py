@@ -51,7 +51,8 @@ class PackedArray:
 
     Accepts a base64 string (from JSON: decoded by pydantic-core, which also takes unpadded and URL-safe
     base64), or a list / ndarray / strict base64 string (from Python). Always yields a 1-D ndarray of
-    exactly `dtype` (a writable copy); serializes to base64 in JSON mode.
+    exactly `dtype`: from JSON a read-only view of the decoded bytes, from Python a writable copy.
+    Serializes to base64 in JSON mode.
     """
 
     dtype: str
@@ -87,7 +88,7 @@ class PackedArray:
 
     def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> core_schema.CoreSchema:
         le, native = _wire_dtype(self.dtype)
-        size, max_bytes = le.itemsize, self.max_len * le.itemsize
+        size, max_bytes, swap_free = le.itemsize, self.max_len * le.itemsize, le == native
 
         def from_wire(raw: bytes) -> np.ndarray:
             # JSON input arrives base64-decoded by pydantic-core (WireModel sets `val_json_bytes`), so
@@ -96,7 +97,9 @@ class PackedArray:
                 raise PydanticCustomError("packed_array", "{n} bytes is not a whole number of {size}-byte values", {"n": len(raw), "size": size})
             if len(raw) > max_bytes:
                 raise PydanticCustomError("packed_array", "array has {n} values, limit is {limit}", {"n": len(raw) // size, "limit": self.max_len})
-            return np.frombuffer(raw, dtype=le).astype(native)
+            # A read-only view of the decoded bytes: no copy (which cost as much as everything else per
+            # array). Nothing writes into a submission's arrays; a byte swap only on big-endian hosts.
+            return np.frombuffer(raw, dtype=native) if swap_free else np.frombuffer(raw, dtype=le).astype(native)
 
         return core_schema.json_or_python_schema(
             json_schema=core_schema.no_info_after_validator_function(from_wire, core_schema.bytes_schema()),

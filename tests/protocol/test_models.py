@@ -302,5 +302,5 @@ def test_packed_array_json_path_refuses_bad_arrays():
     unpadded["completions"][0]["token_ids"] = unpadded["completions"][0]["token_ids"].rstrip("=")
     assert p.RolloutSubmission.model_validate_json(json.dumps(unpadded)).completions[0].token_ids.tolist() == list(range(3, 43))
     arr = p.RolloutSubmission.model_validate_json(json.dumps(doc)).completions[0].token_ids
-    assert arr.dtype == np.int32 and arr.flags.writeable and arr.tolist() == list(range(3, 43))
+    assert arr.dtype == np.int32 and not arr.flags.writeable and arr.tolist() == list(range(3, 43))  # a view of the decoded bytes
 
