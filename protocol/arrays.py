@@ -53,10 +53,46 @@ class PackedArray:
     base64), or a list / ndarray / strict base64 string (from Python). Always yields a 1-D ndarray of
     exactly `dtype`: from JSON a read-only view of the decoded bytes, from Python a writable copy.
     Serializes to base64 in JSON mode.
+
+    `deferred`: from JSON, the field keeps the decoded bytes and the enclosing model turns them into
+    arrays (`count` + `from_wire`), many at once: Completion's, for a whole submission in one numpy call.
     """
 
     dtype: str
     max_len: int
+    deferred: bool = False
+
+    @property
+    def itemsize(self) -> int:
+        return _wire_dtype(self.dtype)[0].itemsize
+
+    def count(self, raw: bytes) -> int:
+        """How many values decoded wire bytes hold; ValueError if not whole values or over the cap."""
+        n, rest = divmod(len(raw), self.itemsize)
+        if rest:
+            raise ValueError(f"{len(raw)} bytes is not a whole number of {self.itemsize}-byte values")
+        if n > self.max_len:
+            raise ValueError(f"array has {n} values, limit is {self.max_len}")
+        return n
+
+    def counts(self, raws: list[bytes]) -> list[int]:
+        """`count` of many arrays in one pass; ValueError(index, reason) for the first bad one."""
+        size = self.itemsize
+        lengths = [len(r) for r in raws]
+        if max(lengths, default=0) > self.max_len * size or any(n % size for n in lengths):
+            for i, r in enumerate(raws):
+                try:
+                    self.count(r)
+                except ValueError as exc:
+                    raise ValueError(i, str(exc)) from None
+        return [n // size for n in lengths]
+
+    def from_wire(self, raw: bytes) -> np.ndarray:
+        """Decoded wire bytes (checked by `count`) as a read-only view: no copy (a copy costs as much as
+        the rest of the per-array work); a byte swap only on big-endian hosts. Nothing writes into
+        arrays that came over the wire."""
+        le, native = _wire_dtype(self.dtype)
+        return np.frombuffer(raw, dtype=native) if le == native else np.frombuffer(raw, dtype=le).astype(native)
 
     def _validate(self, value: Any) -> np.ndarray:
         if type(value) is np.ndarray and value.ndim == 1 and value.dtype == _wire_dtype(self.dtype)[1] and value.size <= self.max_len:
@@ -87,22 +123,20 @@ class PackedArray:
         return arr
 
     def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> core_schema.CoreSchema:
-        le, native = _wire_dtype(self.dtype)
-        size, max_bytes, swap_free = le.itemsize, self.max_len * le.itemsize, le == native
+        # From JSON, pydantic-core decodes the base64 (WireModel sets `val_json_bytes`): no Python call
+        # per array for that, and none at all for a deferred one.
+        json_schema = core_schema.bytes_schema()
+        if not self.deferred:
+            def from_json(raw: bytes) -> np.ndarray:
+                try:
+                    self.count(raw)
+                except ValueError as exc:
+                    raise PydanticCustomError("packed_array", "{msg}", {"msg": str(exc)}) from None
+                return self.from_wire(raw)
 
-        def from_wire(raw: bytes) -> np.ndarray:
-            # JSON input arrives base64-decoded by pydantic-core (WireModel sets `val_json_bytes`), so
-            # the Python call per array (a submission has up to 512) is only this.
-            if len(raw) % size:
-                raise PydanticCustomError("packed_array", "{n} bytes is not a whole number of {size}-byte values", {"n": len(raw), "size": size})
-            if len(raw) > max_bytes:
-                raise PydanticCustomError("packed_array", "array has {n} values, limit is {limit}", {"n": len(raw) // size, "limit": self.max_len})
-            # A read-only view of the decoded bytes: no copy (which cost as much as everything else per
-            # array). Nothing writes into a submission's arrays; a byte swap only on big-endian hosts.
-            return np.frombuffer(raw, dtype=native) if swap_free else np.frombuffer(raw, dtype=le).astype(native)
-
+            json_schema = core_schema.no_info_after_validator_function(from_json, json_schema)
         return core_schema.json_or_python_schema(
-            json_schema=core_schema.no_info_after_validator_function(from_wire, core_schema.bytes_schema()),
+            json_schema=json_schema,
             python_schema=core_schema.no_info_plain_validator_function(self._validate),
             serialization=core_schema.plain_serializer_function_ser_schema(lambda arr: pack(arr, self.dtype), when_used="json"),
         )

@@ -10,8 +10,8 @@ Rules every model keeps:
 from __future__ import annotations
 
 import base64
+import itertools
 import json
-import math
 from contextvars import ContextVar
 from enum import Enum
 from typing import Annotated, Any, Literal
@@ -27,8 +27,11 @@ Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 Message = Annotated[str, Field(max_length=limits.MAX_MESSAGE_CHARS)]
 Version = Annotated[int, Field(ge=0, le=2**31 - 1)]
 PromptTokens = Annotated[np.ndarray, PackedArray("int32", limits.MAX_PROMPT_TOKENS)]
-CompletionTokens = Annotated[np.ndarray, PackedArray("int32", limits.MAX_COMPLETION_TOKENS)]
-Logprobs = Annotated[np.ndarray, PackedArray("float32", limits.MAX_COMPLETION_TOKENS)]
+# Deferred: Completion's own checks turn them into arrays (see _check_completions).
+COMPLETION_TOKENS = PackedArray("int32", limits.MAX_COMPLETION_TOKENS, deferred=True)
+LOGPROBS = PackedArray("float32", limits.MAX_COMPLETION_TOKENS, deferred=True)
+CompletionTokens = Annotated[np.ndarray, COMPLETION_TOKENS]
+Logprobs = Annotated[np.ndarray, LOGPROBS]
 
 
 class WireModel(BaseModel):
@@ -39,9 +42,9 @@ class WireModel(BaseModel):
         return self.model_dump_json()
 
 
-# Set while a RolloutSubmission validates its completions: the per-completion value checks (token ids
-# in range, logprobs finite and <= 0) are then done once over all completions' arrays, in one numpy
-# pass each, instead of ~4 small numpy calls per completion. A ContextVar, so it is per thread / task.
+# Set while a RolloutSubmission validates its completions: their checks (and, from JSON, the making of
+# their arrays) are then done once for all of them, in one numpy pass per rule, instead of ~6 small
+# numpy calls per completion. A ContextVar, so it is per thread / task.
 _IN_SUBMISSION: ContextVar[bool] = ContextVar("protocol_in_submission", default=False)
 
 
@@ -225,21 +228,10 @@ class Completion(WireModel):
     # One TOPLOC-style proof per PROOF_CHUNK_TOKENS generated tokens (the last chunk may be partial).
     proofs: Annotated[list[ProofBlob], Field(max_length=limits.MAX_COMPLETION_TOKENS // limits.PROOF_CHUNK_TOKENS + 1)]
 
-    # One validator for all of a completion's value rules (one Python call per completion instead of
-    # one per field: a submission has up to 256 completions).
     @model_validator(mode="after")
     def _values(self, info: ValidationInfo) -> "Completion":
-        n = int(self.token_ids.size)
-        if n == 0:
-            raise ValueError("completion has no tokens")
-        if not _IN_SUBMISSION.get():  # inside a RolloutSubmission: checked there, for all completions at once
-            _check_token_ids(self.token_ids, info, "completion")
-            _check_logprobs(self.logprobs, "")
-        if self.logprobs.size != n:
-            raise ValueError(f"{n} tokens but {self.logprobs.size} logprobs")
-        want = math.ceil(n / limits.PROOF_CHUNK_TOKENS)
-        if len(self.proofs) != want:
-            raise ValueError(f"{n} tokens need {want} proofs, got {len(self.proofs)}")
+        if not _IN_SUBMISSION.get():  # inside a RolloutSubmission: checked there, with all the others
+            _check_completions([self], info, numbered=False)
         return self
 
 
@@ -249,6 +241,52 @@ def _check_logprobs(v: np.ndarray, where: str) -> np.ndarray:
     if v.size and float(v.max()) > 0.0:
         raise ValueError(f"{where}logprobs must be <= 0, got {float(v.max())} at index {int(np.argmax(v))}")
     return v
+
+
+def _check_completions(comps: list[Completion], info: ValidationInfo, numbered: bool = True) -> None:
+    """Every rule of Completion, over many completions at once: one numpy pass per value rule; the
+    error names the first completion that breaks one (`completion {i}: ` when `numbered`).
+
+    From JSON, token ids and logprobs arrive as their decoded bytes (deferred PackedArrays) and leave as
+    read-only views of one array per kind, made here in one numpy call each."""
+    where = (lambda i: f"completion {i}: ") if numbered else (lambda i: "")
+    from_json = type(comps[0].token_ids) is bytes
+    if from_json:
+        field = "token_ids"
+        try:
+            counts = COMPLETION_TOKENS.counts([c.token_ids for c in comps])
+            field = "logprobs"
+            lp_counts = LOGPROBS.counts([c.logprobs for c in comps])
+        except ValueError as exc:
+            i, reason = exc.args
+            raise ValueError(f"{where(i)}{field}: {reason}") from None
+        ids = COMPLETION_TOKENS.from_wire(b"".join([c.token_ids for c in comps]))
+        lps = LOGPROBS.from_wire(b"".join([c.logprobs for c in comps]))
+    else:
+        counts = [c.token_ids.size for c in comps]
+        lp_counts = [c.logprobs.size for c in comps]
+    chunk = limits.PROOF_CHUNK_TOKENS
+    for i, (c, n, n_lp) in enumerate(zip(comps, counts, lp_counts)):
+        if n == 0:
+            raise ValueError(f"{where(i)}completion has no tokens")
+        if n_lp != n:
+            raise ValueError(f"{where(i)}{n} tokens but {n_lp} logprobs")
+        if len(c.proofs) != -(-n // chunk):
+            raise ValueError(f"{where(i)}{n} tokens need {-(-n // chunk)} proofs, got {len(c.proofs)}")
+    if from_json:
+        ends = list(itertools.accumulate(counts))
+        for c, a, b in zip(comps, [0, *ends], ends):  # all checked above: set without re-validation
+            c.__dict__["token_ids"], c.__dict__["logprobs"] = ids[a:b], lps[a:b]
+    else:
+        ids = np.concatenate([c.token_ids for c in comps])
+        lps = np.concatenate([c.logprobs for c in comps])
+    vocab = (info.context or {}).get("vocab_size")
+    if int(ids.min()) < 0 or (vocab is not None and int(ids.max()) >= vocab):
+        for i, c in enumerate(comps):
+            _check_token_ids(c.token_ids, info, f"completion {i}" if numbered else "completion")
+    if not np.isfinite(lps).all() or float(lps.max()) > 0.0:
+        for i, c in enumerate(comps):
+            _check_logprobs(c.logprobs, where(i))
 
 
 class RolloutSubmission(WireModel):
@@ -265,22 +303,8 @@ class RolloutSubmission(WireModel):
             sub = handler(data)
         finally:
             _IN_SUBMISSION.reset(token)
-        sub._check_arrays(info)
+        _check_completions(sub.completions, info)
         return sub
-
-    def _check_arrays(self, info: ValidationInfo) -> None:
-        """Completion's token id and logprob rules, over all completions in one pass per rule; the
-        error names the first completion that breaks one."""
-        comps = self.completions
-        ids = np.concatenate([c.token_ids for c in comps])
-        vocab = (info.context or {}).get("vocab_size")
-        if int(ids.min()) < 0 or (vocab is not None and int(ids.max()) >= vocab):
-            for i, c in enumerate(comps):
-                _check_token_ids(c.token_ids, info, f"completion {i}")
-        lps = np.concatenate([c.logprobs for c in comps])
-        if not np.isfinite(lps).all() or float(lps.max()) > 0.0:
-            for i, c in enumerate(comps):
-                _check_logprobs(c.logprobs, f"completion {i}: ")
 
     @model_validator(mode="after")
     def _unique(self) -> "RolloutSubmission":

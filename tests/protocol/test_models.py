@@ -304,3 +304,47 @@ def test_packed_array_json_path_refuses_bad_arrays():
     arr = p.RolloutSubmission.model_validate_json(json.dumps(doc)).completions[0].token_ids
     assert arr.dtype == np.int32 and not arr.flags.writeable and arr.tolist() == list(range(3, 43))  # a view of the decoded bytes
 
+
+
+def wire(c: dict) -> dict:
+    """A completion as JSON carries it (arrays and proofs base64), built without validating it."""
+    return {**c, "token_ids": p.pack(c["token_ids"], "int32"), "logprobs": p.pack(c["logprobs"], "float32"),
+            "proofs": [base64.b64encode(b).decode() for b in c["proofs"]]}
+
+
+def test_json_arrays_land_in_their_own_completions():
+    """From JSON, a submission's arrays are decoded together and handed out as slices: each completion
+    gets exactly its own values, whatever the lengths (1 to 70 tokens here)."""
+    rng = np.random.default_rng(0)
+    comps = []
+    for i in range(24):
+        n = int(rng.integers(1, 71))
+        comps.append(completion(n=n, prompt_index=i // 8, sample_index=i % 8, token_ids=rng.integers(0, 64, n).tolist(),
+                                logprobs=(-rng.random(n)).astype(np.float32).tolist()))
+    sub = p.RolloutSubmission.model_validate_json(json.dumps(submission(completions=[wire(c) for c in comps])), context={"vocab_size": 64})
+    for c, got in zip(comps, sub.completions):
+        assert got.token_ids.dtype == np.int32 and got.logprobs.dtype == np.float32
+        assert got.token_ids.tolist() == c["token_ids"] and got.logprobs.tolist() == c["logprobs"]
+    one = p.Completion.model_validate_json(json.dumps(wire(comps[5])))  # on its own, too
+    assert one.token_ids.tolist() == comps[5]["token_ids"] and one.logprobs.tolist() == comps[5]["logprobs"]
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(logprobs=[-0.5] * 39), "40 tokens but 39 logprobs"),
+        (dict(proofs=[b"x"]), "40 tokens need 2 proofs, got 1"),
+        (dict(token_ids=[], logprobs=[], proofs=[]), "completion has no tokens"),
+    ],
+)
+def test_json_completion_rules_name_the_completion(change, message):
+    comps = [wire(completion(sample_index=i)) for i in range(4)]
+    comps[2] = wire(completion(sample_index=2, **change))
+    with pytest.raises(ValidationError, match=f"completion 2: {message}"):
+        p.RolloutSubmission.model_validate_json(json.dumps(submission(completions=comps)))
+    with pytest.raises(ValidationError, match=message):
+        p.Completion.model_validate_json(json.dumps(comps[2]))
+    partial = [dict(c) for c in comps]
+    partial[3]["logprobs"] = base64.b64encode(b"\x00" * 6).decode()  # 1.5 float32 values
+    with pytest.raises(ValidationError, match="completion 3: logprobs: 6 bytes is not a whole number of 4-byte values"):
+        p.RolloutSubmission.model_validate_json(json.dumps(submission(completions=partial[:2] + [wire(completion(sample_index=2))] + partial[3:])))
