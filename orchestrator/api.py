@@ -120,6 +120,29 @@ def json_response(model: WireModel, status: int = 200) -> Response:
     return Response(model.to_json(), status_code=status, media_type="application/json")
 
 
+class BareRouteDispatch:
+    """Pure ASGI, the innermost of our middlewares: a request for a BareRoute (by method and static
+    path) goes straight to it, past Starlette's exception middleware and router (together ~5% of the
+    server's CPU per lease + submit, measured live), and its ApiError to the app's own ApiError handler,
+    as on any other route. Every other request passes through."""
+
+    def __init__(self, app: Any, routes: dict[tuple[str, str], Any], api_error_handler: Any):
+        self.app = app
+        self.routes = routes  # (method, path) -> the route's ASGI app; filled as bare routes are declared
+        self.api_error_handler = api_error_handler
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        route = self.routes.get((scope.get("method"), scope["path"])) if scope["type"] == "http" else None
+        if route is None:
+            await self.app(scope, receive, send)
+            return
+        try:
+            await route(scope, receive, send)
+        except ApiError as exc:  # raised before the handler's response started: it returns the response
+            response = await self.api_error_handler(Request(scope, receive), exc)
+            await response(scope, receive, send)
+
+
 class LimitsMiddleware:
     """Reads the whole body under a size cap and the request under a timeout, before the app sees it.
 
@@ -220,19 +243,21 @@ def create_app(orch: Orchestrator) -> FastAPI:
                 swagger_favicon_url="data:,",
             )
 
-    # Added first, so it runs inside LimitsMiddleware: a request joins the shared transaction once its
-    # body is read, right before its handler.
-    app.state.group_commit = group = GroupCommit(orch.state)
-    app.add_middleware(GroupCommitMiddleware, group=group)
-    app.add_middleware(LimitsMiddleware, timeout_s=cfg.request_timeout_s)
-    app.state.orchestrator = orch
-
     # -- errors -----------------------------------------------------------------------------------
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         orch.metrics.requests_refused.labels(exc.code.value).inc()
         return error_response(exc)
+
+    # -- middleware, innermost first: a request's body is read under the limits, then it joins the
+    # shared transaction, right before its handler.
+    bare_routes: dict[tuple[str, str], Any] = {}
+    app.add_middleware(BareRouteDispatch, routes=bare_routes, api_error_handler=_api_error)
+    app.state.group_commit = group = GroupCommit(orch.state)
+    app.add_middleware(GroupCommitMiddleware, group=group)
+    app.add_middleware(LimitsMiddleware, timeout_s=cfg.request_timeout_s)
+    app.state.orchestrator = orch
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -279,6 +304,9 @@ def create_app(orch: Orchestrator) -> FastAPI:
                 endpoint.path, fn, methods=["POST"], route_class_override=BareRoute, response_model=endpoint.response,
                 responses=errors, summary=endpoint.summary, tags=["worker"], openapi_extra=openapi_extra,
             )
+            route = app.router.routes[-1]
+            assert isinstance(route, BareRoute) and "{" not in endpoint.path
+            bare_routes[("POST", endpoint.path)] = route.app
             return fn
 
         return register
@@ -381,15 +409,10 @@ def create_app(orch: Orchestrator) -> FastAPI:
             return json_response(HealthStatus(ok=True))
         return json_response(HealthStatus(ok=False, detail="not serving yet"), status=503)
 
-    # Requests are matched against the routes in order: the two that every worker calls once per task
-    # go first (~5 us per request; no other route's path overlaps theirs). The spec keeps the
-    # declaration order.
-    declared = list(app.router.routes)
-    app.router.routes[:] = [r for r in declared if isinstance(r, BareRoute)] + [r for r in declared if not isinstance(r, BareRoute)]
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=declared)
+            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
             sub = RolloutSubmission.model_json_schema(ref_template="#/components/schemas/{model}")
             comps = schema.setdefault("components", {}).setdefault("schemas", {})
             comps.update(sub.pop("$defs", {}))

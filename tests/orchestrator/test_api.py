@@ -302,6 +302,18 @@ def test_version_too_old_over_http(client, server):
     assert body.min_policy_version == 1
 
 
+def test_refusals_of_lease_and_submit_are_counted(client, server):
+    """Lease and submit skip the router (BareRouteDispatch): their refusals still take the app's ApiError
+    path, the same error body and the same count by code as any other endpoint's."""
+    w = register(client)
+    error(client.post(api.LEASE.path, json={"loaded_policy_version": 0}, headers=bearer("w-nobody.secret")), 401, "unauthorized")
+    error(client.post(api.LEASE.path, content=b"{", headers=bearer(w.secret) | {"content-type": "application/json"}), 422, "invalid_request")
+    error(client.post(api.SUBMIT.path, content=b"x", headers=bearer(w.secret) | {"content-encoding": "br"}), 415, "unsupported_encoding")
+    m = client.get(api.METRICS.path, headers=bearer(ADMIN)).text
+    for code in ("unauthorized", "invalid_request", "unsupported_encoding"):
+        assert f'swarmrl_requests_refused_total{{code="{code}"}} 1.0' in m, code
+
+
 def test_operator_endpoints(client, server):
     w = register(client)
     lease = get_lease(client, w)
