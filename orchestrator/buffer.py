@@ -30,40 +30,48 @@ class Groups:
 
 
 def build_groups(submission_id: str, sub: RolloutSubmission, lease: TaskLease, rewards: list[float], use_std: bool = True) -> Groups:
-    """Every group with a learning signal, with its advantages, behaviour version and logprobs."""
-    if len(rewards) != len(sub.completions):
-        raise ValueError(f"{len(rewards)} rewards for {len(sub.completions)} completions")
+    """Every group with a learning signal, with its advantages, behaviour version and logprobs.
+
+    Each array kind is made for all groups at once (one numpy call for the submission, then byte
+    slices per group): a submission has many small groups, so per-group numpy calls would dominate."""
+    comps = sub.completions
+    if len(rewards) != len(comps):
+        raise ValueError(f"{len(rewards)} rewards for {len(comps)} completions")
     by_prompt: dict[int, list[int]] = {}
-    for i, c in enumerate(sub.completions):
+    for i, c in enumerate(comps):
         by_prompt.setdefault(c.prompt_index, []).append(i)
     prompts = sorted(by_prompt)
-    members = [by_prompt[p] for p in prompts]
-    if len({len(m) for m in members}) != 1:  # admission.check_shape guarantees it for real submissions
+    k = len(by_prompt[prompts[0]])
+    if any(len(m) != k for m in by_prompt.values()):  # admission.check_shape guarantees it for real submissions
         raise ValueError("every group of a submission must have the same number of samples")
-    group_rewards = np.array([[rewards[i] for i in m] for m in members], dtype="<f8")
-    advantages = group_advantages(group_rewards, use_std=use_std)  # all groups in one pass
-    signal = has_signal(advantages)
+    order = [i for p in prompts for i in by_prompt[p]]  # group by group, in submission order within one
+    ordered = [comps[i] for i in order]
+    group_rewards = np.asarray(rewards, dtype="<f8")[order].reshape(len(prompts), k)
+    advantages = group_advantages(group_rewards, use_std=use_std).astype("<f8")  # all groups in one pass
+    signal = has_signal(advantages).tolist()
+    lengths = np.array([c.token_ids.size for c in ordered], dtype="<i4")
+    ends = (4 * np.cumsum(lengths.reshape(len(prompts), k).sum(axis=1))).tolist()  # byte offsets (4-byte values)
+    completion_ids = np.concatenate([c.token_ids for c in ordered]).astype("<i4", copy=False).tobytes()
+    logprobs = np.concatenate([c.logprobs for c in ordered]).astype("<f4", copy=False).tobytes()
     rows: list[GroupRow] = []
-    for p, m, r, adv, keep in zip(prompts, members, group_rewards, advantages, signal):
-        if not keep:
+    for g, (p, start, end) in enumerate(zip(prompts, [0, *ends], ends)):
+        if not signal[g]:
             continue
-        comps = [sub.completions[i] for i in m]
         rows.append(
             GroupRow(
                 submission_id,
                 p,
-                [c.sample_index for c in comps],
+                [c.sample_index for c in ordered[g * k : (g + 1) * k]],
                 sub.policy_version,
-                adv.astype("<f8").tobytes(),
-                r.tobytes(),
-                np.array([c.token_ids.size for c in comps], dtype="<i4").tobytes(),
-                lease.prompts[p].token_ids.astype("<i4").tobytes(),
-                np.concatenate([c.token_ids for c in comps]).astype("<i4", copy=False).tobytes(),
-                np.concatenate([c.logprobs for c in comps]).astype("<f4", copy=False).tobytes(),
+                advantages[g].tobytes(),
+                group_rewards[g].tobytes(),
+                lengths[g * k : (g + 1) * k].tobytes(),
+                lease.prompts[p].token_ids.astype("<i4", copy=False).tobytes(),
+                completion_ids[start:end],
+                logprobs[start:end],
             )
         )
-    dropped = len(prompts) - len(rows)
-    return Groups(rows, dropped)
+    return Groups(rows, len(prompts) - len(rows))
 
 
 def to_train_samples(groups: list[GroupRow]) -> list[TrainSample]:

@@ -20,15 +20,19 @@ def group_advantages(rewards: Sequence[float] | np.ndarray, use_std: bool = True
     r = np.asarray(rewards, dtype=np.float64)
     if r.ndim not in (1, 2) or r.size == 0:
         raise ValueError(f"rewards must be a non-empty group (k,) or groups (groups, k), got shape {r.shape}")
-    if not np.all(np.isfinite(r)):
+    if not np.isfinite(r).all():
         raise ValueError("rewards must be finite")
     if eps <= 0:
         raise ValueError("eps must be > 0")
-    centered = r - r.mean(axis=-1, keepdims=True)
+    # numpy's mean and std, computed as they compute them (sum / k; sqrt(sum(centered^2) / k)) with
+    # the reductions called directly: the same bits, without their Python wrappers (the orchestrator
+    # calls this once per submission; the wrappers were most of its time).
+    k = r.shape[-1]
+    centered = r - np.add.reduce(r, axis=-1, keepdims=True) / k
     if use_std:
-        centered = centered / (r.std(axis=-1, keepdims=True) + eps)
+        centered = centered / (np.sqrt(np.add.reduce(centered * centered, axis=-1, keepdims=True) / k) + eps)
     # Rewards all equal: exactly zero, not mean-rounding noise divided by eps.
-    centered[np.ptp(r, axis=-1) == 0] = 0.0
+    centered[np.maximum.reduce(r, axis=-1) == np.minimum.reduce(r, axis=-1)] = 0.0
     return centered.astype(np.float32)
 
 

@@ -54,3 +54,16 @@ def test_several_groups_at_once_equal_each_group_alone_bit_for_bit(use_std):
         assert np.array_equal(together, alone)
         assert has_signal(together).tolist() == [has_signal(a) for a in alone]
     assert not has_signal(group_advantages(np.full((1, 4), 1.0)))[0]
+
+
+@pytest.mark.parametrize("use_std", [True, False])
+def test_same_bits_as_numpy_mean_and_std(use_std):
+    """group_advantages calls numpy's reductions directly; the result is bit for bit the textbook
+    (R - mean) / (std + eps) of numpy's own mean and std."""
+    rng = np.random.default_rng(1)
+    for groups in (rng.random((50, 8)), rng.integers(0, 2, (50, 5)).astype(float), rng.normal(0, 1e6, (20, 33)), rng.random((1, 3))):
+        want = groups - groups.mean(axis=-1, keepdims=True)
+        if use_std:
+            want = want / (groups.std(axis=-1, keepdims=True) + 1e-6)
+        want[np.ptp(groups, axis=-1) == 0] = 0.0
+        assert np.array_equal(group_advantages(groups, use_std=use_std), want.astype(np.float32))
