@@ -152,6 +152,7 @@ class Orchestrator:
         self._auth: dict[str, tuple[str, bool]] = {}  # worker id -> (secret hash, banned)
         self._seen: dict[str, float] = {}  # last request per worker, flushed to SQLite periodically
         self._pending: dict[str, _Pending] = {}
+        self._model_hashes: dict[int, str] = {}
         self._queue: queue.Queue[str] = queue.Queue()
         self._events_lock = threading.Lock()
         self._bound_since: float | None = None
@@ -430,6 +431,7 @@ class Orchestrator:
     def publish_version(self, version: int, model_hash: str) -> None:
         """A new policy version is available to workers (called by the trainer / shardcast origin)."""
         self.state.publish_version(version, model_hash)
+        self._model_hashes.pop(version, None)
         self._version = max(self._version, version)
         self.metrics.policy_version.set(self._version)
 
@@ -479,8 +481,20 @@ class Orchestrator:
         self._pending[submission_id] = p
         return p
 
-    def _job(self, submission_id: str, p: _Pending) -> Any:
-        w = self.state.worker(p.worker_id)
+    def _model_hash(self, version: int) -> str:
+        """A published version's hash (immutable once published: cached, but dropped on publish)."""
+        h = self._model_hashes.get(version)
+        if h is None:
+            h = self.state.model_hash(version)
+            if h is None:
+                return ""
+            self._model_hashes[version] = h
+        return h
+
+    def _job(self, submission_id: str, p: _Pending, workers: dict[str, WorkerRow | None]) -> Any:
+        if p.worker_id not in workers:  # once per worker per batch
+            workers[p.worker_id] = self.state.worker(p.worker_id)
+        w = workers[p.worker_id]
         trusted = w is not None and w.strikes == 0 and w.accepted >= TRUSTED_AFTER_ACCEPTED
         return self.make_job(
             submission_id=submission_id,
@@ -489,7 +503,7 @@ class Orchestrator:
             items=[self.prompts.prompts[i].item for i in p.prompt_indices],
             task_name=self.config.data.task,
             task_params=dict(self.config.data.task_params),
-            expected_model_hash=self.state.model_hash(p.submission.policy_version) or "",
+            expected_model_hash=self._model_hash(p.submission.policy_version),
             trust_level="trusted" if trusted else "new",
         )
 
@@ -510,7 +524,8 @@ class Orchestrator:
         batch = [(sid, p) for sid in ids if (p := self._load_pending(sid)) is not None]
         if not batch:
             return 0
-        jobs = [self._job(sid, p) for sid, p in batch]
+        workers: dict[str, WorkerRow | None] = {}
+        jobs = [self._job(sid, p, workers) for sid, p in batch]
         t0 = time.perf_counter()
         try:
             verdicts = self.verifier.verify_many(jobs)
