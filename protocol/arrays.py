@@ -30,8 +30,9 @@ def _wire_dtype(dtype: str) -> tuple[np.dtype, np.dtype]:
 def unpack(text: str | bytes, dtype: str, max_len: int | None = None) -> np.ndarray:
     """Decode base64 of little-endian `dtype` bytes into a native-endian 1-D array (a writable copy).
 
-    On every array of every submission: one length check before decoding, one strict C decode
-    (`strict_mode` refuses characters outside the alphabet and bad padding), one copy.
+    For base64 strings given in Python (JSON input is decoded by pydantic-core): one length check
+    before decoding, one strict C decode (`strict_mode` refuses characters outside the alphabet and bad
+    padding), one copy.
     """
     le, native = _wire_dtype(dtype)
     if max_len is not None and len(text) > 4 * ((max_len * le.itemsize + 2) // 3):  # checked before decoding
