@@ -153,8 +153,10 @@ def serve_main(args) -> None:
     server = OrchestratorServer(orch).start()
     stop, events = threading.Event(), []
     record_gc(events)
-    trainer = threading.Thread(target=stub_trainer, args=(orch, args.samples_per_step, stop, events), daemon=True)
+    trainer = threading.Thread(target=stub_trainer, args=(orch, args.samples_per_step, stop, events), name="stub-trainer", daemon=True)
     trainer.start()
+    # Native thread ids -> names, so the harness can split the server's CPU by thread from /proc.
+    (Path(args.dir) / "threads.json").write_text(json.dumps({t.native_id: t.name for t in threading.enumerate()}))
     print(server.url, flush=True)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     while not stop.wait(0.1):
@@ -473,6 +475,18 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu_s(pid: int) -> dict[int, float]:
+    """User + system CPU seconds of each thread of a process, by native thread id, from /proc."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # the thread ended
+            continue
+        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
 def cores_busy_s(cpus: str) -> float:
     """Busy (non-idle) CPU seconds of these cores since boot, all processes, from /proc/stat."""
     wanted, busy = {f"cpu{c}" for c in cpus.split(",")}, 0
@@ -516,6 +530,7 @@ def run_point(args, n_workers: int, tmpl: str, ceiling: bool = False, src: str =
             p.start()
         time.sleep(max(0.0, start_at + args.warmup - time.time()))
         cpu0, load0, peak = cpu_s(server.pid), os.getloadavg()[0], rss_idle
+        threads0 = thread_cpu_s(server.pid)
         client_cpu0 = sum(cpu_s(p.pid) for p in procs)
         core0 = cores_busy_s(args.server_cpus) if args.server_cpus else 0.0
         end = time.time() + args.seconds
@@ -523,6 +538,7 @@ def run_point(args, n_workers: int, tmpl: str, ceiling: bool = False, src: str =
             time.sleep(0.25)
             peak = max(peak, rss_mb(server.pid))
         server_cpu = cpu_s(server.pid) - cpu0
+        threads1 = thread_cpu_s(server.pid)
         # Other processes on the server's core(s) (e.g. other people's jobs on a shared machine): they slow the server.
         others_on_server_cores = cores_busy_s(args.server_cpus) - core0 - server_cpu if args.server_cpus else None
         client_cpu = sum(cpu_s(p.pid) for p in procs) - client_cpu0  # all client processes (they share --client-cpus)
@@ -541,6 +557,8 @@ def run_point(args, n_workers: int, tmpl: str, ceiling: bool = False, src: str =
             server.wait()
         import shutil
 
+        names_file = run_dir / "threads.json"
+        names = {int(k): v for k, v in json.loads(names_file.read_text()).items()} if names_file.exists() else {}
         events_file = run_dir / "server_events.json"
         events = json.loads(events_file.read_text()) if events_file.exists() else []
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -572,6 +590,10 @@ def run_point(args, n_workers: int, tmpl: str, ceiling: bool = False, src: str =
         "server_cpu_ms_per_submission": round(cpu_ms, 3),
         "one_core_capacity_per_s": round(1e3 / cpu_ms, 0),
         "server_cpu_share": round(server_cpu / args.seconds, 3),
+        # Share of a core per server thread over the window (the HTTP thread serves every request).
+        "server_cpu_share_by_thread": {names.get(tid, "other"): round((threads1[tid] - threads0.get(tid, 0.0)) / args.seconds, 3)
+                                       for tid in sorted(threads1, key=lambda t: threads0.get(t, 0.0) - threads1[t])
+                                       if threads1[tid] - threads0.get(tid, 0.0) > 0},
         "client_cpu_share": round(client_cpu / args.seconds, 3),
         "server_events": {kind: {"n": len(ms), "median_ms": round(float(np.median(ms)), 1), "max_ms": round(max(ms), 1)}
                           for kind in sorted({e[0] for e in events}) for ms in [[e[2] for e in events if e[0] == kind]]},
@@ -705,6 +727,8 @@ def main() -> None:
         "(no coordinated omission); above capacity it grows with the run's length. Paced latencies are of the cycles scheduled in "
         f"the {args.seconds:g} s window (after {args.warmup:g} s warm-up), which may finish up to {args.drain:g} s after it; "
         "accepted/s counts completions inside the window in both modes.",
+        "Server CPU share by thread: CPU of each server thread over the window (`http` serves every request; `verify` applies the "
+        "verdicts: advantages, buffer rows, ledger; `stub-trainer` pulls batches; `checkpoint` checkpoints the WAL). "
         "Others' CPU on server core: busy time of the server's pinned core(s) not spent by the server, over the window (other "
         "people's jobs on a shared machine; +-0.02 from 10 ms clock ticks). Server events: the stub trainer's pulls (CPU ms of take + commit) and garbage "
         "collections of generation >= 1 (wall ms, they stop every thread); the json has a 250 ms timeline of them next to the "
@@ -713,20 +737,21 @@ def main() -> None:
         "bottleneck while both stay small.",
         "",
         "| code | mode | workers | offered/s | accepted/s | submit p50 / p99 / max ms | lease p50 / p99 / max ms | scheduled p50 / p99 ms "
-        "| server CPU ms / submission | one-core capacity /s | server CPU share | others' CPU on server core | client CPU share | client lag p99 ms "
-        "| RSS peak MiB | load avg | server events in window: n x median / max ms | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| server CPU ms / submission | one-core capacity /s | server CPU share | server CPU share by thread | others' CPU on server core "
+        "| client CPU share | client lag p99 ms | RSS peak MiB | load avg | server events in window: n x median / max ms | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in rows:
         paced = p["offered_submissions_per_s"] is not None
         sched = f"{p['scheduled_p50_ms']} / {p['scheduled_p99_ms']}" if paced else "-"
         events = "; ".join(f"{k}: {v['n']} x {v['median_ms']} / {v['max_ms']}" for k, v in p["server_events"].items()) or "-"
+        by_thread = ", ".join(f"{k.removeprefix('orchestrator-')} {v:.2f}" for k, v in p["server_cpu_share_by_thread"].items() if v >= 0.01) or "-"
         lines.append(
             f"| {'-' if 'ceiling' in p['mode'] else p['code']} | {p['mode']} | {p['workers']} | {p['offered_submissions_per_s'] if paced else '-'} | "
             f"{p['accepted_submissions_per_s']:.0f} | {p['submit_p50_ms']} / {p['submit_p99_ms']} / {p['submit_max_ms']} | "
             f"{p['lease_p50_ms']} / {p['lease_p99_ms']} / {p['lease_max_ms']} | "
             f"{sched} | {p['server_cpu_ms_per_submission']:.2f} | "
-            f"{p['one_core_capacity_per_s']:.0f} | {p['server_cpu_share']:.2f} | {p['others_cpu_share_on_server_cores']} | {p['client_cpu_share']:.2f} | "
+            f"{p['one_core_capacity_per_s']:.0f} | {p['server_cpu_share']:.2f} | {by_thread} | {p['others_cpu_share_on_server_cores']} | {p['client_cpu_share']:.2f} | "
             f"{p['client_lag_p99_ms'] if paced else '-'} | {p['orchestrator_rss_peak_mb']:.0f} | {p['load_average_at_start']:.1f} | {events} | {p['errors'] or '-'} |"
         )
     if steps:
