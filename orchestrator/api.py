@@ -250,15 +250,6 @@ def create_app(orch: Orchestrator) -> FastAPI:
         orch.metrics.requests_refused.labels(exc.code.value).inc()
         return error_response(exc)
 
-    # -- middleware, innermost first: a request's body is read under the limits, then it joins the
-    # shared transaction, right before its handler.
-    bare_routes: dict[tuple[str, str], Any] = {}
-    app.add_middleware(BareRouteDispatch, routes=bare_routes, api_error_handler=_api_error)
-    app.state.group_commit = group = GroupCommit(orch.state)
-    app.add_middleware(GroupCommitMiddleware, group=group)
-    app.add_middleware(LimitsMiddleware, timeout_s=cfg.request_timeout_s)
-    app.state.orchestrator = orch
-
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         parts = []
@@ -272,6 +263,15 @@ def create_app(orch: Orchestrator) -> FastAPI:
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {401: ErrorCode.unauthorized, 403: ErrorCode.forbidden, 404: ErrorCode.not_found}.get(exc.status_code, ErrorCode.invalid_request)
         return error_response(ApiError(code, str(exc.detail), status=exc.status_code if exc.status_code < 500 else 400))
+
+    # -- middleware, added innermost first: a request's body is read under the limits, then it joins
+    # the shared transaction, then lease and submit go straight to their bare route.
+    bare_routes: dict[tuple[str, str], Any] = {}
+    app.add_middleware(BareRouteDispatch, routes=bare_routes, api_error_handler=_api_error)
+    app.state.group_commit = group = GroupCommit(orch.state)
+    app.add_middleware(GroupCommitMiddleware, group=group)
+    app.add_middleware(LimitsMiddleware, timeout_s=cfg.request_timeout_s)
+    app.state.orchestrator = orch
 
     # -- auth -------------------------------------------------------------------------------------
 
@@ -408,7 +408,6 @@ def create_app(orch: Orchestrator) -> FastAPI:
         if orch.ready:
             return json_response(HealthStatus(ok=True))
         return json_response(HealthStatus(ok=False, detail="not serving yet"), status=503)
-
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
