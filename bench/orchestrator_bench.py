@@ -469,10 +469,15 @@ def client_proc(url: str, n_workers: int, start_at: float, seconds: float, warmu
     q.put(asyncio.run(main()))
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process (all its threads), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def stat_cpu_s(stat: Path) -> float:
+    """User + system CPU seconds from a /proc stat file (a process's, or one of its threads')."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads)."""
+    return stat_cpu_s(Path(f"/proc/{pid}/stat"))
 
 
 def thread_cpu_s(pid: int) -> dict[int, float]:
@@ -480,10 +485,9 @@ def thread_cpu_s(pid: int) -> dict[int, float]:
     out = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            out[int(task.name)] = stat_cpu_s(task / "stat")
         except FileNotFoundError:  # the thread ended
             continue
-        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return out
 
 

@@ -213,6 +213,10 @@ class GroupRow:
 
 
 GROUP_COLUMNS = ", ".join(GroupRow.__dataclass_fields__)
+INSERT_GROUP = (
+    f"INSERT INTO sample_groups ({GROUP_COLUMNS}, num_samples, created_at, status) "
+    f"VALUES ({', '.join('?' * (len(GroupRow.__dataclass_fields__) + 2))}, 'ready')"
+)
 
 
 class State:
@@ -561,7 +565,7 @@ class State:
                 self._add(db, "reward_sum", float(sum(rewards)))
                 self._add(db, "reward_count", len(rewards))
                 db.executemany(
-                    f"INSERT INTO sample_groups ({GROUP_COLUMNS}, num_samples, created_at, status) VALUES ({', '.join('?' * 12)}, 'ready')",
+                    INSERT_GROUP,
                     [
                         (g.submission_id, g.prompt_index, json.dumps(g.sample_indices), g.behaviour_version, g.advantages, g.rewards,
                          g.completion_lengths, g.prompt_ids, g.completion_ids, g.logprobs, g.num_samples, now)

@@ -344,7 +344,7 @@ def test_json_completion_rules_name_the_completion(change, message):
         p.RolloutSubmission.model_validate_json(json.dumps(submission(completions=comps)))
     with pytest.raises(ValidationError, match=message):
         p.Completion.model_validate_json(json.dumps(comps[2]))
-    partial = [dict(c) for c in comps]
+    partial = [wire(completion(sample_index=i)) for i in range(4)]
     partial[3]["logprobs"] = base64.b64encode(b"\x00" * 6).decode()  # 1.5 float32 values
     with pytest.raises(ValidationError, match="completion 3: logprobs: 6 bytes is not a whole number of 4-byte values"):
-        p.RolloutSubmission.model_validate_json(json.dumps(submission(completions=partial[:2] + [wire(completion(sample_index=2))] + partial[3:])))
+        p.RolloutSubmission.model_validate_json(json.dumps(submission(completions=partial)))
