@@ -28,7 +28,7 @@ RESULTS = REPO / "bench" / "results"
 def run_mode(out: Path, async_level: int, args) -> dict:
     name = f"async{async_level}"
     cmd = [
-        sys.executable, "-m", "orchestrator.cli", "run", "--config", str(REPO / "configs" / "demo.toml"),
+        sys.executable, "-m", "swarmrl", "run", "--config", str(REPO / "configs" / "demo.toml"),
         "--output_dir", str(out), "--name", name,
         "--orchestrator.async_level", str(async_level), "--trainer.max_staleness", str(max(async_level, 0)),
         "--orchestrator.port", "0", "--model.init_size", args.size,

@@ -87,8 +87,44 @@ class StubVerifier:
         ]
 
 
+# The harness also runs older commits (--compare-ref) whose orchestrator had another shape: these helpers
+# build and drive either (orchestrator.db: the current one; orchestrator.state: before the split).
+
+
+def make_orchestrator(cfg, prompts, verifier):
+    from orchestrator.service import Orchestrator
+
+    try:
+        from orchestrator.db import Database
+    except ImportError:
+        from orchestrator.state import State
+
+        return Orchestrator(cfg, State(cfg.orchestrator.db_path), prompts, verifier, verify_batch=64)
+    return Orchestrator(cfg.orchestrator, Database(cfg.orchestrator.db_path), prompts, verifier, shape=cfg.step_shape(),
+                        task_name=cfg.data.task, run_name=cfg.name, verify_batch=64)
+
+
+def commit(orch, batch_id: str) -> None:
+    """Commit without publishing a new version."""
+    if hasattr(orch, "verification"):
+        orch.commit_batch(batch_id, 0, {})
+    else:
+        orch.commit_batch(batch_id, 0)
+
+
+def verify_pending(orch) -> int:
+    return orch.verification.verify_pending() if hasattr(orch, "verification") else orch.verify_pending()
+
+
+def close(orch) -> None:
+    (orch.db if hasattr(orch, "db") else orch.state).close()
+
+
 def bench_config(run_dir: Path, port: int, args):
-    from orchestrator.config import RunConfig
+    try:
+        from orchestrator.config import RunConfig
+    except ImportError:
+        from swarmrl.config import RunConfig
 
     return RunConfig.model_validate({
         "name": "bench", "output_dir": str(run_dir), "seed": 0,
@@ -109,7 +145,7 @@ def stub_trainer(orch, n: int, stop: threading.Event, events: list) -> None:
         batch = orch.take_batch(n, wait_s=0.5)
         # The real trainer decodes batch.samples in its own process (older code decoded them in take_batch).
         if batch.num_samples if hasattr(batch, "num_samples") else batch.samples:
-            orch.commit_batch(batch.batch_id, 0)
+            commit(orch, batch.batch_id)
             # (end time, CPU ms of take + commit): each pull competes with the HTTP thread for the one core
             events.append(("trainer pull", time.perf_counter(), 1e3 * (time.thread_time() - c0)))
         else:
@@ -138,9 +174,7 @@ def serve_main(args) -> None:
     if args.src:  # run another copy of orchestrator/, protocol/, trainer/ (e.g. git HEAD's) against the same harness
         sys.path.insert(0, args.src)
     from orchestrator.data import PromptSet
-    from orchestrator.serve import OrchestratorServer
-    from orchestrator.service import Orchestrator
-    from orchestrator.state import State
+    from orchestrator.server import OrchestratorServer
     from trainer.tiny_model import make_tokenizer, padded_vocab_size
     from verifier.tasks import get_task
 
@@ -148,7 +182,7 @@ def serve_main(args) -> None:
     cfg = bench_config(Path(args.dir), args.port, args)
     items = get_task("toy", digits=6).make_prompts(cfg.data.num_prompts, 0)
     prompts = PromptSet.from_items(items, make_tokenizer(), 0, padded_vocab_size())
-    orch = Orchestrator(cfg, State(cfg.orchestrator.db_path), prompts, StubVerifier(), verify_batch=64)
+    orch = make_orchestrator(cfg, prompts, StubVerifier())
     orch.publish_version(0, "0" * 64)
     server = OrchestratorServer(orch).start()
     stop, events = threading.Event(), []
@@ -184,8 +218,6 @@ def steps_main(args) -> None:
     import zstandard
 
     from orchestrator.data import PromptSet
-    from orchestrator.service import Orchestrator
-    from orchestrator.state import State
     from protocol.models import LeaseRequest, WorkerRegistration
     from trainer.tiny_model import make_tokenizer, padded_vocab_size
     from verifier.tasks import get_task
@@ -193,8 +225,7 @@ def steps_main(args) -> None:
     run_dir = Path(tempfile.mkdtemp(prefix="swarmrl-orch-steps-"))
     cfg = bench_config(run_dir, 0, args)
     items = get_task("toy", digits=6).make_prompts(cfg.data.num_prompts, 0)
-    orch = Orchestrator(cfg, State(cfg.orchestrator.db_path), PromptSet.from_items(items, make_tokenizer(), 0, padded_vocab_size()),
-                        StubVerifier(), verify_batch=64)
+    orch = make_orchestrator(cfg, PromptSet.from_items(items, make_tokenizer(), 0, padded_vocab_size()), StubVerifier())
     orch.publish_version(0, "0" * 64)
     workers = [orch.authenticate(orch.register(WorkerRegistration(name="bench")).secret) for _ in range(64)]
     tmpl, cctx, rng = template(args), zstandard.ZstdCompressor(level=1), np.random.default_rng(0)
@@ -214,11 +245,11 @@ def steps_main(args) -> None:
         spent["lease"] += t1 - t0
         spent["submit"] += t3 - t2
         if i % 16 == 15:
-            orch.verify_pending()
+            verify_pending(orch)
             t4 = clock()
             batch = orch.take_batch(512)
             t5 = clock()
-            orch.commit_batch(batch.batch_id, 0)
+            commit(orch, batch.batch_id)
             spent["verify"] += t4 - t3
             spent["take"] += t5 - t4
             spent["commit"] += clock() - t5
@@ -237,7 +268,7 @@ def steps_main(args) -> None:
     # All threads (e.g. a background WAL checkpointer) and the harness's own compression: an upper bound.
     out["process"] = round(1e3 * process / args.steps_cycles, 3)
     print(json.dumps(out), flush=True)
-    orch.state.close()
+    close(orch)
     shutil.rmtree(run_dir, ignore_errors=True)
 
 

@@ -331,7 +331,7 @@ def scenario_swarmrl(work: Path, origin, manifest, pub: str, n_clients: int, pro
     relay_urls = []
     for i in range(2):
         relay = procs.start(
-            [sys.executable, "-c", "from shardcast.cli import app; app()", "relay", "--upstream", origin_url, "--root", str(work / f"relay{i}"),
+            [sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", "relay", "--upstream", origin_url, "--root", str(work / f"relay{i}"),
              "--public-key", pub, "--poll-interval-s", "0.05", "--log-level", "ERROR", "--parallelism", str(relay_parallelism)],
         )
         relay_urls.append(json.loads(relay.ready_line)["url"])

@@ -140,23 +140,23 @@ def compare_with_toploc(acts: list[torch.Tensor], reps: int, workdir: Path) -> d
 def bench_model(size: str, seqs: int, max_tokens: int, workdir: Path, reps: int) -> dict:
     from protocol.models import SamplingParams
     from trainer.tiny_model import init_model
+    from tools.verifier_calibration import Trial, encode_prompts, lease_for, to_job
+    from tools.vllm_rollouts import generate, make_engine
     from verifier import proofs
-    from verifier.calibration import encode_prompts, lease_for, to_job, Trial
     from verifier.config import VerifierConfig
     from verifier.service import Verifier
     from verifier.tasks import get_task
-    from verifier.vllm_capture import CapturingLLM
 
     model_dir = init_model(workdir / size, size, seed=0)
     items = get_task("toy").make_prompts(seqs, 0)
     prompts = encode_prompts(model_dir, items)
     sampling = SamplingParams(temperature=1.0, max_tokens=max_tokens, stop_token_ids=[])
-    engine = CapturingLLM(model_dir, "float32", max_model_len=max_tokens + 64)
-    engine.generate(prompts[:4], sampling, [0, 1, 2, 3])  # warm-up
+    engine = make_engine(model_dir, "float32", max_model_len=max_tokens + 64)
+    generate(engine, prompts[:4], sampling, [0, 1, 2, 3])  # warm-up
     gen_times, rolls = [], []
     for r in range(reps):
         t = time.process_time()
-        rolls = engine.generate(prompts, sampling, list(range(r * seqs, (r + 1) * seqs)))
+        rolls = generate(engine, prompts, sampling, list(range(r * seqs, (r + 1) * seqs)), batch=seqs)
         gen_times.append(time.process_time() - t)
     gen_s = statistics.median(gen_times)
     tokens = sum(int(x.token_ids.size) for x in rolls)
@@ -166,7 +166,7 @@ def bench_model(size: str, seqs: int, max_tokens: int, workdir: Path, reps: int)
     engine.close()
 
     versions = {0: model_dir}
-    # One torch thread, like each production verifier actor (orchestrator/ray_actors.py).
+    # One torch thread, like each production verifier actor (swarmrl/actors.py).
     verifier = Verifier(VerifierConfig(num_threads=1), lambda v: versions[v], model_dir)
     trials = [Trial("bench", x, lease_for(x.prompt_ids, sampling, k, f"b{k}"), it, expect_accept=True) for k, (x, it) in enumerate(zip(rolls, items))]
     jobs = [to_job(t, k) for k, t in enumerate(trials)]

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import logging
-import random
 import secrets
 import time
 from typing import Callable, TypeVar
@@ -22,6 +21,7 @@ import zstandard
 from pydantic import BaseModel, ValidationError
 
 from protocol import api, limits
+from protocol.retry import backoff_delays
 from protocol import models as m
 
 log = logging.getLogger(__name__)
@@ -86,24 +86,13 @@ ERRORS: dict[m.ErrorCode, type[OrchestratorError]] = {
     m.ErrorCode.too_many_leases: TooManyLeases,
     m.ErrorCode.unsupported_encoding: UnsupportedEncoding,
 }
-# When a 4xx body is not an ErrorBody (a proxy in between, say), the status decides.
-STATUS_CODES = {
-    401: m.ErrorCode.unauthorized,
-    403: m.ErrorCode.forbidden,
-    404: m.ErrorCode.not_found,
-    409: m.ErrorCode.duplicate,
-    410: m.ErrorCode.lease_expired,
-    413: m.ErrorCode.payload_too_large,
-    415: m.ErrorCode.unsupported_encoding,
-    429: m.ErrorCode.rate_limited,
-}
 
 
 def error_from_response(resp: httpx.Response) -> OrchestratorError:
     try:
         body = m.ErrorBody.model_validate_json(resp.content)
     except ValidationError:
-        code = STATUS_CODES.get(resp.status_code, m.ErrorCode.invalid_request)
+        code = api.code_for_status(resp.status_code)  # not an ErrorBody (a proxy in between, say)
         retry_after = resp.headers.get("Retry-After")
         body = m.ErrorBody(
             error=code,
@@ -111,15 +100,6 @@ def error_from_response(resp: httpx.Response) -> OrchestratorError:
             retry_after_s=float(retry_after) if retry_after and retry_after.replace(".", "", 1).isdigit() else None,
         )
     return ERRORS[body.error](resp.status_code, body)
-
-
-def backoff_delays(initial_s: float, max_s: float, rng: random.Random | None = None):
-    """Exponential backoff with full jitter (AWS architecture blog): uniform(0, min(max, initial * 2^i))."""
-    rng = rng or random.Random()
-    attempt = 0
-    while True:
-        yield rng.uniform(0, min(max_s, initial_s * (2**attempt)))
-        attempt += 1
 
 
 class OrchestratorClient:

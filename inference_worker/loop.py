@@ -32,7 +32,9 @@ from inference_worker import client as c
 from inference_worker.config import WorkerConfig
 from inference_worker.display import LiveDisplay, WorkerStats
 from inference_worker.weights import WeightsKeeper
+from protocol import staleness
 from protocol.models import Heartbeat, RolloutSubmission, TaskLease, VerdictStatus, WorkerState
+from protocol.retry import backoff_delays
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +61,7 @@ class Worker:
         self.heartbeat_interval_s = 5.0
         self._pending_verdicts: list[str] = []
         self._lock = threading.Lock()
-        self._delays = c.backoff_delays(config.backoff_initial_s, config.backoff_max_s)
+        self._delays = backoff_delays(config.backoff_initial_s, config.backoff_max_s)
 
     # ----------------------------------------------------------------------------------------------
 
@@ -123,11 +125,11 @@ class Worker:
             self.beat_client.secret, self.beat_client.worker_id = reg.secret, reg.worker_id
             self._pending_verdicts.clear()  # a new identity: the old submissions are not ours to ask about
         self._reregister.clear()
-        self._delays = c.backoff_delays(self.config.backoff_initial_s, self.config.backoff_max_s)
+        self._delays = backoff_delays(self.config.backoff_initial_s, self.config.backoff_max_s)
         self.heartbeat_interval_s = reg.heartbeat_interval_s
         self.stats.worker_id = reg.worker_id
         self.stats.orchestrator_version = reg.policy_version
-        self.min_version = max(0, reg.policy_version - reg.async_level)
+        self.min_version = staleness.min_policy_version(reg.policy_version, reg.async_level)
         self.keeper.set_sources(reg.relay_urls, reg.manifest_public_key)
         self.keeper.observe(reg.policy_version)
         self.stats.event(f"registered as {reg.worker_id}")
@@ -230,7 +232,7 @@ class Worker:
         except c.OrchestratorError as e:
             self._on_error(e, None)
             return
-        self._delays = c.backoff_delays(self.config.backoff_initial_s, self.config.backoff_max_s)
+        self._delays = backoff_delays(self.config.backoff_initial_s, self.config.backoff_max_s)
         if resp.lease is None:
             self.drain.wait(max(resp.retry_after_s, 0.05))
             return

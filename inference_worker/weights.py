@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from inference_worker.client import backoff_delays
+from protocol.retry import backoff_delays
 
 log = logging.getLogger(__name__)
 
@@ -116,5 +116,6 @@ class WeightsKeeper:
 
 def _shardcast_client(urls: list[str], public_key_b64: str, dest_root: Path):
     from shardcast.client import ShardcastClient
+    from shardcast.config import DEFAULTS
 
-    return ShardcastClient(urls, public_key_b64, dest_root, keep_versions=3)
+    return ShardcastClient(urls, public_key_b64, dest_root, keep_versions=DEFAULTS.keep_versions)

@@ -15,7 +15,7 @@ import zstandard
 from pydantic import ValidationError
 
 from orchestrator.errors import ApiError
-from protocol import limits
+from protocol import limits, staleness
 from protocol.models import ErrorCode, RolloutSubmission, TaskLease
 
 # A zstd frame may ask for a window up to 2 GiB; no honest rollout body needs more than this.
@@ -76,17 +76,17 @@ def summarize(exc: ValidationError, max_errors: int = 5) -> str:
     return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
 
-def check_version(claimed: int, current: int, async_level: int) -> None:
+def check_version(claimed: int, current: int, async_level: int, what: str = "policy version") -> None:
     """Refuse a policy version that is too old (before any verification work) or not published yet."""
-    lowest = max(0, current - async_level)
+    lowest = staleness.min_policy_version(current, async_level)
     if claimed < lowest:
         raise ApiError(
             ErrorCode.version_too_old,
-            f"policy version {claimed} is below {lowest} (current {current}, async_level {async_level})",
+            f"{what} {claimed} is below {lowest} (current {current}, async_level {async_level}): pull a newer version first",
             min_policy_version=lowest,
         )
     if claimed > current:
-        raise ApiError(ErrorCode.invalid_request, f"policy version {claimed} has not been published (current {current})")
+        raise ApiError(ErrorCode.invalid_request, f"{what} {claimed} has not been published (current {current})")
 
 
 def check_shape(sub: RolloutSubmission, lease: TaskLease) -> None:

@@ -1,27 +1,75 @@
-"""From an accepted submission to trainer samples, and from the persisted buffer to trainer batches.
+"""The buffer of verified samples: from an accepted submission to GRPO groups, and from the stored groups
+to the trainer's batches. Owns the `sample_groups` table (one row per kept group: the unit the trainer
+learns from) and the `samples` view (one row per sample, for audits and operators' SQL).
 
 A lease holds whole groups (every sample of each of its prompts), so a group is complete when its
-submission is accepted. Advantages come from `trainer.advantages.group_advantages` (its one owner).
+submission is accepted. Advantages come from `trainer.advantages.group_advantages` (their one owner).
 Groups whose rewards are all equal carry no signal and are dropped here: online difficulty filtering.
+
+A group moves ready -> taken (by a batch) -> trained, or ready -> stale. A batch that is taken but never
+committed comes back after a restart, so every accepted sample is trained exactly once.
 """
 
 from __future__ import annotations
 
+import json
 import secrets
+import sqlite3
+import threading
+import time
 from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 
-from orchestrator.state import GroupRow, State
+from orchestrator.db import Database
+from protocol import staleness
+from protocol.arrays import le_bytes
+from protocol.batches import GROUP_ARRAYS, Batch, SampleGroup
 from protocol.models import RolloutSubmission, TaskLease
 from trainer.advantages import group_advantages, has_signal
-from trainer.samples import TrainSample
+
+SCHEMA = """
+-- seq is a plain rowid (rows are never deleted, so it only grows); batch_id is indexed only once set.
+-- Trained and stale groups keep their row (the audit trail: trained exactly once) without their arrays.
+CREATE TABLE IF NOT EXISTS sample_groups (
+    seq INTEGER PRIMARY KEY,
+    submission_id TEXT NOT NULL,
+    prompt_index INTEGER NOT NULL,
+    num_samples INTEGER NOT NULL,
+    sample_indices TEXT NOT NULL,   -- JSON list: each member's sample index within the group
+    behaviour_version INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    status TEXT NOT NULL,           -- ready | taken | trained | stale
+    batch_id TEXT,
+    advantages BLOB NOT NULL,       -- protocol.batches.GROUP_ARRAYS gives each array's layout
+    rewards BLOB NOT NULL,
+    completion_lengths BLOB NOT NULL,
+    prompt_ids BLOB NOT NULL,
+    completion_ids BLOB NOT NULL,
+    logprobs BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS sample_groups_by_status ON sample_groups (status, seq);
+CREATE INDEX IF NOT EXISTS sample_groups_by_batch ON sample_groups (batch_id) WHERE batch_id IS NOT NULL;
+CREATE VIEW IF NOT EXISTS samples AS
+    SELECT g.submission_id || ':' || g.prompt_index || ':' || m.value AS sample_id, g.submission_id, g.prompt_index,
+           CAST(m.value AS INTEGER) AS sample_index, g.behaviour_version, g.status, g.batch_id, g.seq AS group_seq
+    FROM sample_groups g, json_each(g.sample_indices) m;
+"""
+# Samples ready or taken: the buffer's share of the untrained work behind the async bound.
+BUFFERED_SAMPLES = "untrained:buffered_samples"
+COUNTERS = ("groups_kept", "groups_dropped_zero_signal", "samples_dropped_stale", "samples_trained", "step")
+
+GROUP_COLUMNS = ", ".join(SampleGroup.__dataclass_fields__)
+INSERT_GROUP = (
+    f"INSERT INTO sample_groups ({GROUP_COLUMNS}, num_samples, created_at, status) "
+    f"VALUES ({', '.join('?' * (len(SampleGroup.__dataclass_fields__) + 2))}, 'ready')"
+)
+CLEARED_ARRAYS = ", ".join(f"{name}=x''" for name in ("completion_lengths", "prompt_ids", "completion_ids", "logprobs"))
 
 
 @dataclass
 class Groups:
-    rows: list[GroupRow]  # the groups with a learning signal, for the buffer
+    rows: list[SampleGroup]  # the groups with a learning signal, for the buffer
     dropped_zero_signal: int
 
     @property
@@ -46,109 +94,167 @@ def build_groups(submission_id: str, sub: RolloutSubmission, lease: TaskLease, r
         raise ValueError("every group of a submission must have the same number of samples")
     order = [i for p in prompts for i in by_prompt[p]]  # group by group, in submission order within one
     ordered = [comps[i] for i in order]
-    group_rewards = np.asarray(rewards, dtype="<f8")[order].reshape(len(prompts), k)
-    advantages = group_advantages(group_rewards, use_std=use_std).astype("<f8")  # all groups in one pass
+    group_rewards = np.asarray(rewards, dtype=np.float64)[order].reshape(len(prompts), k)
+    advantages = group_advantages(group_rewards, use_std=use_std).astype(np.float64)  # all groups in one pass
     signal = has_signal(advantages).tolist()
-    lengths = np.array([c.token_ids.size for c in ordered], dtype="<i4")
-    ends = (4 * np.cumsum(lengths.reshape(len(prompts), k).sum(axis=1))).tolist()  # byte offsets (4-byte values)
-    completion_ids = np.concatenate([c.token_ids for c in ordered]).astype("<i4", copy=False).tobytes()
-    logprobs = np.concatenate([c.logprobs for c in ordered]).astype("<f4", copy=False).tobytes()
-    rows: list[GroupRow] = []
+    lengths = np.array([c.token_ids.size for c in ordered], dtype=np.int32)
+    size = {name: np.dtype(dtype).itemsize for name, dtype in GROUP_ARRAYS.items()}
+    ends = np.cumsum(lengths.reshape(len(prompts), k).sum(axis=1)).tolist()
+    completion_ids = le_bytes(np.concatenate([c.token_ids for c in ordered]), GROUP_ARRAYS["completion_ids"])
+    logprobs = le_bytes(np.concatenate([c.logprobs for c in ordered]), GROUP_ARRAYS["logprobs"])
+    rows: list[SampleGroup] = []
     for g, (p, start, end) in enumerate(zip(prompts, [0, *ends], ends)):
         if not signal[g]:
             continue
         rows.append(
-            GroupRow(
+            SampleGroup(
                 submission_id,
                 p,
                 [c.sample_index for c in ordered[g * k : (g + 1) * k]],
                 sub.policy_version,
-                advantages[g].tobytes(),
-                group_rewards[g].tobytes(),
-                lengths[g * k : (g + 1) * k].tobytes(),
-                lease.prompts[p].token_ids.astype("<i4", copy=False).tobytes(),
-                completion_ids[start:end],
-                logprobs[start:end],
+                le_bytes(advantages[g], GROUP_ARRAYS["advantages"]),
+                le_bytes(group_rewards[g], GROUP_ARRAYS["rewards"]),
+                le_bytes(lengths[g * k : (g + 1) * k], GROUP_ARRAYS["completion_lengths"]),
+                le_bytes(lease.prompts[p].token_ids, GROUP_ARRAYS["prompt_ids"]),
+                completion_ids[start * size["completion_ids"] : end * size["completion_ids"]],
+                logprobs[start * size["logprobs"] : end * size["logprobs"]],
             )
         )
     return Groups(rows, len(prompts) - len(rows))
 
 
-def to_train_samples(groups: list[GroupRow]) -> list[TrainSample]:
-    """Decode a batch of buffer groups into samples: each array kind in one numpy call for the whole
-    batch (samples get slices of it); a group's samples share its prompt array.
-
-    Trusted (no TrainSample checks): the buffer holds only what build_groups wrote from a submission
-    that protocol validated (token ids >= 0, logprobs finite and <= 0, one logprob per token), with
-    finite advantages from group_advantages."""
-    def concat(field: str, dtype: str, out: type) -> np.ndarray:
-        return np.frombuffer(b"".join(getattr(g, field) for g in groups), dtype=dtype).astype(out)
-
-    completions, logprobs = concat("completion_ids", "<i4", np.int64), concat("logprobs", "<f4", np.float32)
-    lengths = concat("completion_lengths", "<i4", np.int64)
-    ends = np.cumsum(lengths).tolist()
-    advantages, rewards = concat("advantages", "<f8", np.float64).tolist(), concat("rewards", "<f8", np.float64).tolist()
-    out = []
-    k = start = 0
-    for g in groups:
-        prompt = np.frombuffer(g.prompt_ids, dtype="<i4").astype(np.int64)
-        for sample_index in g.sample_indices:
-            end = ends[k]
-            out.append(
-                TrainSample.trusted(
-                    prompt, completions[start:end], logprobs[start:end], advantages[k], rewards[k], g.behaviour_version,
-                    f"{g.submission_id}:{g.prompt_index}:{sample_index}",
-                )
-            )
-            k, start = k + 1, end
-    return out
-
-
-@dataclass
-class Batch:
-    """What the trainer pulls: whole groups as the buffer stores them. They cross process boundaries
-    (Ray) as a few byte strings per group; the samples are decoded where they are used (the trainer's
-    side), not by the orchestrator, which serves the workers' requests."""
-
-    batch_id: str
-    groups: list[GroupRow]
-    dropped_stale: int
-
-    @property
-    def num_samples(self) -> int:
-        return sum(g.num_samples for g in self.groups)
-
-    @cached_property
-    def samples(self) -> list[TrainSample]:
-        return to_train_samples(self.groups) if self.groups else []
-
-
 class RolloutBuffer:
-    """The trainer's side of the persisted buffer: take a batch, then commit it once trained.
-
-    A batch that is taken but never committed (the trainer or the orchestrator crashed) comes back
-    after a restart, so every accepted sample is trained exactly once.
-    """
-
-    def __init__(self, state: State, max_staleness: int | None = None):
-        self.state = state
+    def __init__(self, db: Database, max_staleness: int | None = None):
+        self.db = db
         self.max_staleness = max_staleness
+        db.create(SCHEMA, counters=COUNTERS)
+        with db.tx() as conn:
+            # After a restart: groups of batches that were taken but never committed are ready again.
+            conn.execute("UPDATE sample_groups SET status='ready', batch_id=NULL WHERE status='taken'")
+            buffered = conn.execute("SELECT COALESCE(SUM(num_samples), 0) FROM sample_groups WHERE status IN ('ready', 'taken')").fetchone()[0]
+            db.set(conn, BUFFERED_SAMPLES, int(buffered))
+        # Wakes a trainer waiting in `wait_for` once enough samples are ready (see `added`).
+        self._changed = threading.Condition()
+        self._ready = 0  # samples ready, as counted by the waiting trainer plus those added since
+        self._want: int | None = None  # how many a waiting trainer waits for (None: nobody waits)
+
+    # ---------------------------------------------------------------------------------------------
+    # in: accepted groups
+
+    def add(self, db: sqlite3.Connection, groups: Groups) -> None:
+        """In the verdict's transaction: store the kept groups and count the dropped ones."""
+        now = time.time()
+        Database.add(db, "groups_kept", len(groups.rows))
+        Database.add(db, "groups_dropped_zero_signal", groups.dropped_zero_signal)
+        db.executemany(
+            INSERT_GROUP,
+            [(g.submission_id, g.prompt_index, json.dumps(g.sample_indices), g.behaviour_version, g.advantages, g.rewards,
+              g.completion_lengths, g.prompt_ids, g.completion_ids, g.logprobs, g.num_samples, now) for g in groups.rows],
+        )
+        Database.add(db, BUFFERED_SAMPLES, groups.num_samples)
+
+    def added(self, samples: int) -> None:
+        """After the verdicts' commit: wake a waiting trainer once the samples it waits for are ready."""
+        if samples:
+            with self._changed:
+                self._ready += samples
+                if self._want is not None and self._ready >= self._want:
+                    self._changed.notify_all()
+
+    # ---------------------------------------------------------------------------------------------
+    # out: batches for the trainer
 
     def depth(self) -> int:
-        return self.state.buffer_depth()
+        return int(self.db.one("SELECT COALESCE(SUM(num_samples), 0) FROM sample_groups WHERE status='ready'")[0])
+
+    def wait_for(self, n: int, wait_s: float, stop: threading.Event) -> None:
+        """Wait up to wait_s until n samples are ready. The verification thread counts what it adds and
+        wakes us only once n are ready (each wake-up costs a thread switch); every 0.5 s we recount
+        from SQLite, so nothing is missed."""
+        deadline = time.monotonic() + wait_s
+        with self._changed:
+            self._ready = self.depth()
+            while self._ready < n and not stop.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._want = n if self._want is None else min(self._want, n)
+                if not self._changed.wait(min(left, 0.5)):
+                    self._ready = self.depth()
+            self._want = None
 
     def take(self, n: int, trainer_version: int | None = None) -> Batch:
-        """n samples in whole groups, oldest first (see State.take_batch), or what is ready. Samples older than
-        `trainer_version - max_staleness` are dropped (counted as stale) rather than handed out."""
-        lowest = None
-        if self.max_staleness is not None and trainer_version is not None:
-            lowest = trainer_version - self.max_staleness
-        batch_id = f"B{secrets.token_hex(6)}"
-        rows, dropped = self.state.take_batch(batch_id, n, lowest)
-        return Batch(batch_id, rows, dropped)
+        """The oldest ready groups, whole, until they hold n samples (n exactly when n is a multiple of
+        the group size, as RunConfig requires; otherwise up to one group more, so groups of another size
+        from an earlier config never leave a batch short), marked as taken by a new batch id.
 
-    def commit(self, batch_id: str, new_version: int, model_hash: str | None = None, dropped_stale: int = 0) -> dict[int, int]:
-        return self.state.commit_batch(batch_id, new_version, model_hash, dropped_stale)
+        Groups that the step starting at `trainer_version` would drop as stale are marked stale here and
+        counted, instead of travelling to the trainer."""
+        batch_id = f"B{secrets.token_hex(6)}"
+        with self.db.tx() as db:
+            dropped = 0
+            if self.max_staleness is not None and trainer_version is not None:
+                lowest = staleness.min_trainable_version(trainer_version, self.max_staleness)
+                dropped = int(db.execute(
+                    "SELECT COALESCE(SUM(num_samples), 0) FROM sample_groups WHERE status='ready' AND behaviour_version<?", (lowest,)
+                ).fetchone()[0])
+                if dropped:
+                    db.execute(f"UPDATE sample_groups SET status='stale', {CLEARED_ARRAYS} WHERE status='ready' AND behaviour_version<?", (lowest,))
+                    Database.add(db, "samples_dropped_stale", dropped)
+                    Database.add(db, BUFFERED_SAMPLES, -dropped)
+            # Ready groups are taken in seq order, so a batch is every ready group up to the last one it needs.
+            last, total = None, 0
+            for seq, size in db.execute("SELECT seq, num_samples FROM sample_groups WHERE status='ready' ORDER BY seq LIMIT ?", (max(1, n),)):
+                last, total = seq, total + size
+                if total >= n:
+                    break
+            if last is None:
+                return Batch(batch_id, [], dropped)
+            db.execute("UPDATE sample_groups SET status='taken', batch_id=? WHERE status='ready' AND seq<=?", (batch_id, last))
+            rows = db.execute(f"SELECT {GROUP_COLUMNS} FROM sample_groups WHERE batch_id=? ORDER BY seq", (batch_id,)).fetchall()
+        return Batch(batch_id, [SampleGroup(r[0], r[1], json.loads(r[2]), *r[3:]) for r in rows], dropped)
+
+    def commit(self, db: sqlite3.Connection, batch_id: str, trained_from_version: int, dropped_stale: int = 0) -> dict[int, int]:
+        """In the commit's transaction: the step that started at `trained_from_version` trained the batch.
+        Marks it trained and returns its staleness (version gap -> samples); committing a batch that is
+        not taken (twice, or unknown) changes nothing and returns {}."""
+        rows = db.execute("SELECT behaviour_version, num_samples FROM sample_groups WHERE batch_id=? AND status='taken'", (batch_id,)).fetchall()
+        if not rows:
+            return {}
+        db.execute(f"UPDATE sample_groups SET status='trained', {CLEARED_ARRAYS} WHERE batch_id=? AND status='taken'", (batch_id,))
+        gaps: dict[int, int] = {}
+        for version, size in rows:
+            gap = max(0, staleness.staleness(trained_from_version, int(version)))
+            gaps[gap] = gaps.get(gap, 0) + int(size)
+        for gap, n in gaps.items():
+            Database.add(db, f"staleness:{gap}", n)
+        trained = sum(gaps.values())
+        Database.add(db, "samples_trained", trained)
+        Database.add(db, BUFFERED_SAMPLES, -trained)
+        Database.add(db, "samples_dropped_stale", dropped_stale)
+        Database.add(db, "step", 1)
+        return gaps
 
     def give_back(self, batch_id: str) -> int:
-        return self.state.return_batch(batch_id)
+        """The trainer gave a batch back untrained: its groups are ready again. Returns how many samples."""
+        with self.db.tx() as db:
+            n = db.execute("SELECT COALESCE(SUM(num_samples), 0) FROM sample_groups WHERE batch_id=? AND status='taken'", (batch_id,)).fetchone()[0]
+            db.execute("UPDATE sample_groups SET status='ready', batch_id=NULL WHERE batch_id=? AND status='taken'", (batch_id,))
+        return int(n)
+
+    def taken_batches(self) -> list[str]:
+        return [r[0] for r in self.db.all("SELECT DISTINCT batch_id FROM sample_groups WHERE status='taken'")]
+
+    # ---------------------------------------------------------------------------------------------
+    # audit views
+
+    def status_counts(self) -> dict[str, int]:
+        """Samples by buffer status (ready, taken, trained, stale)."""
+        return {r["status"]: int(r["n"]) for r in self.db.all("SELECT status, SUM(num_samples) AS n FROM sample_groups GROUP BY status")}
+
+    def trained_sample_ids(self) -> list[str]:
+        return [r[0] for r in self.db.all("SELECT sample_id FROM samples WHERE status='trained' ORDER BY group_seq, sample_index")]
+
+    def staleness_histogram(self) -> dict[str, int]:
+        rows = self.db.all("SELECT key, value FROM meta WHERE key LIKE 'staleness:%'")
+        return {r["key"].split(":", 1)[1]: int(float(r["value"])) for r in sorted(rows, key=lambda r: int(r["key"].split(":", 1)[1]))}

@@ -1,25 +1,10 @@
 """The one exception type the orchestrator raises for a refused request; the API turns it into a
-`protocol.ErrorBody` with the HTTP status below."""
+`protocol.ErrorBody` with the code's HTTP status from `protocol.api.HTTP_STATUS`."""
 
 from __future__ import annotations
 
+from protocol.api import HTTP_STATUS
 from protocol.models import ErrorBody, ErrorCode
-
-HTTP_STATUS: dict[ErrorCode, int] = {
-    ErrorCode.invalid_request: 422,
-    ErrorCode.unauthorized: 401,
-    ErrorCode.forbidden: 403,
-    ErrorCode.banned: 403,
-    ErrorCode.not_found: 404,
-    ErrorCode.lease_expired: 410,
-    ErrorCode.lease_mismatch: 409,
-    ErrorCode.version_too_old: 409,
-    ErrorCode.duplicate: 409,
-    ErrorCode.payload_too_large: 413,
-    ErrorCode.rate_limited: 429,
-    ErrorCode.too_many_leases: 429,
-    ErrorCode.unsupported_encoding: 415,
-}
 
 
 class ApiError(Exception):

@@ -1,13 +1,13 @@
 """Group commit for the HTTP API: the requests served in one event-loop iteration share one SQLite
 transaction, committed once before any of them is answered.
 
-A request's writes are savepoints inside the shared transaction (`State.tx` nests on the thread that
-holds State's lock, here the event loop's), so a request that fails undoes only its own writes. The
+A request's writes are savepoints inside the shared transaction (`Database.tx` nests on the thread that
+holds the database lock, here the event loop's), so a request that fails undoes only its own writes. The
 batch saves per-transaction work: one COMMIT, and one WAL write of each page the requests share (the
 indexes, the counters in `meta`, the last page of each table), per batch instead of per request
 (lease + submit: 0.97-1.13 -> 0.72-0.78 ms of CPU in batches of 8, measured in-process). A request is
 answered only after the commit, so an answer still means durable; it waits at most for the rest of
-its loop iteration. Between iterations State's lock is free for the other threads (verification,
+its loop iteration. Between iterations the database lock is free for the other threads (verification,
 the trainer's pulls).
 """
 
@@ -18,17 +18,17 @@ import logging
 from contextlib import AbstractContextManager
 from typing import Any
 
-from orchestrator.state import State
+from orchestrator.db import Database
 
 log = logging.getLogger(__name__)
 
 
 class GroupCommit:
-    """The shared transaction: `join()` before a request's State work, `durable()` before its answer.
+    """The shared transaction: `join()` before a request's database work, `durable()` before its answer.
     Event-loop thread only."""
 
-    def __init__(self, state: State):
-        self.state = state
+    def __init__(self, db: Database):
+        self.db = db
         self._tx: AbstractContextManager[Any] | None = None
         self._committed: asyncio.Future[None] | None = None
         self.batches = 0  # commits so far, and requests in them (their ratio: the mean batch size)
@@ -40,7 +40,7 @@ class GroupCommit:
         the event loop have run."""
         if self._tx is None:
             loop = asyncio.get_running_loop()
-            self._tx = self.state.tx()
+            self._tx = self.db.tx()
             self._tx.__enter__()
             self._committed = loop.create_future()
             loop.call_soon(self._commit)

@@ -1,5 +1,5 @@
-"""The HTTP API contract: one definition of paths, methods, models and auth, used by the
-orchestrator's server and by the worker's client.
+"""The HTTP API contract: one definition of paths, methods, models and auth, and of the HTTP status of
+each error code, used by the orchestrator's server and by the worker's client.
 """
 
 from __future__ import annotations
@@ -32,6 +32,35 @@ class Endpoint:
         return base.rstrip("/") + self.path.format(**params)
 
 
+# The HTTP status of each refusal. A 4xx body is always a `models.ErrorBody` naming its code; a client
+# that gets a 4xx without one (a proxy in between) falls back to `code_for_status`.
+HTTP_STATUS: dict[m.ErrorCode, int] = {
+    m.ErrorCode.invalid_request: 422,
+    m.ErrorCode.unauthorized: 401,
+    m.ErrorCode.forbidden: 403,
+    m.ErrorCode.banned: 403,
+    m.ErrorCode.not_found: 404,
+    m.ErrorCode.lease_expired: 410,
+    m.ErrorCode.lease_mismatch: 409,
+    m.ErrorCode.version_too_old: 409,
+    m.ErrorCode.duplicate: 409,
+    m.ErrorCode.payload_too_large: 413,
+    m.ErrorCode.rate_limited: 429,
+    m.ErrorCode.too_many_leases: 429,
+    m.ErrorCode.unsupported_encoding: 415,
+    m.ErrorCode.timeout: 503,
+}
+# Statuses several codes share map back to the most general of them.
+_CODE_FOR_STATUS = {400: m.ErrorCode.invalid_request, 403: m.ErrorCode.forbidden, 409: m.ErrorCode.duplicate, 429: m.ErrorCode.rate_limited}
+
+
+def code_for_status(status: int) -> m.ErrorCode:
+    """The error code an error status stands for when its body does not say."""
+    if status in _CODE_FOR_STATUS:
+        return _CODE_FOR_STATUS[status]
+    return next((code for code, s in HTTP_STATUS.items() if s == status), m.ErrorCode.invalid_request)
+
+
 AUTH_HEADER = "Authorization"
 # The submit body may be zstd-compressed (Content-Encoding: zstd); it is capped before and after.
 SUBMIT_CONTENT_ENCODING = "zstd"
@@ -48,12 +77,13 @@ WORKERS = Endpoint("GET", "/v1/workers", None, m.WorkerList, Auth.admin, "All wo
 BAN = Endpoint("POST", "/v1/workers/{worker_id}/ban", m.BanRequest, m.WorkerRecord, Auth.admin, "Ban a worker")
 UNBAN = Endpoint("POST", "/v1/workers/{worker_id}/unban", m.BanRequest, m.WorkerRecord, Auth.admin, "Unban a worker")
 METRICS = Endpoint("GET", "/metrics", None, None, Auth.admin, "Prometheus metrics")
+STATUS_HISTORY = Endpoint("GET", "/v1/status/history", None, None, Auth.admin, "Dashboard data: status, workers and time series")
 
 HEALTH = Endpoint("GET", "/healthz", None, m.HealthStatus, Auth.none, "Liveness")
 READY = Endpoint("GET", "/readyz", None, m.HealthStatus, Auth.none, "Readiness: 503 until the run is serving")
 
 WORKER_ENDPOINTS = (REGISTER, HEARTBEAT, LEASE, RELEASE, SUBMIT, VERDICT)
-OPERATOR_ENDPOINTS = (STATUS, WORKERS, BAN, UNBAN, METRICS)
+OPERATOR_ENDPOINTS = (STATUS, WORKERS, BAN, UNBAN, METRICS, STATUS_HISTORY)
 ALL_ENDPOINTS = WORKER_ENDPOINTS + OPERATOR_ENDPOINTS + (HEALTH, READY)
 
 # shardcast servers (origin and relays) serve this read-only API.

@@ -1,8 +1,8 @@
-"""Packing of token and float arrays for the wire.
+"""Packing of token and float arrays: for the wire, and for the trusted side's stored buffer.
 
-Large arrays travel as base64 of little-endian int32 / float32 bytes instead of JSON lists of numbers:
-4 bytes per value instead of up to 20 characters, and decoding is one `np.frombuffer`.
-In Python, fields hold `numpy.ndarray`; in JSON, they hold base64 strings.
+Arrays are little-endian bytes of a fixed dtype (`le_bytes` / `from_le_bytes`): 4 bytes per value instead
+of up to 20 characters of JSON, and decoding is one `np.frombuffer`. On the wire they travel as base64 of
+those bytes (`pack` / `unpack`, `PackedArray`); in Python, fields hold `numpy.ndarray`.
 """
 
 from __future__ import annotations
@@ -17,14 +17,26 @@ import numpy as np
 from pydantic_core import PydanticCustomError, core_schema
 
 
-def pack(values: Any, dtype: str) -> str:
-    """Encode a 1-D array as base64 of little-endian `dtype` bytes."""
-    return base64.b64encode(np.ascontiguousarray(values, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()).decode()
-
-
 @lru_cache(maxsize=None)
 def _wire_dtype(dtype: str) -> tuple[np.dtype, np.dtype]:
     return np.dtype(dtype).newbyteorder("<"), np.dtype(dtype)
+
+
+def le_bytes(values: Any, dtype: str) -> bytes:
+    """A 1-D array as little-endian `dtype` bytes (no copy beyond the one `tobytes` makes when the values
+    already have that layout)."""
+    return np.ascontiguousarray(values, dtype=_wire_dtype(dtype)[0]).tobytes()
+
+
+def from_le_bytes(raw: bytes, dtype: str) -> np.ndarray:
+    """Little-endian `dtype` bytes as a native 1-D array: a read-only view (a copy only on big-endian hosts)."""
+    le, native = _wire_dtype(dtype)
+    return np.frombuffer(raw, dtype=native) if le == native else np.frombuffer(raw, dtype=le).astype(native)
+
+
+def pack(values: Any, dtype: str) -> str:
+    """Encode a 1-D array as base64 of little-endian `dtype` bytes."""
+    return base64.b64encode(le_bytes(values, dtype)).decode()
 
 
 def unpack(text: str | bytes, dtype: str, max_len: int | None = None) -> np.ndarray:
@@ -92,8 +104,7 @@ class PackedArray:
         """Decoded wire bytes (checked by `count`) as a read-only view: no copy (a copy costs as much as
         the rest of the per-array work); a byte swap only on big-endian hosts. Nothing writes into
         arrays that came over the wire."""
-        le, native = _wire_dtype(self.dtype)
-        return np.frombuffer(raw, dtype=native) if le == native else np.frombuffer(raw, dtype=le).astype(native)
+        return from_le_bytes(raw, self.dtype)
 
     def _validate(self, value: Any) -> np.ndarray:
         if type(value) is np.ndarray and value.ndim == 1 and value.dtype == _wire_dtype(self.dtype)[1] and value.size <= self.max_len:

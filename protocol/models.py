@@ -10,26 +10,23 @@ Rules every model keeps:
 from __future__ import annotations
 
 import base64
-import itertools
 import json
-from contextvars import ContextVar
 from enum import Enum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from protocol import limits
 from protocol.arrays import PackedArray
+from protocol.validation import COMPLETION_TOKENS, IN_SUBMISSION, LOGPROBS, check_completions, check_token_ids
 
 Id = Annotated[str, Field(min_length=1, max_length=limits.MAX_ID_CHARS, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")]
 Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 Message = Annotated[str, Field(max_length=limits.MAX_MESSAGE_CHARS)]
 Version = Annotated[int, Field(ge=0, le=2**31 - 1)]
 PromptTokens = Annotated[np.ndarray, PackedArray("int32", limits.MAX_PROMPT_TOKENS)]
-# Deferred: Completion's own checks turn them into arrays (see _check_completions).
-COMPLETION_TOKENS = PackedArray("int32", limits.MAX_COMPLETION_TOKENS, deferred=True)
-LOGPROBS = PackedArray("float32", limits.MAX_COMPLETION_TOKENS, deferred=True)
+# Deferred: the batched checks of protocol.validation turn them into arrays.
 CompletionTokens = Annotated[np.ndarray, COMPLETION_TOKENS]
 Logprobs = Annotated[np.ndarray, LOGPROBS]
 
@@ -40,25 +37,6 @@ class WireModel(BaseModel):
 
     def to_json(self) -> str:
         return self.model_dump_json()
-
-
-# Set while a RolloutSubmission validates its completions: their checks (and, from JSON, the making of
-# their arrays) are then done once for all of them, in one numpy pass per rule, instead of ~6 small
-# numpy calls per completion. A ContextVar, so it is per thread / task.
-_IN_SUBMISSION: ContextVar[bool] = ContextVar("protocol_in_submission", default=False)
-
-
-def _check_token_ids(ids: np.ndarray, info: ValidationInfo, what: str) -> np.ndarray:
-    if ids.size and int(ids.min()) < 0:
-        raise ValueError(f"{what}: negative token id {int(ids.min())}")
-    vocab = (info.context or {}).get("vocab_size")
-    if vocab is not None and ids.size and int(ids.max()) >= vocab:
-        raise ValueError(f"{what}: token id {int(ids.max())} is outside the vocabulary of {vocab}")
-    return ids
-
-
-# --------------------------------------------------------------------------------------------------
-# Errors: every 4xx carries one of these codes, so a client can act on it without parsing prose.
 
 
 class ErrorCode(str, Enum):
@@ -158,7 +136,7 @@ class TaskPrompt(WireModel):
     def _tokens(cls, v: np.ndarray, info: ValidationInfo) -> np.ndarray:
         if v.size == 0:
             raise ValueError("prompt has no tokens")
-        return _check_token_ids(v, info, "prompt")
+        return check_token_ids(v, info, "prompt")
 
 
 class TaskLease(WireModel):
@@ -230,63 +208,9 @@ class Completion(WireModel):
 
     @model_validator(mode="after")
     def _values(self, info: ValidationInfo) -> "Completion":
-        if not _IN_SUBMISSION.get():  # inside a RolloutSubmission: checked there, with all the others
-            _check_completions([self], info, numbered=False)
+        if not IN_SUBMISSION.get():  # inside a RolloutSubmission: checked there, with all the others
+            check_completions([self], info, numbered=False)
         return self
-
-
-def _check_logprobs(v: np.ndarray, where: str) -> np.ndarray:
-    if v.size and not np.isfinite(v).all():
-        raise ValueError(f"{where}logprobs contain NaN or infinity at index {int(np.argmin(np.isfinite(v)))}")
-    if v.size and float(v.max()) > 0.0:
-        raise ValueError(f"{where}logprobs must be <= 0, got {float(v.max())} at index {int(np.argmax(v))}")
-    return v
-
-
-def _check_completions(comps: list[Completion], info: ValidationInfo, numbered: bool = True) -> None:
-    """Every rule of Completion, over many completions at once: one numpy pass per value rule; the
-    error names the first completion that breaks one (`completion {i}: ` when `numbered`).
-
-    From JSON, token ids and logprobs arrive as their decoded bytes (deferred PackedArrays) and leave as
-    read-only views of one array per kind, made here in one numpy call each."""
-    where = (lambda i: f"completion {i}: ") if numbered else (lambda i: "")
-    from_json = type(comps[0].token_ids) is bytes
-    if from_json:
-        field = "token_ids"
-        try:
-            counts = COMPLETION_TOKENS.counts([c.token_ids for c in comps])
-            field = "logprobs"
-            lp_counts = LOGPROBS.counts([c.logprobs for c in comps])
-        except ValueError as exc:
-            i, reason = exc.args
-            raise ValueError(f"{where(i)}{field}: {reason}") from None
-        ids = COMPLETION_TOKENS.from_wire(b"".join([c.token_ids for c in comps]))
-        lps = LOGPROBS.from_wire(b"".join([c.logprobs for c in comps]))
-    else:
-        counts = [c.token_ids.size for c in comps]
-        lp_counts = [c.logprobs.size for c in comps]
-    chunk = limits.PROOF_CHUNK_TOKENS
-    for i, (c, n, n_lp) in enumerate(zip(comps, counts, lp_counts)):
-        if n == 0:
-            raise ValueError(f"{where(i)}completion has no tokens")
-        if n_lp != n:
-            raise ValueError(f"{where(i)}{n} tokens but {n_lp} logprobs")
-        if len(c.proofs) != -(-n // chunk):
-            raise ValueError(f"{where(i)}{n} tokens need {-(-n // chunk)} proofs, got {len(c.proofs)}")
-    if from_json:
-        ends = list(itertools.accumulate(counts))
-        for c, a, b in zip(comps, [0, *ends], ends):  # all checked above: set without re-validation
-            c.__dict__["token_ids"], c.__dict__["logprobs"] = ids[a:b], lps[a:b]
-    else:
-        ids = np.concatenate([c.token_ids for c in comps])
-        lps = np.concatenate([c.logprobs for c in comps])
-    vocab = (info.context or {}).get("vocab_size")
-    if int(ids.min()) < 0 or (vocab is not None and int(ids.max()) >= vocab):
-        for i, c in enumerate(comps):
-            _check_token_ids(c.token_ids, info, f"completion {i}" if numbered else "completion")
-    if not np.isfinite(lps).all() or float(lps.max()) > 0.0:
-        for i, c in enumerate(comps):
-            _check_logprobs(c.logprobs, where(i))
 
 
 class RolloutSubmission(WireModel):
@@ -298,12 +222,12 @@ class RolloutSubmission(WireModel):
     @model_validator(mode="wrap")
     @classmethod
     def _batched_checks(cls, data: Any, handler: Any, info: ValidationInfo) -> "RolloutSubmission":
-        token = _IN_SUBMISSION.set(True)
+        token = IN_SUBMISSION.set(True)
         try:
             sub = handler(data)
         finally:
-            _IN_SUBMISSION.reset(token)
-        _check_completions(sub.completions, info)
+            IN_SUBMISSION.reset(token)
+        check_completions(sub.completions, info)
         return sub
 
     @model_validator(mode="after")
@@ -340,6 +264,11 @@ class RejectionCode(str, Enum):
     bad_termination = "bad_termination"  # finish_reason does not match the tokens
     wrong_model_hash = "wrong_model_hash"
     lease_mismatch = "lease_mismatch"
+    reward_error = "reward_error"  # the trusted side could not score it (e.g. a NaN reward): not the worker's fault
+
+
+# Rejections that are the trusted side's own failure: the worker gets no strike for them.
+NO_STRIKE = frozenset({RejectionCode.reward_error})
 
 
 class Rejection(WireModel):

@@ -1,3 +1,6 @@
+"""Broadcast settings (`[shardcast]` of a run config). `DEFAULTS` is where every shardcast default lives:
+the origin, relays, client and their commands take their keyword defaults from it."""
+
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -26,3 +29,6 @@ class ShardcastConfig(BaseModel):
         description="relays outside this process tree (e.g. a Kubernetes relay Service) that workers are told to pull from",
     )
     signing_key_path: str | None = Field(None, description="ed25519 private key (PEM); a new one per run if unset")
+
+
+DEFAULTS = ShardcastConfig()

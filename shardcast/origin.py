@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from protocol.models import PolicyManifest, ShardEntry
+from shardcast.config import DEFAULTS, ShardcastConfig
 from shardcast.keys import public_key_b64, sign_manifest
 from shardcast.store import MANIFEST_FILE, DiskFullError, VersionStore
 
@@ -45,7 +46,14 @@ def write_file_durably(path: Path, data: bytes | memoryview) -> None:
 
 
 class Origin(VersionStore):
-    def __init__(self, root: Path, signing_key: Ed25519PrivateKey, keep_versions: int = 3, shard_bytes: int = 64 << 20, grace_s: float = 120.0):
+    def __init__(
+        self,
+        root: Path,
+        signing_key: Ed25519PrivateKey,
+        keep_versions: int = DEFAULTS.keep_versions,
+        shard_bytes: int = DEFAULTS.shard_bytes,
+        grace_s: float = DEFAULTS.delete_grace_s,
+    ):
         if shard_bytes < 1:
             raise ValueError("shard_bytes must be >= 1")
         super().__init__(root, keep_versions, grace_s)
@@ -94,6 +102,10 @@ class Origin(VersionStore):
             extra={"version": version, "deleted": deleted},
         )
         return manifest
+
+    @classmethod
+    def from_config(cls, root: Path, signing_key: Ed25519PrivateKey, config: ShardcastConfig) -> "Origin":
+        return cls(root, signing_key, config.keep_versions, config.shard_bytes, config.delete_grace_s)
 
     def version_dir(self, version: int) -> Path:
         path = self.path_of(version)

@@ -16,7 +16,9 @@ import threading
 from pathlib import Path
 
 from protocol.models import PolicyManifest
-from shardcast.client import ServerPool, ShardcastError, file_matches
+from shardcast.config import DEFAULTS
+from shardcast.files import file_matches
+from shardcast.transfer import ServerPool, ShardcastError
 from shardcast.keys import ManifestError, verify_manifest
 from shardcast.store import VersionStore
 
@@ -47,11 +49,11 @@ class Relay:
         upstream_urls: list[str],
         root: Path,
         public_key_b64: str,
-        keep_versions: int = 3,
-        poll_interval_s: float = 0.5,
-        parallelism: int = 2,  # few: a shard is servable only once complete, so finish the first ones first
-        grace_s: float = 120.0,
-        timeout_s: float = 30.0,
+        keep_versions: int = DEFAULTS.keep_versions,
+        poll_interval_s: float = DEFAULTS.relay_poll_interval_s,
+        parallelism: int = DEFAULTS.relay_parallelism,
+        grace_s: float = DEFAULTS.delete_grace_s,
+        timeout_s: float = DEFAULTS.request_timeout_s,
     ):
         self.store = RelayStore(root, keep_versions, grace_s, public_key_b64)
         self.upstream = ServerPool(upstream_urls, public_key_b64, parallelism=parallelism, timeout_s=timeout_s)

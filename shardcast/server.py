@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import Counter, generate_latest, CONTENT_TYPE_LATEST
 
 from protocol.models import VersionList
+from shardcast.config import DEFAULTS
 from shardcast.store import ShardUnavailable, VersionStore
 
 if TYPE_CHECKING:
@@ -255,10 +256,10 @@ class ShardServer:
         self.stop()
 
 
-def serve_origin(origin: "Origin", host: str = "127.0.0.1", port: int = 0) -> ShardServer:
+def serve_origin(origin: "Origin", host: str = DEFAULTS.host, port: int = 0) -> ShardServer:
     return ShardServer(origin, host, port)
 
 
-def serve_relay(relay: "Relay", host: str = "127.0.0.1", port: int = 0, shard_wait_s: float = 10.0) -> ShardServer:
+def serve_relay(relay: "Relay", host: str = DEFAULTS.host, port: int = 0, shard_wait_s: float = DEFAULTS.relay_shard_wait_s) -> ShardServer:
     """A relay's server waits up to `shard_wait_s` for a listed shard still being mirrored, then 503s."""
     return ShardServer(relay.store, host, port, shard_wait_s)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class LossConfig(BaseModel):
@@ -19,6 +19,18 @@ class LossConfig(BaseModel):
     advantage_std: bool = Field(True, description="divide by the group std (False: Dr. GRPO)")
     kl_coef: float = Field(0.0, ge=0, description="k3 KL to the frozen reference model")
     entropy_coef: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _cap_above_clip(self) -> "LossConfig":
+        # For A < 0 our dual clip floors the surrogate at delta * A. With delta < 1 + eps_high that floor
+        # would bite inside the clip range, where INTELLECT-2's ratio cap (clip u at delta) and ours
+        # give different gradients: refuse the setting instead of silently picking one.
+        if self.ratio_cap < 1 + self.epsilon_high:
+            raise ValueError(
+                f"ratio_cap (delta = {self.ratio_cap}) must be >= 1 + epsilon_high ({1 + self.epsilon_high}): below that the "
+                "negative-advantage cap acts inside the clip range"
+            )
+        return self
 
 
 class TrainerConfig(BaseModel):

@@ -166,3 +166,24 @@ def make_micro_batches(
     else:
         raise ValueError(f"unknown batching mode {mode!r}")
     return [make_micro_batch(samples, g, seq_weights, padded=(mode == "padded")) for g in groups]
+
+
+def placeholder_micro_batch(mode: str) -> MicroBatch:
+    """One pad token, no loss positions: keeps a rank in step with the others (it runs the
+    forward/backward collectives) and contributes nothing."""
+    z = torch.zeros(0)
+    return MicroBatch(
+        input_ids=torch.tensor([[0]]),
+        position_ids=torch.tensor([[0]]),
+        attention_mask=torch.ones(1, 1, dtype=torch.int64) if mode == "padded" else None,
+        loss_positions=torch.zeros(0, dtype=torch.int64),
+        targets=torch.zeros(0, dtype=torch.int64),
+        behaviour_logprobs=z,
+        advantages=z,
+        weights=z,
+        sample_index=torch.zeros(0, dtype=torch.int64),
+        num_tokens=0,
+        num_sequences=0,
+        cu_seq_lens=None if mode == "padded" else torch.tensor([0, 1], dtype=torch.int32),
+        max_length=None if mode == "padded" else 1,
+    )

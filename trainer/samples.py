@@ -1,10 +1,14 @@
-"""TrainSample: one verified completion, as the trainer consumes it."""
+"""TrainSample: one verified completion, as the trainer consumes it, and the decoding of the
+orchestrator's batches (`protocol.batches`) into samples."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
+
+from protocol.arrays import from_le_bytes
+from protocol.batches import GROUP_ARRAYS, SampleGroup
 
 
 @dataclass
@@ -79,3 +83,35 @@ class TrainSample:
     @property
     def num_completion_tokens(self) -> int:
         return int(self.completion_ids.size)
+
+
+def samples_from_groups(groups: list[SampleGroup]) -> list[TrainSample]:
+    """Decode a batch of buffer groups into samples, where they are used: each array kind in one numpy
+    call for the whole batch (samples get slices of it); a group's samples share its prompt array.
+
+    Trusted (no TrainSample checks): the buffer holds only what the orchestrator wrote from a submission
+    that protocol validated (token ids >= 0, logprobs finite and <= 0, one logprob per token), with
+    finite advantages from group_advantages."""
+    if not groups:
+        return []
+
+    def concat(field: str, out: type) -> np.ndarray:
+        return from_le_bytes(b"".join(getattr(g, field) for g in groups), GROUP_ARRAYS[field]).astype(out)
+
+    completions, logprobs = concat("completion_ids", np.int64), concat("logprobs", np.float32)
+    ends = np.cumsum(concat("completion_lengths", np.int64)).tolist()
+    advantages, rewards = concat("advantages", np.float64).tolist(), concat("rewards", np.float64).tolist()
+    out = []
+    k = start = 0
+    for g in groups:
+        prompt = from_le_bytes(g.prompt_ids, GROUP_ARRAYS["prompt_ids"]).astype(np.int64)
+        for sample_index in g.sample_indices:
+            end = ends[k]
+            out.append(
+                TrainSample.trusted(
+                    prompt, completions[start:end], logprobs[start:end], advantages[k], rewards[k], g.behaviour_version,
+                    f"{g.submission_id}:{g.prompt_index}:{sample_index}",
+                )
+            )
+            k, start = k + 1, end
+    return out

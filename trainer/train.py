@@ -1,17 +1,18 @@
 """The trainer: staleness filter, packed micro-batches, the decoupled PPO step, publishing, checkpoints.
 
-One call to `Trainer.step(samples)` is one batch of verified samples:
-  1. drop samples more than `max_staleness` versions behind (counted, never trained on);
-  2. split the rest into `mini_batches` optimizer steps; pack each into micro-batches within the token
-     budget (gradient accumulation over micro-batches);
-  3. proximal logprobs with the weights at the start of the call (no grad);
-  4. per optimizer step: forward/backward (bf16 autocast optional), grad-norm clip, AdamW, LR schedule;
-     version += 1 and publish it (version N = the weights after N optimizer steps);
-  5. checkpoint every `checkpoint_every` versions.
+One call to `Trainer.step(samples)` is one batch of verified samples, read top to bottom:
+  1. filter stale: drop samples more than `max_staleness` versions behind (counted, never trained on);
+  2. plan: split the rest into `mini_batches` optimizer steps, each packed into micro-batches within the
+     token budget (gradient accumulation over micro-batches);
+  3. proximal and reference logprobs, with the weights at the start of the call (no grad);
+  4. optimizer steps: forward/backward (bf16 autocast optional), grad-norm clip, AdamW, LR schedule; a
+     non-finite loss or gradient norm skips the step (counted; the weights never see it);
+  5. publish: version += 1 per optimizer step taken (version N = the weights after N optimizer steps);
+  6. checkpoint every `checkpoint_every` versions.
 
-With mini_batches = 1 the proximal policy *is* the current policy, so the proximal logprobs are the
-detached logprobs of the training forward itself (the same numbers as a separate no-grad pass, for
-one forward less).
+"No proximal" (None) has one meaning: the weights have not moved since the start of the call, so the
+proximal logprobs are the detached logprobs of the training forward itself (the same numbers as a
+separate no-grad pass, for one forward less). That is always true of the first optimizer step.
 """
 
 from __future__ import annotations
@@ -31,14 +32,16 @@ from torch import nn
 from trainer import attention as attention_impl
 from trainer import checkpoint as ckpt
 from trainer import distributed as dist_utils
+from protocol import staleness
 from trainer.config import TrainerConfig
-from trainer.loss import entropy_from_logprobs, ppo_loss, sequence_weights
-from trainer.packing import MicroBatch, make_micro_batches
+from trainer.loss import STAT_KEYS, entropy_from_logprobs, ppo_loss, sequence_weights
+from trainer.packing import MicroBatch, make_micro_batches, placeholder_micro_batch
 from trainer.samples import TrainSample
 
 log = logging.getLogger(__name__)
 
-PublishFn = Callable[[int, Mapping[str, torch.Tensor]], Any]
+# Publishes (version, weights) and returns the published version's model hash (or None if it has none).
+PublishFn = Callable[[int, Mapping[str, torch.Tensor]], "str | None"]
 
 
 def load_model(model_dir: Path, device: torch.device, attention: str = "varlen") -> nn.Module:
@@ -137,13 +140,13 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
         self.version = 0
         self.published_version = -1
+        self.last_published: dict[int, str] = {}  # versions the last step published -> model hash
         self.data_cursor: dict[str, Any] = {}
         self.totals: Counter[str] = Counter()
         if latest is not None:
             self._load(latest)
         elif self.publish_fn is not None:
             self._publish()  # version 0: the base model
-        self._last_step_end = time.perf_counter()
 
     # ---------------------------------------------------------------- resume / checkpoints
 
@@ -209,107 +212,105 @@ class Trainer:
         t = time.perf_counter()
         state = self.state_dict_for_publish()
         if self.env.is_main:
-            self.publish_fn(self.version, state)
+            model_hash = self.publish_fn(self.version, state)
+            self.last_published[self.version] = model_hash if isinstance(model_hash, str) else ""
         self.published_version = self.version
         return time.perf_counter() - t
 
     # ---------------------------------------------------------------- the step
 
     def step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
-        """Train on one batch of verified samples; returns metrics. Every rank passes the same samples."""
+        """Train on one batch of verified samples; returns metrics. Every rank passes the same samples.
+        The versions it publishes, with their model hashes, are in `last_published`."""
         t_start = time.perf_counter()
-        waited = t_start - self._last_step_end
         cfg = self.config
         start_version = self.version
+        self.last_published = {}
 
-        staleness = []
-        kept: list[TrainSample] = []
-        vocab = self.model_config.vocab_size
-        for s in samples:
-            if max(s.prompt_ids.max(), s.completion_ids.max()) >= vocab:
-                raise ValueError(f"sample {s.sample_id!r} has a token id >= the model's vocab size {vocab}")
-            gap = start_version - s.behaviour_version
-            if gap < 0:
-                raise ValueError(
-                    f"sample {s.sample_id!r} claims behaviour version {s.behaviour_version} > trainer version {start_version}"
-                )
-            staleness.append(gap)
-            if gap <= cfg.max_staleness:
-                kept.append(s)
-        dropped = len(samples) - len(kept)
-        self.totals["samples_dropped_stale"] += dropped
-        metrics: dict[str, float] = {
-            "samples/received": float(len(samples)),
-            "samples/dropped_stale": float(dropped),
-            "samples/trained": float(len(kept)),
-            "time/wait_for_rollouts": waited,
-        }
-        for gap, n in sorted(Counter(staleness).items()):
-            metrics[f"staleness/{gap}"] = float(n)
+        # 1. Drop samples more than max_staleness versions behind (counted, never trained on).
+        kept, metrics = self._filter_stale(samples, start_version)
         if not kept:
-            log.warning("no sample within max_staleness; no optimizer step", extra={"dropped": dropped})
+            log.warning("no sample within max_staleness; no optimizer step", extra={"dropped": len(samples)})
             metrics.update(version=float(self.version), **{"time/compute": time.perf_counter() - t_start})
-            self._last_step_end = time.perf_counter()
             return metrics
         metrics["reward/mean"] = float(np.mean([s.reward for s in kept]))
 
+        # 2. One plan of packed micro-batches per optimizer step.
         n_steps = min(cfg.mini_batches, len(kept))
-        chunks = [list(c) for c in np.array_split(np.arange(len(kept)), n_steps)]
-        plans = [self._plan([kept[i] for i in chunk]) for chunk in chunks]
-        if n_steps > 1:
-            proximal = [[self._logprobs_no_grad(self.model, mb) for mb in plan] for plan in plans]
-        else:
-            proximal = [None]
-        reference = None
-        if self.reference is not None:
-            reference = [[self._logprobs_no_grad(self.reference, mb) for mb in plan] for plan in plans]
+        plans = [self._plan([kept[i] for i in chunk]) for chunk in np.array_split(np.arange(len(kept)), n_steps)]
 
+        # 3. Proximal logprobs: the weights at the start of the step. For the first optimizer step they are
+        #    the current weights, so the training forward's own detached logprobs serve (None); later
+        #    steps need them computed now, before the weights move. Reference logprobs for the KL term.
+        proximal = [None] + [[self._logprobs_no_grad(self.model, mb) for mb in plan] for plan in plans[1:]]
+        reference = [[self._logprobs_no_grad(self.reference, mb) for mb in plan] for plan in plans] if self.reference is not None else None
+
+        # 4. Optimizer steps; 5. each one publishes a version (unless its gradient was not finite).
         sums: Counter[str] = Counter()
-        iw_max = 0.0
-        time_publish = 0.0
-        tokens = 0
+        iw_max, tokens, time_publish, skipped = 0.0, 0, 0.0, 0
         for k, plan in enumerate(plans):
-            step_sums, step_iw_max, step_tokens = self._optimizer_step(
-                plan, proximal[k], reference[k] if reference is not None else None
-            )
+            step_sums, step_iw_max, step_tokens, stepped = self._optimizer_step(plan, proximal[k], reference[k] if reference else None)
             sums.update(step_sums)
-            iw_max = max(iw_max, step_iw_max)
-            tokens += step_tokens
+            iw_max, tokens = max(iw_max, step_iw_max), tokens + step_tokens
+            if not stepped:
+                skipped += 1
+                continue
             self.version += 1
             time_publish += self._publish()
-
-        n_tok = max(sums["tokens"], 1.0)
-        metrics.update(
-            {
-                "loss": sums["loss"] / n_steps,
-                "policy_loss": sums["policy_loss"] / n_steps,
-                "clip_frac": sums["clipped"] / n_tok,
-                "importance_weight/mean": sums["importance_weight"] / n_tok,
-                "importance_weight/max": iw_max,
-                "importance_weight/truncated_frac": sums["importance_truncated"] / n_tok,
-                "ratio/mean": sums["ratio"] / n_tok,
-                "entropy": sums["entropy"] / n_tok,
-                "mismatch_kl": sums["mismatch_kl"] / n_tok,
-                "grad_norm": sums["grad_norm"] / n_steps,
-                "lr": sums["lr"] / n_steps,
-                "tokens": float(tokens),
-                "completion_tokens": sums["tokens"],
-                "version": float(self.version),
-                "optimizer_steps": float(n_steps),
-                "time/publish": time_publish,
-            }
-        )
-        if "kl" in sums:
-            metrics["kl"] = sums["kl"] / n_tok
+        self.totals["optimizer_steps_skipped"] += skipped
+        metrics.update(self._step_metrics(sums, n_steps, iw_max, tokens))
+        metrics.update({"version": float(self.version), "optimizer_steps": float(n_steps - skipped), "optimizer_steps_skipped": float(skipped), "time/publish": time_publish})
         compute = time.perf_counter() - t_start - time_publish
         metrics["time/compute"] = compute
         metrics["tokens_per_s"] = tokens / compute if compute > 0 else 0.0
+
+        # 6. Checkpoint every `checkpoint_every` versions.
         if self.version // cfg.checkpoint_every > start_version // cfg.checkpoint_every:
             t = time.perf_counter()
             self.save_checkpoint()
             metrics["time/checkpoint"] = time.perf_counter() - t
-        self._last_step_end = time.perf_counter()
         return metrics
+
+    def _filter_stale(self, samples: Sequence[TrainSample], start_version: int) -> tuple[list[TrainSample], dict[str, float]]:
+        vocab = self.model_config.vocab_size
+        gaps = []
+        kept: list[TrainSample] = []
+        for s in samples:
+            if max(s.prompt_ids.max(), s.completion_ids.max()) >= vocab:
+                raise ValueError(f"sample {s.sample_id!r} has a token id >= the model's vocab size {vocab}")
+            gap = staleness.staleness(start_version, s.behaviour_version)
+            if gap < 0:
+                raise ValueError(f"sample {s.sample_id!r} claims behaviour version {s.behaviour_version} > trainer version {start_version}")
+            gaps.append(gap)
+            if s.behaviour_version >= staleness.min_trainable_version(start_version, self.config.max_staleness):
+                kept.append(s)
+        dropped = len(samples) - len(kept)
+        self.totals["samples_dropped_stale"] += dropped
+        metrics = {"samples/received": float(len(samples)), "samples/dropped_stale": float(dropped), "samples/trained": float(len(kept))}
+        metrics.update({f"staleness/{gap}": float(n) for gap, n in sorted(Counter(gaps).items())})
+        return kept, metrics
+
+    @staticmethod
+    def _step_metrics(sums: Counter, n_steps: int, iw_max: float, tokens: int) -> dict[str, float]:
+        n_tok = max(sums["tokens"], 1.0)
+        out = {
+            "loss": sums["loss"] / n_steps,
+            "policy_loss": sums["policy_loss"] / n_steps,
+            "clip_frac": sums["clipped"] / n_tok,
+            "importance_weight/mean": sums["importance_weight"] / n_tok,
+            "importance_weight/max": iw_max,
+            "importance_weight/truncated_frac": sums["importance_truncated"] / n_tok,
+            "ratio/mean": sums["ratio"] / n_tok,
+            "entropy": sums["entropy"] / n_tok,
+            "mismatch_kl": sums["mismatch_kl"] / n_tok,
+            "grad_norm": sums["grad_norm"] / n_steps,
+            "lr": sums["lr"] / n_steps,
+            "tokens": float(tokens),
+            "completion_tokens": sums["tokens"],
+        }
+        if "kl" in sums:
+            out["kl"] = sums["kl"] / n_tok
+        return out
 
     def _plan(self, samples: list[TrainSample]) -> list[MicroBatch]:
         """This rank's micro-batches for one optimizer step; every rank gets the same number."""
@@ -320,7 +321,7 @@ class Trainer:
             # FSDP/DDP collectives run per forward/backward, so ranks must run equally many micro-batches.
             n = dist_utils.all_reduce(torch.tensor([len(plan)]), self.env, op="max").item()
             while len(plan) < n:
-                plan.append(_empty_micro_batch(self.config.batching))
+                plan.append(placeholder_micro_batch(self.config.batching))
         return [mb.to(self.device) for mb in plan]
 
     @torch.no_grad()
@@ -335,15 +336,22 @@ class Trainer:
         sums, _, _ = self._backward(plan, None, reference)
         return sums
 
-    def _optimizer_step(self, plan, proximal, reference) -> tuple[Counter, float, int]:
+    def _optimizer_step(self, plan, proximal, reference) -> tuple[Counter, float, int, bool]:
+        """Backward over the plan, clip, step. A non-finite loss or gradient norm (e.g. a huge reward
+        under Dr. GRPO) skips the step: the gradients are dropped and the weights stay as they were.
+        Returns (metric sums, largest importance weight, tokens, whether the weights moved)."""
         sums, iw_max, tokens = self._backward(plan, proximal, reference)
         grad_norm = dist_utils.clip_grad_norm([p for p in self.model.parameters() if p.grad is not None], self.config.grad_clip)
         sums["lr"] = self.optimizer.param_groups[0]["lr"]  # the rate this step used
-        self.optimizer.step()
-        self.scheduler.step()
+        stepped = math.isfinite(grad_norm) and math.isfinite(sums["loss"])
+        if stepped:
+            self.optimizer.step()
+            self.scheduler.step()
+            sums["grad_norm"] = grad_norm
+        else:
+            log.warning("non-finite loss or gradient norm; optimizer step skipped", extra={"grad_norm": grad_norm, "loss": sums["loss"]})
         self.optimizer.zero_grad(set_to_none=True)
-        sums["grad_norm"] = grad_norm
-        return sums, iw_max, tokens
+        return sums, iw_max, tokens, stepped
 
     def _backward(self, plan, proximal, reference) -> tuple[Counter, float, int]:
         cfg = self.config
@@ -376,33 +384,9 @@ class Trainer:
             tokens += mb.num_tokens
         if self.env.enabled:
             # The same keys on every rank, even one that ran only placeholders.
-            keys = _SUM_KEYS + (["kl"] if self.reference is not None else [])
+            keys = ["loss", *STAT_KEYS] + (["kl"] if self.reference is not None else [])
             vec = dist_utils.all_reduce(torch.tensor([sums[k] for k in keys] + [float(tokens)], dtype=torch.float64), self.env)
             sums = Counter({k: float(v) for k, v in zip(keys, vec[:-1].tolist())})
             tokens = int(vec[-1])
             iw_max = float(dist_utils.all_reduce(torch.tensor([iw_max]), self.env, op="max"))
         return sums, iw_max, tokens
-
-
-# Token-level sums that _backward collects (ppo_loss's stats and the loss), reduced across ranks.
-_SUM_KEYS = ["loss", "tokens", "policy_loss", "clipped", "importance_weight", "importance_truncated", "mismatch_kl", "ratio", "entropy"]
-
-
-def _empty_micro_batch(mode: str) -> MicroBatch:
-    """One pad token, no loss positions: runs the forward/backward collectives, contributes nothing."""
-    z = torch.zeros(0)
-    return MicroBatch(
-        input_ids=torch.tensor([[0]]),
-        position_ids=torch.tensor([[0]]),
-        attention_mask=torch.ones(1, 1, dtype=torch.int64) if mode == "padded" else None,
-        loss_positions=torch.zeros(0, dtype=torch.int64),
-        targets=torch.zeros(0, dtype=torch.int64),
-        behaviour_logprobs=z,
-        advantages=z,
-        weights=z,
-        sample_index=torch.zeros(0, dtype=torch.int64),
-        num_tokens=0,
-        num_sequences=0,
-        cu_seq_lens=None if mode == "padded" else torch.tensor([0, 1], dtype=torch.int32),
-        max_length=None if mode == "padded" else 1,
-    )

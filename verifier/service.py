@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import random
 import time
 from collections import OrderedDict
@@ -220,4 +221,10 @@ class Verifier:
             return Verdict(submission_id=job.submission_id, status=VerdictStatus.rejected, rejections=rejections[:1024], verified_tokens=0)
         task = self.task(job.task_name, job.task_params)
         rewards = [float(task.reward(job.items[c.prompt_index], self.decode(c.token_ids))) for c in job.submission.completions]
+        bad = [i for i, r in enumerate(rewards) if not math.isfinite(r)]
+        if bad:  # a broken reward function: say so, never hand the trainer a NaN
+            message = f"task {job.task_name!r} gave a non-finite reward ({rewards[bad[0]]}) for completion {bad[0]}"
+            log.error(message, extra={"submission_id": job.submission_id})
+            return Verdict(submission_id=job.submission_id, status=VerdictStatus.rejected,
+                           rejections=[Rejection(code=RejectionCode.reward_error, completion_index=bad[0], message=message)])
         return Verdict(submission_id=job.submission_id, status=VerdictStatus.accepted, rewards=rewards, verified_tokens=tokens)

@@ -164,7 +164,7 @@ def child_env(threads: int = 1) -> dict[str, str]:
     return env
 
 
-SWARMRL = [sys.executable, "-m", "orchestrator.cli"]
+SWARMRL = [sys.executable, "-m", "swarmrl"]
 
 # Small enough for a few minutes on 2 cores (the e2e test's settings).
 FAST = [

@@ -308,7 +308,7 @@ def _head_env(objs: list[dict]) -> dict[str, str]:
 
 @pytest.mark.parametrize("overlay", ["base", "production"])
 def test_configmap_run_toml_validates_and_matches_the_manifests(overlay, request, tmp_path):
-    from orchestrator.config import load_config
+    from swarmrl.config import load_run_config as load_config
 
     objs = request.getfixturevalue(overlay)
     text = _one(objs, "ConfigMap", "swarmrl-run")["data"]["run.toml"]
@@ -479,7 +479,7 @@ def _click_check(argv: list[str]) -> str:
     missing required options fail. Returns the leaf command's path."""
     import typer
 
-    from orchestrator.cli import app
+    from swarmrl.cli import app
 
     try:  # typer >= 0.2x vendors click
         from typer._click import Context, exceptions
@@ -521,7 +521,7 @@ def test_every_swarmrl_command_in_manifests_compose_dockerfiles_and_docs_is_vali
             # The whole config resolution (TOML + SWARMRL_* env + overrides) with the real CLI.
             proc_env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMRL_")} | env
             argv = argv if "--dry-run" in argv else [*argv, "--dry-run"]
-            res = subprocess.run([sys.executable, "-m", "orchestrator.cli", *argv], capture_output=True, text=True, env=proc_env, cwd=REPO, timeout=60)
+            res = subprocess.run([sys.executable, "-m", "swarmrl", *argv], capture_output=True, text=True, env=proc_env, cwd=REPO, timeout=60)
             assert res.returncode == 0, f"{place}: `swarmrl {' '.join(argv)}` failed:\n{res.stdout[-1500:]}\n{res.stderr[-1500:]}"
             dry_runs += 1
     assert dry_runs >= 4
@@ -595,7 +595,7 @@ def test_volunteer_image_command_runs_without_cluster_packages():
         "import sys\n"
         "for m in ('ray', 'fastapi', 'uvicorn', 'matplotlib', 'datasets', 'math_verify'): sys.modules[m] = None\n"
         f"sys.argv = ['swarmrl', *{argv!r}]\n"
-        "from orchestrator.cli import main\n"
+        "from swarmrl.cli import main\n"
         "main()\n"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)

@@ -37,7 +37,7 @@ def start_run(out: Path, *overrides: str) -> subprocess.Popen:
     env["PYTHONUNBUFFERED"] = "1"
     log = (out / "driver.log").open("ab")
     return subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", "run", "--config", str(REPO / "configs" / "demo.toml"), "--output_dir", str(out), *FAST, *overrides],
+        [sys.executable, "-m", "swarmrl", "run", "--config", str(REPO / "configs" / "demo.toml"), "--output_dir", str(out), *FAST, *overrides],
         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True,
     )
 

@@ -91,10 +91,10 @@ def test_faults_worker_killed_trainer_killed_tampering_worker(tmp_path):
         info = pids(run_dir)
         url = info["url"]
         # An operator watches the run through the HTTP API.
-        out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "--orchestrator", url, "--admin-token", "demo-admin-token", "--json"], capture_output=True, text=True, timeout=60)
+        out = subprocess.run([sys.executable, "-m", "swarmrl", "status", "--orchestrator", url, "--admin-token", "demo-admin-token", "--json"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout)["policy_version"] >= 1
-        refused = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "--orchestrator", url, "--admin-token", "wrong"], capture_output=True, text=True, timeout=60)
+        refused = subprocess.run([sys.executable, "-m", "swarmrl", "status", "--orchestrator", url, "--admin-token", "wrong"], capture_output=True, text=True, timeout=60)
         assert refused.returncode == 1 and "401" in refused.stderr
 
         # 1. A worker killed mid-task: its lease expires and the prompts are done by the other worker.

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import ConfigError, RunConfig, dump_toml, load_config, parse_overrides
+from swarmrl.config import RunConfig, load_run_config as load_config
+from swarmrl.loading import ConfigError, dump_toml, parse_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo.toml"
@@ -102,7 +103,7 @@ def test_dump_round_trips():
 
 
 def test_cli_dry_run_prints_resolved_config_and_errors_exit_2(tmp_path):
-    swarmrl = [sys.executable, "-m", "orchestrator.cli"]
+    swarmrl = [sys.executable, "-m", "swarmrl"]
     out = subprocess.run(swarmrl + ["run", "--dry-run", "--trainer.lr", "7e-5"], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr
     resolved = tomllib.loads(out.stdout)
@@ -117,7 +118,7 @@ def test_cli_dry_run_prints_resolved_config_and_errors_exit_2(tmp_path):
 
 @pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "configs").glob("*.toml")))
 def test_every_recipe_resolves_with_dry_run(recipe):
-    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--config", str(REPO / "configs" / recipe), "--dry-run"], capture_output=True, text=True, cwd=REPO)
+    out = subprocess.run([sys.executable, "-m", "swarmrl", "run", "--config", str(REPO / "configs" / recipe), "--dry-run"], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr
     resolved = RunConfig.model_validate(tomllib.loads(out.stdout))
     assert resolved.name == tomllib.loads((REPO / "configs" / recipe).read_text())["name"]

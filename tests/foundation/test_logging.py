@@ -3,7 +3,7 @@ from __future__ import annotations
 import json
 import logging
 
-from orchestrator.logs import JsonFormatter, KeyValueFormatter, configure_logging
+from swarmrl.logs import JsonFormatter, KeyValueFormatter, configure_logging
 
 
 def test_json_lines_carry_structured_fields():

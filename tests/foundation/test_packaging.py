@@ -1,4 +1,5 @@
-"""A volunteer's install (`swarmrl[worker]`) needs no Ray and no fastapi of ours; imports only go down the table."""
+"""A volunteer's install (`swarmrl[worker]`) needs no Ray and no fastapi of ours (the import table itself is
+checked in test_import_rules.py)."""
 
 from __future__ import annotations
 
@@ -11,19 +12,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER_ONLY = {"ray", "fastapi", "uvicorn", "starlette", "datasets", "matplotlib", "schemathesis"}
-# ARCHITECTURE.md: which of our packages each package may import.
-MAY_IMPORT = {
-    "protocol": set(),
-    "shardcast": {"protocol"},
-    "verifier": {"protocol"},
-    "inference_worker": {"protocol", "shardcast", "verifier"},
-    "trainer": {"protocol", "shardcast"},
-    "orchestrator": {"protocol", "shardcast", "verifier", "inference_worker", "trainer"},
-}
-# The CLI owns the config model, which composes every package's config (plain pydantic models).
-CONFIG_MODULES = {"shardcast.config", "verifier.config", "trainer.config", "inference_worker.config"}
-
-
 def requirement_names(reqs: list[str]) -> set[str]:
     return {re.split(r"[\[<>=!~; ]", r, maxsplit=1)[0].lower() for r in reqs}
 
@@ -50,21 +38,12 @@ def test_worker_extra_has_no_cluster_dependencies():
 
 def test_worker_side_modules_do_not_import_cluster_packages():
     files = list((REPO / "inference_worker").rglob("*.py")) + list((REPO / "shardcast").rglob("*.py"))
-    files += list((REPO / "protocol").rglob("*.py")) + [REPO / "verifier" / "proofs.py", REPO / "orchestrator" / "cli.py"]
+    files += list((REPO / "protocol").rglob("*.py")) + [REPO / "verifier" / "proofs.py", REPO / "swarmrl" / "cli.py", REPO / "swarmrl" / "loading.py"]
     for path in files:
         if not path.exists():
             continue
         bad = {m for m in imports_of(path) if m.split(".")[0] in CLUSTER_ONLY}
         assert not bad, f"{path.relative_to(REPO)} imports {bad}"
-
-
-def test_imports_only_go_down_the_table():
-    for package, allowed in MAY_IMPORT.items():
-        for path in (REPO / package).rglob("*.py"):
-            for module in imports_of(path):
-                top = module.split(".")[0]
-                if top in MAY_IMPORT and top != package and module not in CONFIG_MODULES | {"orchestrator.logs"}:
-                    assert top in allowed, f"{path.relative_to(REPO)} imports {module}"
 
 
 def test_cli_imports_without_cluster_packages():
@@ -76,7 +55,7 @@ def test_cli_imports_without_cluster_packages():
         f"        if name.split('.')[0] in {sorted(CLUSTER_ONLY)!r}: raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
         "sys.argv = ['swarmrl', '--help']\n"
-        "from orchestrator.cli import main\n"
+        "from swarmrl.cli import main\n"
         "main()\n"
     )
     out = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, cwd=REPO)
@@ -87,7 +66,7 @@ def test_cli_imports_without_cluster_packages():
 def test_help_lists_only_subcommands_that_exist():
     from typer.main import get_command
 
-    from orchestrator.cli import app
+    from swarmrl.cli import app
 
     group = get_command(app)
     expected = {"run", "worker", "orchestrator", "trainer", "verifier", "shardcast", "init-model", "status"}

@@ -84,7 +84,7 @@ def test_tokenizer_is_one_token_per_character():
 def test_init_model_cli(tmp_path):
     from typer.testing import CliRunner
 
-    from orchestrator.cli import app
+    from swarmrl.cli import app
 
     res = CliRunner().invoke(app, ["init-model", "--out", str(tmp_path / "m"), "--size", "tiny", "--seed", "5", "--no-tie-embeddings"])
     assert res.exit_code == 0, res.output

@@ -6,7 +6,7 @@ import json
 
 from typer.testing import CliRunner
 
-from orchestrator.cli import app
+from swarmrl.cli import app
 
 runner = CliRunner()
 

@@ -23,7 +23,7 @@ class Block:
             raise ImportError('blocked: ' + name)
         return None
 sys.meta_path.insert(0, Block())
-import orchestrator.cli, inference_worker.client, inference_worker.loop, inference_worker.engine
+import swarmrl.cli, inference_worker.client, inference_worker.loop, inference_worker.engine
 import inference_worker.capture, inference_worker.weights, inference_worker.display, inference_worker.config
 import shardcast.client, verifier.proofs
 print('ok')

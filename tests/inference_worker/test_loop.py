@@ -171,7 +171,7 @@ def test_sigterm_mid_task_finishes_or_releases(knobs, origin, tiny_model_dir, tm
     server = ContractServer(knobs).start()
     env = dict(os.environ, PYTHONPATH=str(HERE.parents[1]), VLLM_RPC_BASE_PATH=str(tmp_path))  # vLLM's sockets: ours to delete
     cmd = [
-        sys.executable, "-m", "orchestrator.cli", "worker", "--orchestrator", server.url, "--join-token", JOIN_TOKEN,
+        sys.executable, "-m", "swarmrl", "worker", "--orchestrator", server.url, "--join-token", JOIN_TOKEN,
         "--name", "sigterm-worker", "--model", str(tiny_model_dir), "--work-dir", str(tmp_path / "w"), "--no-display",
         "--engine.max_model_len", "256", "--engine.kv_cache_bytes", str(64 << 20), "--max_prompts_per_lease", "8",
     ]

@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.config import RunConfig
 from orchestrator.data import PromptSet
-from orchestrator.service import Orchestrator, default_make_job as make_job
-from orchestrator.state import State
+from orchestrator.db import Database
+from orchestrator.service import Orchestrator
+from orchestrator.verification import default_make_job as make_job
 from protocol import limits
 from protocol.models import (
     Completion,
@@ -25,6 +25,7 @@ from protocol.models import (
     Verdict,
     VerdictStatus,
 )
+from swarmrl.config import RunConfig
 from trainer.tiny_model import make_tokenizer
 
 HASH0 = "0" * 64
@@ -111,8 +112,10 @@ def make_prompts(config: RunConfig) -> PromptSet:
 
 
 def make_orchestrator(config: RunConfig, verifier: Any = None) -> Orchestrator:
-    state = State(config.orchestrator.db_path)
-    orch = Orchestrator(config, state, make_prompts(config), verifier or FakeVerifier(), make_job=make_job, verify_batch=8)
+    orch = Orchestrator(
+        config.orchestrator, Database(config.orchestrator.db_path), make_prompts(config), verifier or FakeVerifier(), shape=config.step_shape(),
+        task_name=config.data.task, run_name=config.name, make_job=make_job, verify_batch=8,
+    )
     orch.publish_version(0, HASH0)
     return orch
 

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 from orch_fakes import HASH0, FakeVerifier, make_orchestrator, run_config
-from orchestrator.serve import OrchestratorServer
+
+from orchestrator.server import OrchestratorServer
 
 
 class SlowVerifier(FakeVerifier):
@@ -24,12 +25,12 @@ class SlowVerifier(FakeVerifier):
 def trainer_loop(orch, stop: threading.Event) -> None:
     while not stop.is_set():
         batch = orch.take_batch(4, wait_s=0.5)
-        if not batch.samples:
+        if not batch.groups:
             orch.give_back_batch(batch.batch_id)
             continue
         time.sleep(0.2)  # "training"
-        version = orch.status().policy_version + 1
-        orch.commit_batch(batch.batch_id, version, HASH0)
+        version = orch.status().policy_version
+        orch.commit_batch(batch.batch_id, version, {version + 1: HASH0})
 
 
 def main() -> None:

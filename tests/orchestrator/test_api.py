@@ -9,9 +9,9 @@ import httpx
 import numpy as np
 import pytest
 import zstandard
-
 from orch_fakes import encode, make_orchestrator, make_submission, run_config
-from orchestrator.serve import OrchestratorServer, fetch_status, status as print_status
+
+from orchestrator.server import OrchestratorServer
 from protocol import api, limits
 from protocol.models import (
     ErrorBody,
@@ -26,6 +26,8 @@ from protocol.models import (
     WorkerRecord,
     WorkerRegistered,
 )
+from swarmrl.status_view import fetch_status
+from swarmrl.status_view import status as print_status
 
 ADMIN = "test-admin-token"
 JOIN = "test-join-token"
@@ -148,8 +150,8 @@ def test_lease_bad_inputs(client):
         (b'{"loaded_policy_version": 0, "request_id": "bad id"}', {"content-type": "application/vnd.x+json"}, "body.request_id"),
     ]:
         assert reason in error(client.post(api.LEASE.path, content=content, headers=h | headers), 422, "invalid_request").detail
-    # The body is checked before the token, as before.
-    error(client.post(api.LEASE.path, content=b"{not json", headers={"content-type": "application/json"}), 422, "invalid_request")
+    # Authentication comes first, on every endpoint: a bad body without a token is refused as unauthorized.
+    error(client.post(api.LEASE.path, content=b"{not json", headers={"content-type": "application/json"}), 401, "unauthorized")
     for headers in ({}, {"Authorization": w.secret}, {"Authorization": "Basic " + w.secret}, {"Authorization": "Bearer"}, bearer(ADMIN),
                     bearer(w.secret + "x")):
         error(client.post(api.LEASE.path, json={"loaded_policy_version": 0}, headers=headers), 401, "unauthorized")

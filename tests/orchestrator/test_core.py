@@ -6,12 +6,28 @@ import time
 
 import numpy as np
 import pytest
+from orch_fakes import (
+    HASH1,
+    FakeVerifier,
+    encode,
+    make_orchestrator,
+    make_submission,
+    run_config,
+)
 
-from orch_fakes import HASH1, FakeVerifier, encode, make_orchestrator, make_submission, run_config
-from orchestrator.config import RunConfig
+from orchestrator.buffer import RolloutBuffer
+from orchestrator.db import Database
 from orchestrator.errors import ApiError
-from orchestrator.state import State
-from protocol.models import ErrorCode, Heartbeat, LeaseRequest, VerdictStatus, WorkerRegistration, WorkerState
+from protocol.models import (
+    ErrorCode,
+    Heartbeat,
+    LeaseRequest,
+    VerdictStatus,
+    WorkerRegistration,
+    WorkerState,
+)
+from swarmrl.config import RunConfig
+from trainer.samples import samples_from_groups
 
 
 def register(orch, name="w"):
@@ -28,7 +44,7 @@ def submit(orch, wid, sub):
 
 
 def drain(orch):
-    while orch.verify_pending():
+    while orch.verification.verify_pending():
         pass
 
 
@@ -36,7 +52,7 @@ def drain(orch):
 def orch(tmp_path):
     o = make_orchestrator(run_config(tmp_path))
     yield o
-    o.state.close()
+    o.db.close()
 
 
 def code_of(excinfo) -> ErrorCode:
@@ -70,16 +86,16 @@ def test_accepted_submission_reaches_buffer_with_advantages(orch):
     drain(orch)
     v = orch.verdict(wid, receipt.submission_id)
     assert v.status == VerdictStatus.accepted and len(v.rewards) == 8
-    kept = int(orch.state.get_int("groups_kept"))
-    dropped = int(orch.state.get_int("groups_dropped_zero_signal"))
+    kept = int(orch.db.get_int("groups_kept"))
+    dropped = int(orch.db.get_int("groups_dropped_zero_signal"))
     assert kept + dropped == 2
     batch = orch.take_batch(100)
-    assert len(batch.samples) == 4 * kept
-    for s in batch.samples:
+    assert len(samples_from_groups(batch.groups)) == 4 * kept
+    for s in samples_from_groups(batch.groups):
         assert s.behaviour_version == 0 and s.behaviour_logprobs.size == s.completion_ids.size
     # Advantages of each kept group are centred.
     by_group = {}
-    for s in batch.samples:
+    for s in samples_from_groups(batch.groups):
         by_group.setdefault(s.sample_id.rsplit(":", 1)[0], []).append(s.advantage)
     for advs in by_group.values():
         assert abs(sum(advs)) < 1e-4 and max(advs) > 0
@@ -92,8 +108,8 @@ def test_zero_signal_groups_are_dropped_and_counted(orch):
     l = lease(orch, wid)
     submit(orch, wid, make_submission(l, np.random.default_rng(1), same_tokens=True))
     drain(orch)
-    assert orch.state.get_int("groups_dropped_zero_signal") == 2
-    assert orch.state.buffer_depth() == 0
+    assert orch.db.get_int("groups_dropped_zero_signal") == 2
+    assert orch.buffer.depth() == 0
     assert orch.status().groups_dropped_zero_signal == 2
 
 
@@ -120,7 +136,7 @@ def test_version_too_old_is_refused_before_verification(tmp_path):
     submit(orch, wid, make_submission(l1, np.random.default_rng(0), policy_version=1, model_hash=HASH1))
     drain(orch)
     assert verifier.jobs_seen == 1
-    assert orch.state.get_int("submissions_accepted") == 1
+    assert orch.db.get_int("submissions_accepted") == 1
 
 
 def test_async_level_zero_is_synchronous(tmp_path):
@@ -163,7 +179,7 @@ def test_duplicates_and_replays_are_refused(orch):
         submit(orch, b, make_submission(la2, np.random.default_rng(5)))
     assert code_of(e) == ErrorCode.not_found
     drain(orch)
-    assert orch.state.get_int("submissions_accepted") == 1
+    assert orch.db.get_int("submissions_accepted") == 1
 
 
 def test_lease_shape_must_match(orch):
@@ -188,7 +204,7 @@ def test_lease_expiry_reissue_and_late_submission(tmp_path):
         submit(orch, a, make_submission(la, np.random.default_rng(0)))
     assert code_of(e) == ErrorCode.lease_expired and e.value.status == 410
     orch.housekeeping()
-    assert orch.state.lease(la.lease_id).status == "expired"
+    assert orch.leases.get(la.lease_id).status == "expired"
     lb = lease(orch, b)
     # The expired lease's prompts are handed out again, with fresh seeds.
     assert [p.prompt_id for p in lb.prompts] == [p.prompt_id for p in la.prompts]
@@ -232,15 +248,15 @@ def test_ban_after_strikes_and_unban(tmp_path):
         leases.append(lease(orch, wid))
         submit(orch, wid, make_submission(leases[-1], np.random.default_rng(i), bad=True))
         drain(orch)
-    w = orch.state.worker(wid)
+    w = orch.workers.get(wid)
     assert w.strikes == 2 and w.banned and w.rejected == 2
-    assert orch.state.buffer_depth() == 0  # rejected rollouts never reach the buffer
+    assert orch.buffer.depth() == 0  # rejected rollouts never reach the buffer
     with pytest.raises(ApiError) as e:
         orch.authenticate(secret)
     assert code_of(e) == ErrorCode.banned
     # A rejected lease's prompts are handed out again (the second lease got the first one's).
     assert [p.prompt_id for p in leases[1].prompts] == [p.prompt_id for p in leases[0].prompts]
-    assert orch.state.reissue_depth() == 2
+    assert orch.leases.reissue_depth() == 2
     rec = orch.set_ban(wid, False, "appeal")
     assert not rec.banned and rec.strikes == 0
     assert orch.authenticate(secret) == wid
@@ -255,15 +271,15 @@ def test_wrong_model_hash_is_a_strike(orch):
     l = lease(orch, wid)
     submit(orch, wid, make_submission(l, np.random.default_rng(0), model_hash=HASH1))
     drain(orch)
-    assert orch.state.worker(wid).strikes == 1
+    assert orch.workers.get(wid).strikes == 1
 
 
 def test_verifier_failure_keeps_submissions_queued(orch):
     wid, _ = register(orch)
-    orch.verifier.fail_next = 1
+    orch.verification.verifier.fail_next = 1
     r = submit(orch, wid, make_submission(lease(orch, wid), np.random.default_rng(0)))
     orch._stop.set()  # don't sleep in the retry back-off
-    assert orch.verify_pending() == 0
+    assert orch.verification.verify_pending() == 0
     orch._stop.clear()
     drain(orch)
     assert orch.verdict(wid, r.submission_id).status == VerdictStatus.accepted
@@ -283,9 +299,9 @@ def test_heartbeat_only_as_itself(orch):
 
 def test_secrets_are_stored_hashed(orch, tmp_path):
     wid, secret = register(orch)
-    raw = open(orch.state.path, "rb").read() + open(orch.state.path + "-wal", "rb").read()
+    raw = open(orch.db.path, "rb").read() + open(orch.db.path + "-wal", "rb").read()
     assert secret.encode() not in raw
-    assert orch.state.worker(wid).secret_hash != secret
+    assert orch.workers.get(wid).secret_hash != secret
     with pytest.raises(ApiError) as e:
         orch.authenticate(secret[:-1] + ("A" if secret[-1] != "A" else "B"))
     assert code_of(e) == ErrorCode.unauthorized
@@ -299,26 +315,26 @@ def test_buffer_batches_survive_restart_exactly_once(tmp_path):
     for _ in range(3):
         submit(orch, wid, make_submission(lease(orch, wid, max_prompts=2), rng))
         drain(orch)
-    total = orch.state.buffer_depth()
+    total = orch.buffer.depth()
     assert total > 0
     b1 = orch.take_batch(4)
-    orch.commit_batch(b1.batch_id, 1, HASH1)
+    orch.commit_batch(b1.batch_id, 0, {1: HASH1})
     b2 = orch.take_batch(4)  # taken, never committed: the "crash"
-    assert b2.samples
-    orch.state.close()
+    assert b2.groups
+    orch.db.close()
 
     orch2 = make_orchestrator(cfg)
     assert orch2.authenticate(secret) == wid  # workers reconnect with their secret
     assert orch2.status().policy_version == 1 and orch2.status().step == 1
     rest = orch2.take_batch(1000)
-    ids_1 = {s.sample_id for s in b1.samples}
-    ids_rest = {s.sample_id for s in rest.samples}
+    ids_1 = {s.sample_id for s in samples_from_groups(b1.groups)}
+    ids_rest = {s.sample_id for s in samples_from_groups(rest.groups)}
     assert not ids_1 & ids_rest
-    assert {s.sample_id for s in b2.samples} <= ids_rest
+    assert {s.sample_id for s in samples_from_groups(b2.groups)} <= ids_rest
     assert len(ids_1) + len(ids_rest) == total
-    orch2.commit_batch(rest.batch_id, 2, "2" * 64)
-    assert orch2.commit_batch(rest.batch_id, 2) == {}  # committing twice changes nothing
-    assert len(set(orch2.state.trained_sample_ids())) == total == len(orch2.state.trained_sample_ids())
+    orch2.commit_batch(rest.batch_id, 1, {2: "2" * 64})
+    assert orch2.commit_batch(rest.batch_id, 1, {}) == {}  # committing twice changes nothing
+    assert len(set(orch2.buffer.trained_sample_ids())) == total == len(orch2.buffer.trained_sample_ids())
     hist = orch2.status().staleness_histogram
     assert sum(hist.values()) == total
 
@@ -330,9 +346,9 @@ def test_stale_samples_are_dropped_when_taken(tmp_path):
     wid, _ = register(orch)
     submit(orch, wid, make_submission(lease(orch, wid), np.random.default_rng(4)))
     drain(orch)
-    n = orch.state.buffer_depth()
+    n = orch.buffer.depth()
     batch = orch.take_batch(100, trainer_version=3)
-    assert batch.samples == [] and batch.dropped_stale == n
+    assert batch.groups == [] and batch.dropped_stale == n
     assert orch.status().samples_dropped_stale == n
 
 
@@ -341,7 +357,7 @@ def test_pending_submissions_are_verified_after_restart(tmp_path):
     orch = make_orchestrator(cfg)
     wid, _ = register(orch)
     r = submit(orch, wid, make_submission(lease(orch, wid), np.random.default_rng(0)))
-    orch.state.close()  # crash before verification
+    orch.db.close()  # crash before verification
     orch2 = make_orchestrator(cfg)
     orch2.start()
     try:
@@ -357,10 +373,10 @@ def test_take_batch_waits_for_samples(orch):
     orch.start()
     try:
         wid, _ = register(orch)
-        assert orch.take_batch(1, wait_s=0.2).samples == []
+        assert orch.take_batch(1, wait_s=0.2).groups == []
         submit(orch, wid, make_submission(lease(orch, wid), np.random.default_rng(2)))
         got = orch.take_batch(1, wait_s=10)
-        assert len(got.samples) == orch.cfg.samples_per_prompt  # one whole group, though n < its size
+        assert len(samples_from_groups(got.groups)) == orch.cfg.samples_per_prompt  # one whole group, though n < its size
     finally:
         orch.stop()
 
@@ -372,35 +388,35 @@ def test_batches_are_whole_groups_oldest_first(orch):
     k = orch.cfg.samples_per_prompt
     rng = np.random.default_rng(11)
     for _ in range(20):
-        if orch.state.buffer_depth() >= 4 * k:
+        if orch.buffer.depth() >= 4 * k:
             break
         submit(orch, wid, make_submission(lease(orch, wid), rng))
         drain(orch)
-    seqs = [r[0] for r in orch.state._db.execute("SELECT seq FROM sample_groups WHERE status='ready' ORDER BY seq")]
+    seqs = [r[0] for r in orch.db._db.execute("SELECT seq FROM sample_groups WHERE status='ready' ORDER BY seq")]
 
     def group_keys(batch):
-        return [s.sample_id.rsplit(":", 1)[0] for s in batch.samples]
+        return [s.sample_id.rsplit(":", 1)[0] for s in samples_from_groups(batch.groups)]
 
     b1 = orch.take_batch(k)  # exactly one group
-    assert len(b1.samples) == k and len(set(group_keys(b1))) == 1
+    assert len(samples_from_groups(b1.groups)) == k and len(set(group_keys(b1))) == 1
     b2 = orch.take_batch(k + 1)  # one group is not enough: two
-    assert len(b2.samples) == 2 * k and len(set(group_keys(b2))) == 2
+    assert len(samples_from_groups(b2.groups)) == 2 * k and len(set(group_keys(b2))) == 2
     # Oldest first: the batches hold the first three groups in insertion order.
-    taken = orch.state._db.execute("SELECT seq, batch_id FROM sample_groups WHERE status='taken' ORDER BY seq").fetchall()
+    taken = orch.db._db.execute("SELECT seq, batch_id FROM sample_groups WHERE status='taken' ORDER BY seq").fetchall()
     assert [seq for seq, _ in taken] == seqs[:3]
     assert [b for _, b in taken] == [b1.batch_id, b2.batch_id, b2.batch_id]
     # Every member of a group, each once.
     for batch in (b1, b2):
         by_group: dict[str, list[int]] = {}
-        for s in batch.samples:
+        for s in samples_from_groups(batch.groups):
             key, sample_index = s.sample_id.rsplit(":", 1)
             by_group.setdefault(key, []).append(int(sample_index))
         assert all(sorted(v) == list(range(k)) for v in by_group.values())
     # The per-sample view matches: one row per sample, with the group's status and batch.
-    view = orch.state._db.execute("SELECT sample_id FROM samples WHERE batch_id=? ORDER BY sample_id", (b2.batch_id,)).fetchall()
-    assert [r[0] for r in view] == sorted(s.sample_id for s in b2.samples)
+    view = orch.db._db.execute("SELECT sample_id FROM samples WHERE batch_id=? ORDER BY sample_id", (b2.batch_id,)).fetchall()
+    assert [r[0] for r in view] == sorted(s.sample_id for s in samples_from_groups(b2.groups))
     assert orch.give_back_batch(b2.batch_id) == 2 * k
-    assert orch.state.sample_status_counts()["taken"] == k
+    assert orch.buffer.status_counts()["taken"] == k
 
 
 def test_a_step_must_hold_whole_groups(tmp_path):
@@ -417,7 +433,7 @@ def test_a_database_with_a_per_sample_buffer_is_refused_not_misread(tmp_path):
         db.execute("CREATE TABLE samples (seq INTEGER PRIMARY KEY, sample_id TEXT, status TEXT)")
         db.execute("INSERT INTO samples (sample_id, status) VALUES ('S1:0:0', 'ready')")
     with pytest.raises(RuntimeError, match="older swarmrl"):
-        State(path)
+        Database(path)
     with sqlite3.connect(path) as db:  # untouched
         assert db.execute("SELECT sample_id, status FROM samples").fetchall() == [("S1:0:0", "ready")]
 
@@ -436,7 +452,7 @@ def test_status_reports_run(orch):
     reward_sum, completions = orch.reward_totals()
     assert completions == len(l1.prompts) * l1.samples_per_prompt and reward_sum / completions == pytest.approx(st.mean_reward)
     orch.housekeeping()
-    assert orch.history[-1]["workers_online"] == 1
+    assert orch.windows.history[-1]["workers_online"] == 1
 
 
 def test_finished_run_hands_out_no_leases(orch):
@@ -449,18 +465,23 @@ def test_finished_run_hands_out_no_leases(orch):
 
 
 def test_nested_transactions_are_savepoints(tmp_path):
-    st = State(tmp_path / "s.sqlite")
+    st = Database(tmp_path / "s.sqlite")
+
+    def add(n: int) -> None:
+        with st.tx() as db:
+            Database.add(db, "a", n)
+
     with st.tx():
-        st.add("a", 1)
+        add(1)
         with pytest.raises(RuntimeError):
             with st.tx():
-                st.add("a", 10)
+                add(10)
                 raise RuntimeError("inner fails")
-        st.add("a", 100)
+        add(100)
     assert st.get_int("a") == 101  # the inner block alone was undone; the rest committed together
     with pytest.raises(RuntimeError):
         with st.tx():
-            st.add("a", 1000)
+            add(1000)
             raise RuntimeError("outer fails")
     assert st.get_int("a") == 101
     st.close()
@@ -479,12 +500,12 @@ def test_backpressure_when_verification_is_behind(orch, monkeypatch):
 
 
 def test_submissions_not_kept_in_memory_are_read_back(orch, monkeypatch):
-    import orchestrator.service as service
+    import orchestrator.verification as verification
 
-    monkeypatch.setattr(service, "MAX_PARSED_PENDING", 0)
+    monkeypatch.setattr(verification, "MAX_PARSED_PENDING", 0)
     wid, _ = register(orch)
     r = submit(orch, wid, make_submission(lease(orch, wid), np.random.default_rng(0)))
-    assert not orch._pending
+    assert not orch.verification._pending
     drain(orch)
     assert orch.verdict(wid, r.submission_id).status == VerdictStatus.accepted
 
@@ -505,14 +526,14 @@ def test_generation_never_runs_more_than_async_level_steps_ahead(tmp_path):
         for l in granted:
             submit(orch, wid, make_submission(l, rng))
         drain(orch)
-        depth = orch.state.buffer_depth()
+        depth = orch.buffer.depth()
         if depth == 8 * (async_level + 1):  # no group was dropped for zero signal
             assert orch.lease(wid, LeaseRequest(loaded_policy_version=0, max_prompts=2)).lease is None
         batch = orch.take_batch(depth)
-        orch.commit_batch(batch.batch_id, 1, HASH1)
+        orch.commit_batch(batch.batch_id, 0, {1: HASH1})
         assert lease(orch, wid, version=1) is not None
         assert orch.status().wait_for_trainer_s > 0
-        orch.state.close()
+        orch.db.close()
 
 
 def test_lease_demands_a_version_that_will_not_be_stale_when_trained(tmp_path):
@@ -532,7 +553,7 @@ def test_lease_demands_a_version_that_will_not_be_stale_when_trained(tmp_path):
     assert code_of(e) == ErrorCode.version_too_old and e.value.min_policy_version == 5
     granted = orch.lease(wid, LeaseRequest(loaded_policy_version=5, max_prompts=2)).lease
     assert granted is not None and granted.min_policy_version == 5
-    orch.state.close()
+    orch.db.close()
 
 
 def test_a_retried_lease_request_gets_the_same_lease(orch):
@@ -543,7 +564,7 @@ def test_a_retried_lease_request_gets_the_same_lease(orch):
     first = orch.lease(wid, req).lease
     again = orch.lease(wid, req).lease
     assert again.lease_id == first.lease_id and again.model_dump(mode="json") == first.model_dump(mode="json")
-    assert orch.state.open_leases(wid, time.time()) == 1
+    assert orch.leases.open_leases(wid, time.time()) == 1
     other = orch.lease(wid, LeaseRequest(loaded_policy_version=0, max_prompts=2, request_id="r-retry-2")).lease
     assert other.lease_id != first.lease_id
 
@@ -567,10 +588,10 @@ def test_buffer_samples_carry_the_submitted_arrays_exactly(orch):
     import pickle
 
     travelled = pickle.loads(pickle.dumps(batch))
-    assert "samples" not in batch.__dict__ and travelled.num_samples == batch.num_samples
-    assert [s.sample_id for s in travelled.samples] == [s.sample_id for s in batch.samples]
-    assert len(batch.samples) == orch.state.get_int("groups_kept") * 4 > 0
-    for s in batch.samples:
+    assert travelled.num_samples == batch.num_samples
+    assert [s.sample_id for s in samples_from_groups(travelled.groups)] == [s.sample_id for s in samples_from_groups(batch.groups)]
+    assert len(samples_from_groups(batch.groups)) == orch.db.get_int("groups_kept") * 4 > 0
+    for s in samples_from_groups(batch.groups):
         sid, p, k = s.sample_id.rsplit(":", 2)
         l, sub = subs[sid]
         c = next(c for c in sub.completions if (c.prompt_index, c.sample_index) == (int(p), int(k)))
@@ -591,14 +612,14 @@ def test_untrained_counters_match_the_rows_through_every_transition(tmp_path):
     k = cfg.orchestrator.samples_per_prompt
 
     def recount() -> int:
-        db = orch.state._db
+        db = orch.db._db
         leased = db.execute("SELECT COALESCE(SUM(json_array_length(prompt_indices)), 0) FROM leases WHERE status IN ('open', 'submitted')").fetchone()[0]
         buffered = db.execute("SELECT COUNT(*) FROM samples WHERE status IN ('ready', 'taken')").fetchone()[0]
         return int(leased) * k + int(buffered)
 
     def check() -> None:
-        with orch.state.tx() as db:
-            assert orch.state.untrained_samples(db, k) == recount()
+        with orch.db.tx() as db:
+            assert orch.leases.untrained_samples(db) == recount()
 
     wid, _ = register(orch)
     rng = np.random.default_rng(5)
@@ -608,7 +629,7 @@ def test_untrained_counters_match_the_rows_through_every_transition(tmp_path):
     submit(orch, wid, make_submission(l2, rng, bad=True))  # rejected: its prompts go back
     check()
     drain(orch)
-    assert orch.state.buffer_depth() > 0
+    assert orch.buffer.depth() > 0
     check()
     orch.release(wid, l3.lease_id)
     orch.housekeeping(now=time.time() + 3600)  # l4 expires
@@ -618,10 +639,10 @@ def test_untrained_counters_match_the_rows_through_every_transition(tmp_path):
     orch.give_back_batch(b.batch_id)
     check()
     b = orch.take_batch(2)
-    orch.commit_batch(b.batch_id, 1, HASH1)
+    orch.commit_batch(b.batch_id, 0, {1: HASH1})
     check()
     for _ in range(20):  # two groups: one to take, one left to go stale
-        if orch.state.buffer_depth() >= 2 * k:
+        if orch.buffer.depth() >= 2 * k:
             break
         submit(orch, wid, make_submission(lease(orch, wid, version=1), rng, model_hash=HASH1))
         drain(orch)
@@ -630,7 +651,7 @@ def test_untrained_counters_match_the_rows_through_every_transition(tmp_path):
     dropped = orch.take_batch(100, trainer_version=3)  # everything left is stale for version 3
     assert dropped.dropped_stale > 0
     check()
-    orch.state.close()
+    orch.db.close()
     orch = make_orchestrator(cfg)  # restart: the taken batch is ready again, the counters recounted
     check()
 
@@ -638,17 +659,39 @@ def test_untrained_counters_match_the_rows_through_every_transition(tmp_path):
 def test_groups_of_another_size_never_leave_a_batch_short(tmp_path):
     """Groups of 4 and 3 (a run resumed with another group size): a batch of 8 takes groups until it
     holds 8 or more, never stopping short while more are ready."""
-    state = State(tmp_path / "s.sqlite")
-    with state.tx() as db:
+    db = Database(tmp_path / "s.sqlite")
+    buffer = RolloutBuffer(db)
+    with db.tx() as conn:
         for i, size in enumerate([4, 3, 3, 4]):
-            db.execute(
+            conn.execute(
                 "INSERT INTO sample_groups (submission_id, prompt_index, num_samples, sample_indices, behaviour_version, created_at, "
                 "status, advantages, rewards, completion_lengths, prompt_ids, completion_ids, logprobs) "
                 "VALUES (?, 0, ?, ?, 0, 0, 'ready', x'', x'', x'', x'', x'', x'')",
                 (f"S{i}", size, str(list(range(size)))),
             )
-    groups, _ = state.take_batch("B1", 8, None)
+    groups = buffer.take(8).groups
     assert [g.submission_id for g in groups] == ["S0", "S1", "S2"] and sum(g.num_samples for g in groups) == 10
-    groups, _ = state.take_batch("B2", 8, None)  # only 4 left: all of them
+    groups = buffer.take(8).groups  # only 4 left: all of them
     assert [g.submission_id for g in groups] == ["S3"]
-    state.close()
+    db.close()
+
+
+def test_unusable_rewards_are_a_rejection_without_a_strike(orch):
+    """An accepted verdict whose rewards cannot be used (NaN, or not one per completion) is recorded as
+    rejected with the reason, at once (never left pending), and the worker is not blamed for it."""
+    wid, _ = register(orch)
+    verifier = orch.verification.verifier
+    real = verifier.verify_many
+
+    def nan_rewards(jobs):
+        return [v.model_copy(update={"rewards": [float("nan")] * len(v.rewards)}) if v.rewards else v for v in real(jobs)]
+
+    verifier.verify_many = nan_rewards
+    r = submit(orch, wid, make_submission(lease(orch, wid), np.random.default_rng(0)))
+    drain(orch)
+    v = orch.verdict(wid, r.submission_id)
+    assert v.status == VerdictStatus.rejected and v.rejections[0].code.value == "reward_error"
+    assert "finite" in v.rejections[0].message
+    w = orch.workers.get(wid)
+    assert w.rejected == 1 and w.strikes == 0 and not w.banned
+    assert orch.buffer.depth() == 0 and orch.db.get_int("submissions_rejected") == 1

@@ -9,9 +9,9 @@ import time
 
 import numpy as np
 import pytest
-
 from orch_fakes import encode, make_orchestrator, make_submission, run_config
-from orchestrator.serve import OrchestratorServer
+
+from orchestrator.server import OrchestratorServer
 from protocol.models import LeaseRequest, WorkerRegistration
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -37,7 +37,7 @@ def busy_server(tmp_path):
         for j, wid in enumerate(workers):
             lease = orch.lease(wid, LeaseRequest(loaded_policy_version=0, max_prompts=2)).lease
             orch.submit(wid, encode(make_submission(lease, rng, bad=(tick + j) % 7 == 6)), None)
-        while orch.verify_pending():
+        while orch.verification.verify_pending():
             pass
         orch.housekeeping(now=time.time() + 2 * tick)
     yield srv

@@ -7,9 +7,9 @@ import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, Phase, settings  # noqa: E402
-
 from orch_fakes import make_orchestrator, run_config  # noqa: E402
-from orchestrator.serve import OrchestratorServer  # noqa: E402
+
+from orchestrator.server import OrchestratorServer  # noqa: E402
 from protocol import api  # noqa: E402
 from protocol.models import ErrorBody, WorkerRegistration  # noqa: E402
 

@@ -9,11 +9,11 @@ import sqlite3
 import httpx
 import numpy as np
 import pytest
-
 from orch_fakes import encode, make_orchestrator, make_submission, run_config
+
+from orchestrator.db import Database
 from orchestrator.group_commit import GroupCommit
-from orchestrator.serve import OrchestratorServer
-from orchestrator.state import State
+from orchestrator.server import OrchestratorServer
 from protocol import api
 from protocol.models import LeaseResponse, SubmissionReceipt, WorkerRegistered
 
@@ -24,8 +24,14 @@ def committed(path) -> dict[str, float]:
         return {k: float(v) for k, v in db.execute("SELECT key, value FROM meta WHERE key LIKE 'test:%'")}
 
 
+def bump(state: Database, key: str, n: float) -> None:
+    """A handler's write: its own transaction, a savepoint inside the shared one."""
+    with state.tx() as db:
+        Database.add(db, key, n)
+
+
 async def request(group: GroupCommit, fn, *args):
-    """What the middleware does around a handler: join, the handler's State work, wait until durable."""
+    """What the middleware does around a handler: join, the handler's database work, wait until durable."""
     group.join()
     result = fn(*args)
     await group.durable()
@@ -34,12 +40,12 @@ async def request(group: GroupCommit, fn, *args):
 
 def test_concurrent_requests_share_one_commit_and_answer_after_it(tmp_path):
     path = tmp_path / "s.sqlite"
-    state = State(path)
+    state = Database(path)
     group = GroupCommit(state)
     seen_before_answer: list[dict[str, float]] = []
 
     def write(i: int) -> int:
-        state.add(f"test:{i}", 1)  # a State write: a savepoint in the shared transaction
+        bump(state, f"test:{i}", 1)  # a database write: a savepoint in the shared transaction
         return i
 
     async def answer(i: int) -> int:
@@ -58,12 +64,12 @@ def test_concurrent_requests_share_one_commit_and_answer_after_it(tmp_path):
 
 def test_a_failing_request_undoes_only_its_own_writes(tmp_path):
     path = tmp_path / "s.sqlite"
-    state = State(path)
+    state = Database(path)
     group = GroupCommit(state)
 
     def write(i: int) -> None:
         with state.tx() as db:
-            State._add(db, f"test:{i}", 1)
+            Database.add(db, f"test:{i}", 1)
             if i == 2:
                 raise ValueError("bad request")
 
@@ -78,14 +84,14 @@ def test_a_failing_request_undoes_only_its_own_writes(tmp_path):
 
 def test_requests_in_later_iterations_get_their_own_commit_and_other_threads_are_not_blocked(tmp_path):
     path = tmp_path / "s.sqlite"
-    state = State(path)
+    state = Database(path)
     group = GroupCommit(state)
 
     async def main() -> None:
         for i in range(3):
-            await request(group, state.add, f"test:{i}", 1)
+            await request(group, bump, state, f"test:{i}", 1)
             # Between batches the lock is free: another thread can write at once.
-            await asyncio.wait_for(asyncio.to_thread(state.add, "test:thread", 1), timeout=5)
+            await asyncio.wait_for(asyncio.to_thread(bump, state, "test:thread", 1), timeout=5)
 
     asyncio.run(main())
     assert group.batches == 3
@@ -95,7 +101,7 @@ def test_requests_in_later_iterations_get_their_own_commit_and_other_threads_are
 
 def test_a_failed_commit_fails_every_request_of_the_batch_and_leaves_state_usable(tmp_path):
     path = tmp_path / "s.sqlite"
-    state = State(path)
+    state = Database(path)
     group = GroupCommit(state)
     with state.tx() as db:
         db.execute("CREATE TABLE t (x INTEGER PRIMARY KEY, y INTEGER REFERENCES meta(key) DEFERRABLE INITIALLY DEFERRED)")
@@ -111,18 +117,18 @@ def test_a_failed_commit_fails_every_request_of_the_batch_and_leaves_state_usabl
     assert all(isinstance(r, sqlite3.IntegrityError) for r in results), results
     with sqlite3.connect(path) as db:
         assert db.execute("SELECT COUNT(*) FROM t").fetchone()[0] == 0
-    state.add("test:after", 1)  # no transaction left open
+    bump(state, "test:after", 1)  # no transaction left open
     assert committed(path) == {"test:after": 1.0}
     state.close()
 
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_cancelled_request_does_not_break_the_batch(tmp_path, n):
-    state = State(tmp_path / "s.sqlite")
+    state = Database(tmp_path / "s.sqlite")
     group = GroupCommit(state)
 
     async def main() -> None:
-        tasks = [asyncio.ensure_future(request(group, state.add, f"test:{i}", 1)) for i in range(n + 1)]
+        tasks = [asyncio.ensure_future(request(group, bump, state, f"test:{i}", 1)) for i in range(n + 1)]
         await asyncio.sleep(0)  # every request has run its writes and waits for the commit...
         tasks[0].cancel()  # ...when the first one's client goes away
         await asyncio.gather(*tasks, return_exceptions=True)

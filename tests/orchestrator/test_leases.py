@@ -9,32 +9,32 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from orch_fakes import make_prompts, run_config
 from pydantic import ValidationError
 
-from orch_fakes import make_prompts, run_config
 from orchestrator.data import Prompt, PromptSet
+from orchestrator.db import Database
 from orchestrator.leases import LeaseBook
-from orchestrator.state import State
 from protocol.models import TaskLease
 
 
 @pytest.fixture
 def book(tmp_path):
     cfg = run_config(tmp_path, max_open_leases_per_worker=100)
-    state = State(cfg.orchestrator.db_path)
-    yield LeaseBook(state, make_prompts(cfg), cfg.orchestrator)
-    state.close()
+    db = Database(cfg.orchestrator.db_path)
+    yield LeaseBook(db, make_prompts(cfg), cfg.orchestrator)
+    db.close()
 
 
 def test_issued_lease_is_what_full_validation_gives(book):
     for _ in range(3):  # a prompt's first lease validates it; later leases reuse it
         lease = book.issue("w1", 2, 0, time.time())
-        row = book.state.lease(lease.lease_id)
+        row = book.get(lease.lease_id)
         # The stored row is the lease's JSON, and it passes the wire contract.
         assert row.body == lease.model_dump_json()
         again = TaskLease.model_validate_json(row.body, context={"vocab_size": book.prompts.vocab_size})
         assert again.model_dump_json() == lease.model_dump_json()
-        for p, i in zip(lease.prompts, LeaseBook.prompt_indices(row)):
+        for p, i in zip(lease.prompts, row.prompt_indices):
             assert p.prompt_id == book.prompts.prompts[i].prompt_id
             assert p.token_ids.dtype == np.int32 and np.array_equal(p.token_ids, book.prompts.prompts[i].token_ids)
             assert len(p.seeds) == lease.samples_per_prompt and all(0 <= s < 2**63 for s in p.seeds)
@@ -49,9 +49,9 @@ def test_prompt_refused_by_the_wire_contract_is_still_refused(tmp_path):
     bad_id = Prompt(SimpleNamespace(prompt_id="has spaces"), np.array([1, 2], dtype=np.int32))
     negative = Prompt(SimpleNamespace(prompt_id="neg"), np.array([3, -1], dtype=np.int32))
     for prompt in (bad_id, negative):
-        state = State(tmp_path / f"{prompt.prompt_id}.sqlite")
-        book = LeaseBook(state, PromptSet([prompt], seed=0, vocab_size=64), cfg.orchestrator)
+        db = Database(tmp_path / f"{prompt.prompt_id}.sqlite")
+        book = LeaseBook(db, PromptSet([prompt], seed=0, vocab_size=64), cfg.orchestrator)
         for _ in range(2):  # every time, not only the first
             with pytest.raises(ValidationError):
                 book.issue("w1", 1, 0, time.time())
-        state.close()
+        db.close()

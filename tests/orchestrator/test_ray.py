@@ -11,10 +11,19 @@ import numpy as np
 import pytest
 import torch
 import zstandard
-
 from orch_fakes import run_config
+
 from protocol import api
-from protocol.models import Completion, FinishReason, LeaseResponse, RolloutSubmission, SubmissionReceipt, Verdict, WorkerRegistered
+from protocol.models import (
+    Completion,
+    FinishReason,
+    LeaseResponse,
+    RolloutSubmission,
+    SubmissionReceipt,
+    Verdict,
+    WorkerRegistered,
+)
+from trainer.samples import samples_from_groups
 
 HASH0, HASH1 = "a" * 64, "b" * 64
 
@@ -41,7 +50,7 @@ def honest_completions(model_dir, lease, seed=0):
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
-    from orchestrator.ray_actors import init_ray
+    from swarmrl.actors import init_ray
 
     init_ray("", num_cpus=2)
     yield ray
@@ -50,14 +59,14 @@ def ray_cluster():
 
 def test_orchestrator_and_verifier_actors(ray_cluster, tiny_model_dir, tmp_path):
     ray = ray_cluster
-    from orchestrator.ray_actors import RayVerifierPool, start_orchestrator_actor
+    from swarmrl.actors import RayVerifierPool, start_orchestrator_actor
     from verifier.config import VerifierConfig
 
     cfg = run_config(tmp_path, admin_token="adm", join_tokens=["join"], strikes_to_ban=5)
     cfg.model.path = str(tiny_model_dir)
     model_dir = tiny_model_dir
     pool = RayVerifierPool.start(VerifierConfig(), lambda v: model_dir, str(tiny_model_dir), num_actors=1)
-    actor = start_orchestrator_actor(cfg, pool.actors, model=str(tiny_model_dir))
+    actor = start_orchestrator_actor(cfg, pool.actors)
     try:
         ray.get(actor.publish_version.remote(0, HASH0))
         url = ray.get(actor.url.remote())
@@ -102,12 +111,13 @@ def test_orchestrator_and_verifier_actors(ray_cluster, tiny_model_dir, tmp_path)
         kept = len(l1.prompts) - st.groups_dropped_zero_signal
         # The trainer pulls the verified samples through the actor, then commits the step.
         batch = ray.get(actor.take_batch.remote(1000, 0, 1.0))
-        assert len(batch.samples) == kept * l1.samples_per_prompt
+        samples = samples_from_groups(batch.groups)
+        assert len(samples) == kept * l1.samples_per_prompt
         good_tokens = {tuple(c.token_ids.tolist()) for c in good.completions}
-        for s in batch.samples:
+        for s in samples:
             assert tuple(s.completion_ids.tolist()) in good_tokens  # nothing from the rejected submission
             assert s.behaviour_version == 0
-        ray.get(actor.commit_batch.remote(batch.batch_id, 1, HASH1))
+        ray.get(actor.commit_batch.remote(batch.batch_id, 0, {1: HASH1}))
         st = ray.get(actor.status.remote())
         assert st.step == 1 and st.policy_version == 1 and st.buffer_depth == 0
     finally:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-
 from orch_fakes import encode, make_submission
+
 from protocol import api
 from protocol.models import LeaseResponse, SubmissionReceipt, Verdict, WorkerRegistered
 
@@ -127,14 +127,15 @@ def test_kill_and_restart(tmp_path):
 
 
 def test_serve_runs_in_foreground_and_stops_on_sigterm(tmp_path):
-    """`orchestrator.serve.serve` (what `swarmrl orchestrator` runs): serves until SIGTERM, exits cleanly."""
+    """`OrchestratorServer.run` (what `swarmrl orchestrator` runs): serves until SIGTERM, exits cleanly."""
     port = free_port()
     code = (
         "from pathlib import Path\n"
         "from orch_fakes import FakeVerifier, make_prompts, run_config\n"
-        "from orchestrator.serve import serve\n"
+        "from orchestrator.server import OrchestratorServer\n"
+        "from swarmrl.actors import build_orchestrator\n"
         f"cfg = run_config(Path({str(tmp_path)!r}), port={port}, admin_token='admin')\n"
-        "serve(cfg, FakeVerifier(), prompts=make_prompts(cfg))\n"
+        "OrchestratorServer(build_orchestrator(cfg, FakeVerifier(), prompts=make_prompts(cfg))).run()\n"
     )
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{HERE}")
     with (tmp_path / "serve.log").open("w") as log:

@@ -30,7 +30,7 @@ def state_dict(seed: int = 0, layers: int = 8, mb_per_layer: float = 1.0) -> dic
 def start_cli(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, dict]:
     """Start `shardcast <args>` in a subprocess; returns it and the JSON line it announces."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from shardcast.cli import app; app()", *args],
+        [sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", *args],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

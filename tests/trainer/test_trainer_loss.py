@@ -122,3 +122,13 @@ def test_k3_kl_and_entropy_terms_by_hand():
     assert stats["kl"].item() == pytest.approx(0.193147, abs=1e-5)
     with pytest.raises(ValueError, match="reference"):
         ppo_loss(lp, logp, logp, torch.zeros(1), torch.ones(1), cfg, entropy=entropy)
+
+
+def test_ratio_cap_inside_the_clip_range_is_refused():
+    """delta < 1 + eps_high: the negative-advantage cap would act inside the clip range, where our dual
+    clip and INTELLECT-2's ratio cap disagree. A clear error, not a silent choice."""
+    with pytest.raises(ValueError, match="ratio_cap .* must be >= 1 \\+ epsilon_high"):
+        LossConfig(ratio_cap=1.1)
+    with pytest.raises(ValueError, match="ratio_cap"):
+        LossConfig(ratio_cap=1.25, epsilon_high=0.28)  # DAPO's clip-higher needs delta >= 1.28
+    assert LossConfig(ratio_cap=1.28, epsilon_high=0.28).ratio_cap == 1.28

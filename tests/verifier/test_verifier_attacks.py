@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from verifier.calibration import run_matrix, table_markdown, write_results
+from tools.verifier_calibration import run_matrix, table_markdown, write_results
 
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 REPO = Path(__file__).resolve().parents[2]

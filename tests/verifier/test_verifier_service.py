@@ -151,7 +151,7 @@ def test_cli_check_verifies_a_saved_bundle(tiny_model_dir, honest, tmp_path):
 
     from typer.testing import CliRunner
 
-    from verifier.cli import app
+    from swarmrl.verifier_cli import app
 
     lease, items, comps = honest
     sub = RolloutSubmission(lease_id=lease.lease_id, policy_version=0, model_hash=HASH0, completions=comps)
@@ -173,3 +173,15 @@ def test_cli_check_verifies_a_saved_bundle(tiny_model_dir, honest, tmp_path):
     broken.write_text("{not json")
     res = runner.invoke(app, ["check", str(broken), "--model-dir", str(tiny_model_dir)])
     assert res.exit_code == 2 and "cannot read" in res.output
+
+
+def test_a_non_finite_reward_is_a_clear_rejection_not_a_nan(verifier, honest, monkeypatch):
+    """A broken reward function (NaN) must not reach the trainer, nor leave the submission undecided:
+    the verdict is a rejection that says which completion and why (reward_error: no strike, see
+    orchestrator.verification)."""
+    task = verifier.task("toy", {})
+    monkeypatch.setattr(task, "reward", lambda item, text: float("nan"))
+    verdict = verifier.verify(job(honest, sid="nan"))
+    assert verdict.status == VerdictStatus.rejected and verdict.rewards is None
+    [r] = verdict.rejections
+    assert r.code == RejectionCode.reward_error and r.completion_index == 0 and "non-finite reward" in r.message

@@ -1,4 +1,4 @@
-"""`swarmrl shardcast origin|relay|pull|keygen`.
+"""`swarmrl shardcast origin|relay|pull|keygen`: the shardcast library's servers and client as commands.
 
 A started server prints one JSON line on stdout, `{"url": ..., "public_key": ...}`, so scripts can read
 where it listens (port 0 picks a free port). It serves until SIGINT/SIGTERM.
@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+
+from shardcast.config import DEFAULTS
 
 app = typer.Typer(name="shardcast", help="Signed, sharded, relayed broadcast of policy weights.", no_args_is_help=True, add_completion=False)
 
@@ -32,7 +34,7 @@ def _serve_until_signal(stop) -> None:
 
 
 def _logging(level: str) -> None:
-    from orchestrator.logs import configure_logging
+    from swarmrl.logs import configure_logging
 
     configure_logging(level)
 
@@ -51,13 +53,13 @@ def keygen(out: Path = typer.Option(..., "--out", help="where to write the new e
 def origin(
     root: Path = typer.Option(..., help="folder holding the published versions"),
     key: Path = typer.Option(..., help="ed25519 signing key (PEM); created if missing"),
-    host: str = typer.Option("127.0.0.1"),
+    host: str = typer.Option(DEFAULTS.host),
     port: int = typer.Option(0, help="0 picks a free port"),
-    keep_versions: int = typer.Option(3, min=1),
-    shard_bytes: int = typer.Option(64 << 20, min=1 << 10),
+    keep_versions: int = typer.Option(DEFAULTS.keep_versions, min=1),
+    shard_bytes: int = typer.Option(DEFAULTS.shard_bytes, min=1 << 10),
     publish: Optional[Path] = typer.Option(None, help="publish this folder's *.safetensors (e.g. an HF model dir) before serving"),
     version: int = typer.Option(0, min=0, help="version number for --publish"),
-    grace_s: float = typer.Option(120.0, min=0, help="keep a superseded version until nobody touched it this long"),
+    grace_s: float = typer.Option(DEFAULTS.delete_grace_s, min=0, help="keep a superseded version until nobody touched it this long"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     """Serve the origin (and optionally publish a model folder first)."""
@@ -81,13 +83,13 @@ def relay(
     upstream: list[str] = typer.Option(..., help="upstream server URL (origin or relay); repeat for several"),
     root: Path = typer.Option(..., help="folder for mirrored versions"),
     public_key: str = typer.Option(..., help="the run's public key (base64 raw ed25519)"),
-    host: str = typer.Option("127.0.0.1"),
+    host: str = typer.Option(DEFAULTS.host),
     port: int = typer.Option(0),
-    keep_versions: int = typer.Option(3, min=1),
-    poll_interval_s: float = typer.Option(0.5, min=0.01),
-    parallelism: int = typer.Option(2, min=1, max=64, help="shards fetched at once from upstream"),
-    shard_wait_s: float = typer.Option(10.0, min=0, help="hold a request for a listed shard still on its way this long, then 503"),
-    grace_s: float = typer.Option(120.0, min=0, help="keep a superseded version until nobody touched it this long"),
+    keep_versions: int = typer.Option(DEFAULTS.keep_versions, min=1),
+    poll_interval_s: float = typer.Option(DEFAULTS.relay_poll_interval_s, min=0.01),
+    parallelism: int = typer.Option(DEFAULTS.relay_parallelism, min=1, max=64, help="shards fetched at once from upstream"),
+    shard_wait_s: float = typer.Option(DEFAULTS.relay_shard_wait_s, min=0, help="hold a request for a listed shard still on its way this long, then 503"),
+    grace_s: float = typer.Option(DEFAULTS.delete_grace_s, min=0, help="keep a superseded version until nobody touched it this long"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     """Mirror upstream versions (verifying every manifest and shard) and serve them."""
@@ -116,8 +118,8 @@ def pull(
     public_key: str = typer.Option(..., help="the run's public key (base64 raw ed25519)"),
     dest: Path = typer.Option(..., help="folder that receives v<version>/"),
     version: Optional[int] = typer.Option(None, min=0, help="default: the newest"),
-    parallelism: int = typer.Option(8, min=1, max=64),
-    retries: int = typer.Option(5, min=0),
+    parallelism: int = typer.Option(DEFAULTS.client_parallelism, min=1, max=64),
+    retries: int = typer.Option(DEFAULTS.client_retries, min=0),
     keep_versions: Optional[int] = typer.Option(None, min=1, help="delete older pulled versions beyond this many"),
     log_level: str = typer.Option("INFO"),
 ) -> None:

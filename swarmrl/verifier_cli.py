@@ -10,6 +10,20 @@ import typer
 app = typer.Typer(help="TOPLOC-style verifier: calibration, attack matrix, offline checks.", no_args_is_help=True)
 
 
+def _calibration_tools():
+    """Calibration is a developer tool (tools/ in a source checkout), not part of the installed package."""
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "tools" / "verifier_calibration.py").is_file():
+        raise typer.BadParameter("calibration needs a source checkout of swarmrl (its tools/ folder); install with `pip install -e .`")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from tools.verifier_calibration import run_matrix, table_markdown, write_results
+
+    return run_matrix, table_markdown, write_results
+
+
 @app.command()
 def calibrate(
     out: Path = typer.Option(Path("bench/results"), help="where verifier_attacks_<tag>.{md,json} go"),
@@ -25,13 +39,13 @@ def calibrate(
 
     from rich.console import Console
 
-    from orchestrator.logs import configure_logging
+    from swarmrl.logs import configure_logging
 
     configure_logging("WARNING")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from verifier.calibration import run_matrix, table_markdown, write_results
+    run_matrix, table_markdown, write_results = _calibration_tools()
 
     counts = {"long_t1_b32": 32, "long_t0.7_p0.9_k20_b32": 32, "short_t1_b32": 32, "mixed_b1": 6, "greedy_b1": 2}
     counts = {k: v * honest_scale for k, v in counts.items()}

@@ -1,17 +1,18 @@
-"""The `swarmrl` command line. Every subcommand imports its package lazily, so that a volunteer's
-install (`swarmrl[worker]`, no Ray, no fastapi) can run `swarmrl worker`.
+"""The `swarmrl` command line: every command of every component. Each command imports what it needs
+lazily, so that a volunteer's install (`swarmrl[worker]`, no Ray, no fastapi) can run `swarmrl worker`,
+which imports no orchestrator code.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
 
-from orchestrator.logs import configure_logging
+from swarmrl.logs import configure_logging
 
 app = typer.Typer(
     name="swarmrl",
@@ -25,21 +26,26 @@ OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.toml"
 
 
-def _load(config: Optional[Path], extra: list[str] | dict, **kwargs):
-    """Load a config; a bad one prints which key is wrong and where it came from, and exits 2."""
-    from orchestrator.config import ConfigError, load_config
+def _load(config: Optional[Path], extra: list[str] | dict, model: Any = None, **kwargs):
+    """Load a config (a RunConfig unless `model` says otherwise); a bad one prints which key is wrong and
+    where it came from, and exits 2."""
+    from swarmrl.loading import ConfigError, load_config
 
-    if config is None and not kwargs:
-        config = DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
+    if model is None:
+        from swarmrl.config import RunConfig
+
+        model = RunConfig
+        if config is None:
+            config = DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
     try:
-        return load_config(config, extra, **kwargs)
+        return load_config(config, extra, model=model, **kwargs)
     except ConfigError as exc:
         console.print(f"[red]config error:[/] {exc}")
         raise typer.Exit(2) from None
 
 
 def _print_config(cfg) -> None:
-    from orchestrator.config import dump_toml
+    from swarmrl.loading import dump_toml
 
     sys.stdout.write(dump_toml(cfg))
 
@@ -61,7 +67,7 @@ def run(
         _print_config(cfg)
         return
     configure_logging(cfg.log_level)
-    from orchestrator.run import run as run_loop
+    from swarmrl.driver import run as run_loop
 
     raise typer.Exit(run_loop(cfg))
 
@@ -84,12 +90,21 @@ def orchestrator(
     if dry_run:
         _print_config(cfg)
         return
-    configure_logging(cfg.log_level)
-    from orchestrator.serve import serve
-
     if not origin_url:
         raise typer.BadParameter("at least one --origin-url is needed for the verifiers' weights", param_hint="--origin-url")
-    serve(cfg, origin_urls=origin_url, relay_urls=relay_url or origin_url, manifest_public_key=public_key)
+    configure_logging(cfg.log_level)
+    from orchestrator.server import OrchestratorServer
+    from swarmrl.actors import RayVerifierPool, ShardcastWeights, build_orchestrator, init_ray
+    from swarmrl.run_dir import RunDir
+
+    # The verifier pool's actors pull each claimed version's weights from the shardcast servers.
+    init_ray(cfg.ray_address)
+    weights = ShardcastWeights(origin_url, public_key, str(RunDir(cfg.run_dir).verifier_weights))
+    pool = RayVerifierPool.start(cfg.verifier, weights, str(Path(cfg.model.path) if cfg.model.path else RunDir(cfg.run_dir).model_dir))
+    try:
+        OrchestratorServer(build_orchestrator(cfg, pool, relay_urls=relay_url or origin_url, manifest_public_key=public_key)).run()
+    finally:
+        pool.shutdown()
 
 
 @app.command()
@@ -99,7 +114,7 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="print the raw status JSON"),
 ) -> None:
     """Show a running run's status (step, version, throughput, acceptance, staleness, workers)."""
-    from orchestrator.serve import fetch_status, render_status
+    from swarmrl.status_view import fetch_status, render_status
 
     try:
         st = fetch_status(orchestrator_url, admin_token)
@@ -131,7 +146,7 @@ def worker(
     SIGTERM or Ctrl-C finishes the current task and exits; a second one releases it and exits.
     """
     from inference_worker.config import WorkerConfig
-    from orchestrator.config import ConfigError, parse_overrides
+    from swarmrl.loading import ConfigError, parse_overrides
 
     try:
         overrides: dict = parse_overrides(list(ctx.args))
@@ -169,18 +184,18 @@ def init_model(
     console.print(f"wrote a {size} model (seed {seed}, tied={tie_embeddings}, pretrain steps {pretrain_steps}) to {path}")
 
 
-def _add_package_clis() -> None:
-    """Each package's own CLI, mounted as a subcommand (each imports its heavy modules lazily)."""
-    from shardcast.cli import app as shardcast_app
-    from trainer.cli import app as trainer_app
-    from verifier.cli import app as verifier_app
+def _add_component_clis() -> None:
+    """The commands of each component, mounted as subcommands (each imports its heavy modules lazily)."""
+    from swarmrl.shardcast_cli import app as shardcast_app
+    from swarmrl.trainer_cli import app as trainer_app
+    from swarmrl.verifier_cli import app as verifier_app
 
     app.add_typer(shardcast_app, name="shardcast")
     app.add_typer(trainer_app, name="trainer")
     app.add_typer(verifier_app, name="verifier")
 
 
-_add_package_clis()
+_add_component_clis()
 
 
 def main() -> None:

@@ -38,7 +38,7 @@ def render(run: Any) -> Table:
     return table
 
 
-class ProgressView:
+class LiveView:
     """Refreshes the table from a thread; off when stdout is not a terminal (logs only)."""
 
     def __init__(self, run: Any, enabled: bool, refresh_s: float = 1.0):
@@ -49,7 +49,7 @@ class ProgressView:
         self._thread: threading.Thread | None = None
         self._live: Live | None = None
 
-    def start(self) -> "ProgressView":
+    def start(self) -> "LiveView":
         if self.enabled:
             self._live = Live(render(self.run), console=Console(), refresh_per_second=2, transient=False)
             self._live.start()

@@ -1,9 +1,10 @@
 """Honest-noise calibration and the attack matrix, on real vLLM output from a locally made tiny model.
 
-Used by `verifier calibrate` (writes bench/results/verifier_*), by the attack-matrix tests and by the
-benchmark. Everything here runs real engines: vLLM (CPU, in-process) generates and captures hidden
-states like an honest worker; attacks tamper with those rollouts, or generate with other weights,
-another prompt or a lower precision; the real `Verifier` judges every submission.
+A developer tool (not installed): used by `swarmrl verifier calibrate` (writes bench/results/verifier_*),
+by the attack-matrix tests and by the benchmark. Everything here runs real engines: the worker's own
+vLLM engine (CPU, in-process; tools/vllm_rollouts.py) generates and captures hidden states like an honest
+worker; attacks tamper with those rollouts, or generate with other weights, another prompt or a lower
+precision; the real `Verifier` judges every submission.
 """
 
 from __future__ import annotations
@@ -20,13 +21,22 @@ from typing import Callable
 import numpy as np
 import torch
 
-from protocol.models import Completion, FinishReason, RolloutSubmission, SamplingParams, TaskLease, TaskPrompt, VerdictStatus
+from inference_worker.engine import RolloutEngine
+from protocol.models import (
+    Completion,
+    FinishReason,
+    RolloutSubmission,
+    SamplingParams,
+    TaskLease,
+    TaskPrompt,
+    VerdictStatus,
+)
+from tools.vllm_rollouts import Rollout, generate, make_engine
 from verifier import proofs
 from verifier.config import ProofThresholds, VerifierConfig
 from verifier.reference import load_reference_model, prefill
 from verifier.service import Verifier, VerifyJob
 from verifier.tasks import TaskItem, get_task
-from verifier.vllm_capture import CapturingLLM, Rollout
 
 log = logging.getLogger(__name__)
 
@@ -158,13 +168,6 @@ def to_job(trial: Trial, index: int) -> VerifyJob:
                      task_name="toy", expected_model_hash=version_hash(trial.policy_version))
 
 
-def generate(engine: CapturingLLM, prompts: list[np.ndarray], sampling: SamplingParams, seeds: list[int], batch: int) -> list[Rollout]:
-    out: list[Rollout] = []
-    for s in range(0, len(prompts), batch):
-        out.extend(engine.generate(prompts[s : s + batch], sampling, seeds[s : s + batch]))
-    return out
-
-
 # Honest settings: (label, sampling, batch size). Short and long completions, batch 1 and 32.
 HONEST_SETTINGS: list[tuple[str, SamplingParams, int]] = [
     ("long_t1_b32", SamplingParams(temperature=1.0, max_tokens=256), 32),
@@ -203,12 +206,12 @@ def run_matrix(
     result = MatrixResult()
     honest_counts = honest_counts or {"long_t1_b32": 32, "long_t0.7_p0.9_k20_b32": 32, "short_t1_b32": 32, "mixed_b1": 6, "greedy_b1": 2}
 
-    engines: dict[str, CapturingLLM] = {}
+    engines: dict[str, RolloutEngine] = {}
 
-    def engine(key: str, model: Path, dtype: str) -> CapturingLLM:
+    def engine(key: str, model: Path, dtype: str) -> RolloutEngine:
         if key not in engines:
             t = time.perf_counter()
-            engines[key] = CapturingLLM(model, dtype)
+            engines[key] = make_engine(model, dtype)
             result.timings[f"engine_start_{key}"] = time.perf_counter() - t
         return engines[key]
 
@@ -221,7 +224,6 @@ def run_matrix(
 
     scenarios: list[tuple[str, str, list[Trial], bool]] = []  # (name, claimed dtype, trials, outcome asserted)
     honest_by_dtype: dict[str, list[Rollout]] = {}
-    honest_trials_fp32: list[Trial] = []
     for dtype in dtypes:
         eng = engine(f"base_{dtype}", base, dtype)
         trials_d: list[Trial] = []
@@ -237,14 +239,12 @@ def run_matrix(
                 trials_d.append(Trial(f"honest_{dtype}_{label}", r, lease_for(r.prompt_ids, sampling, sd, f"h{dtype[:4]}{label[:6]}{k}".replace(".", "")), it, expect_accept=True))
         honest_by_dtype[dtype] = [t.rollout for t in trials_d]
         scenarios.append((f"honest {dtype}", dtype, trials_d, True))
-        if dtype == "float32":
-            honest_trials_fp32 = trials_d
 
     # ---- attacks (claimed fp32, version 0 unless stated) -------------------------------------
     base32 = engine("base_float32", base, "float32")
     samp = SamplingParams(temperature=1.0, max_tokens=64)
 
-    def fresh(n: int, eng: CapturingLLM, sampling: SamplingParams = samp, prompt_edit: Callable | None = None) -> list[Trial]:
+    def fresh(n: int, eng: RolloutEngine, sampling: SamplingParams = samp, prompt_edit: Callable | None = None) -> list[Trial]:
         items, prompts, seeds = sample_items(n)
         gen_prompts = [prompt_edit(p) for p in prompts] if prompt_edit else prompts
         rolls = generate(eng, gen_prompts, sampling, seeds, 32)

@@ -1,13 +1,11 @@
-"""Ray actors of the trusted cluster: the verifier pool and the orchestrator itself.
+"""Ray actors of the trusted cluster, besides the trainer (trainer_actor.py): the verifier pool and the
+orchestrator.
 
-- `VerifierActor` wraps `verifier.service.Verifier` (pure Python) in one process; `RayVerifierPool`
-  spreads `verify_many` over N of them and is what the orchestrator calls (its `Verification`).
-- `OrchestratorActor` runs the HTTP API in a thread inside the actor and exposes the trainer's side:
-  `take_batch` / `commit_batch` / `give_back_batch` and `publish_version`. The trainer's loop is:
-
-      batch = ray.get(orch.take_batch.remote(n, trainer.version, wait_s=30))
-      metrics = trainer.step(batch.samples)       # publishes version + 1 through shardcast
-      ray.get(orch.commit_batch.remote(batch.batch_id, trainer.version, model_hash))
+- `VerifierActor` wraps `verifier.service.Verifier` in one process; `RayVerifierPool` spreads
+  `verify_many` over N of them and is what the orchestrator verifies with.
+- `OrchestratorActor` runs the orchestrator and its HTTP API (in a thread) inside the actor, and serves
+  the trainer's side: take, commit and give back batches, publish versions, reconcile after a restart.
+  It is a named actor, so a restarted trainer finds it again through Ray.
 
 Ray is imported inside functions: importing this module does not start or need Ray.
 """
@@ -18,6 +16,14 @@ import logging
 import os
 from pathlib import Path
 from typing import Any
+
+from orchestrator.data import PromptSet
+from orchestrator.db import Database
+from orchestrator.server import OrchestratorServer
+from orchestrator.service import Orchestrator
+from orchestrator.verification import Verifier
+from swarmrl.config import RunConfig
+from swarmrl.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +45,30 @@ def pin_to_cpus(cpus: list[int] | None) -> None:
     """Pin this process to `cpus` (benchmarks use it to stand in for separate machines)."""
     if cpus:
         os.sched_setaffinity(0, set(cpus))
+
+
+def orchestrator_actor_name(cfg: RunConfig) -> str:
+    return f"swarmrl-orchestrator:{cfg.name}"
+
+
+def model_dir(cfg: RunConfig) -> Path:
+    return Path(cfg.model.path) if cfg.model.path else RunDir(cfg.run_dir, create=False).model_dir
+
+
+def db_path(cfg: RunConfig) -> Path:
+    return Path(cfg.orchestrator.db_path) if cfg.orchestrator.db_path else RunDir(cfg.run_dir, create=False).db_path
+
+
+def build_orchestrator(
+    cfg: RunConfig, verifier: Verifier, *, prompts: PromptSet | None = None, relay_urls: list[str] | None = None, manifest_public_key: str = "", **kwargs: Any
+) -> Orchestrator:
+    """The orchestrator of a run, over the run's SQLite file; prompts from the config unless given."""
+    if prompts is None:
+        prompts = PromptSet.from_config(cfg.data, model_dir(cfg), cfg.seed)
+    return Orchestrator(
+        cfg.orchestrator, Database(db_path(cfg)), prompts, verifier, shape=cfg.step_shape(), task_name=cfg.data.task,
+        task_params=cfg.data.task_params, run_name=cfg.name, relay_urls=relay_urls, manifest_public_key=manifest_public_key, **kwargs,
+    )
 
 
 class ShardcastWeights:
@@ -75,11 +105,11 @@ class VerifierActor:
     def __init__(self, config: Any, weights_for_version: Any, tokenizer_dir: str, num_threads: int = 1, cpus: list[int] | None = None):
         import torch
 
-        from verifier.service import Verifier
+        from verifier.service import Verifier as TrustedVerifier
 
         pin_to_cpus(cpus)
         torch.set_num_threads(max(1, num_threads))
-        self.verifier = Verifier(config, weights_for_version, Path(tokenizer_dir))
+        self.verifier = TrustedVerifier(config, weights_for_version, Path(tokenizer_dir))
 
     def verify_many(self, jobs: list[Any]) -> list[Any]:
         return self.verifier.verify_many(jobs)
@@ -145,26 +175,13 @@ class RayVerifierPool:
 
 
 class OrchestratorActor:
-    """The orchestrator in a Ray actor: SQLite state, the HTTP API (in a thread), verification
-    through a verifier pool, and the trainer's batch interface. Create it with
-    `ray.remote(max_concurrency=8)(OrchestratorActor)` (see `start_orchestrator_actor`) so a trainer
-    blocked in `take_batch` does not stop `status` or `publish_version`."""
+    """The orchestrator in a Ray actor: SQLite state, the HTTP API (in a thread), verification through
+    a verifier pool, and the trainer's batch interface. Created with max_concurrency > 1 (see
+    `start_orchestrator_actor`), so a trainer blocked in `take_batch` does not stop `status`."""
 
-    def __init__(
-        self,
-        config: Any,
-        verifier_actors: list[Any],
-        *,
-        relay_urls: list[str] | None = None,
-        manifest_public_key: str = "",
-        model: str | None = None,
-        cpus: list[int] | None = None,
-    ):
-        from orchestrator.serve import OrchestratorServer, build_orchestrator
-
-        pin_to_cpus(cpus)
-        pool = RayVerifierPool(verifier_actors)
-        self.orch = build_orchestrator(config, pool, model=model, relay_urls=relay_urls, manifest_public_key=manifest_public_key)
+    def __init__(self, config: RunConfig, verifier_actors: list[Any], *, relay_urls: list[str] | None = None, manifest_public_key: str = ""):
+        pin_to_cpus(config.resources.cpu_affinity.get("orchestrator"))
+        self.orch = build_orchestrator(config, RayVerifierPool(verifier_actors), relay_urls=relay_urls, manifest_public_key=manifest_public_key)
         self.server = OrchestratorServer(self.orch).start()
 
     def url(self) -> str:
@@ -176,11 +193,14 @@ class OrchestratorActor:
     def take_batch(self, n: int, trainer_version: int | None = None, wait_s: float = 0.0) -> Any:
         return self.orch.take_batch(n, trainer_version, wait_s=wait_s)
 
-    def commit_batch(self, batch_id: str, new_version: int, model_hash: str | None = None, dropped_stale: int = 0) -> dict[int, int]:
-        return self.orch.commit_batch(batch_id, new_version, model_hash, dropped_stale)
+    def commit_batch(self, batch_id: str, trained_from_version: int, published: dict[int, str], dropped_stale: int = 0) -> dict[int, int]:
+        return self.orch.commit_batch(batch_id, trained_from_version, published, dropped_stale)
 
     def give_back_batch(self, batch_id: str) -> int:
         return self.orch.give_back_batch(batch_id)
+
+    def reconcile_trainer(self, last_batch_id: str | None, trained_from_version: int, version: int, model_hash: str) -> dict[str, int]:
+        return self.orch.reconcile_trainer(last_batch_id, trained_from_version, version, model_hash)
 
     def status(self) -> Any:
         return self.orch.status()
@@ -195,11 +215,12 @@ class OrchestratorActor:
         self.server.stop()
 
 
-def start_orchestrator_actor(config: Any, verifier_actors: list[Any], **kwargs: Any) -> Any:
-    """The orchestrator actor, pinned to the driver's node: on a cluster that is the head, where the
-    public API's Service points."""
+def start_orchestrator_actor(config: RunConfig, verifier_actors: list[Any], **kwargs: Any) -> Any:
+    """The orchestrator actor, named after the run and pinned to the driver's node: on a cluster that is
+    the head, where the public API's Service points."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return ray.remote(num_cpus=0, max_concurrency=8, scheduling_strategy=here)(OrchestratorActor).remote(config, verifier_actors, **kwargs)
+    actor = ray.remote(num_cpus=0, max_concurrency=8, scheduling_strategy=here, name=orchestrator_actor_name(config))(OrchestratorActor)
+    return actor.remote(config, verifier_actors, **kwargs)

@@ -1,6 +1,9 @@
 """The run folder `runs/<name>/`: resolved config, metrics.jsonl, checkpoints, reward.png and a summary.
 
-Everything a person needs to understand a run after the fact lives here, in plain files.
+Everything a person needs to understand a run after the fact lives here, in plain files. No entry is
+named like a package we import (e.g. no `shardcast/`): `swarmrl run` may be started from inside its own
+run folder, and Python puts the current folder first on the module path of `python -m` children, where
+such a folder would shadow the installed package.
 """
 
 from __future__ import annotations
@@ -13,19 +16,28 @@ from typing import Any, Iterator
 
 
 class RunDir:
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, create: bool = True):
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
 
     config_path = property(lambda self: self.root / "config.toml")
     metrics_path = property(lambda self: self.root / "metrics.jsonl")
     checkpoints = property(lambda self: self.root / "checkpoints")
-    shardcast = property(lambda self: self.root / "shardcast")
+    weights = property(lambda self: self.root / "weights")  # the shardcast origin's and relays' stores
+    origin_dir = property(lambda self: self.root / "weights" / "origin")
+    verifier_weights = property(lambda self: self.root / "verifier-weights")
     model_dir = property(lambda self: self.root / "base_model")
     plot_path = property(lambda self: self.root / "reward.png")
     summary_path = property(lambda self: self.root / "summary.md")
     db_path = property(lambda self: self.root / "orchestrator.sqlite")
     logs = property(lambda self: self.root / "logs")
+    workers = property(lambda self: self.root / "workers")
+    pids_path = property(lambda self: self.root / "pids.json")
+    signing_key = property(lambda self: self.root / "signing_key.pem")
+
+    def relay_dir(self, index: int) -> Path:
+        return self.weights / f"relay-{index}"
 
     def write_config(self, toml_text: str) -> None:
         tmp = self.config_path.with_suffix(".tmp")

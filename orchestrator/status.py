@@ -1,0 +1,106 @@
+"""Status and metrics: the Prometheus metrics of one orchestrator, the rates over the last minute that
+/v1/status and the dashboard show, the dashboard's history, and the time workers waited for the trainer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+WINDOW_S = 60.0  # throughput and acceptance are reported over this window
+HISTORY_EVERY_S = 2.0
+HISTORY_POINTS = 1800
+
+
+class Metrics:
+    """Prometheus metrics of one orchestrator (own registry, so several can live in one process)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests_refused = Counter("swarmrl_requests_refused", "Requests refused, by error code", ["code"], registry=r)
+        self.submissions = Counter("swarmrl_submissions", "Submissions queued for verification", registry=r)
+        self.verdicts = Counter("swarmrl_verdicts", "Verdicts, by status", ["status"], registry=r)
+        self.rejections = Counter("swarmrl_rejections", "Rejection reasons", ["code"], registry=r)
+        self.leases_issued = Counter("swarmrl_leases_issued", "Leases issued", registry=r)
+        self.leases_refused_async_bound = Counter(
+            "swarmrl_leases_refused_async_bound",
+            "Lease requests refused because generation is async_level versions ahead of the trainer (high: the trainer is the bottleneck)",
+            registry=r,
+        )
+        self.leases_expired = Counter("swarmrl_leases_expired", "Leases expired", registry=r)
+        self.groups_dropped = Counter("swarmrl_groups_dropped_zero_signal", "Groups dropped for zero signal", registry=r)
+        self.verified_tokens = Counter("swarmrl_verified_tokens", "Tokens in accepted submissions", registry=r)
+        self.bans = Counter("swarmrl_bans", "Workers banned for strikes", registry=r)
+        self.buffer_depth = Gauge("swarmrl_buffer_depth", "Verified samples waiting for the trainer", registry=r)
+        self.policy_version = Gauge("swarmrl_policy_version", "Current policy version", registry=r)
+        self.workers_online = Gauge("swarmrl_workers_online", "Workers seen recently", registry=r)
+        self.verify_queue = Gauge("swarmrl_verify_queue", "Submissions waiting for verification", registry=r)
+        self.verify_seconds = Histogram("swarmrl_verify_seconds", "Wall time of one verify_many call", registry=r)
+
+
+class RunWindows:
+    """Events of the last WINDOW_S seconds (accepted and rejected submissions, trained samples), the
+    dashboard's history, and the time lease requests were refused by the async bound."""
+
+    def __init__(self) -> None:
+        self.started_at = time.time()
+        self._lock = threading.Lock()
+        self._accepted: deque[tuple[float, int, float, int]] = deque()  # (t, tokens, reward sum, completions)
+        self._rejected: deque[float] = deque()
+        self._trained: deque[tuple[float, int]] = deque()
+        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_POINTS)
+        self._bound_since: float | None = None
+        self._bound_total = 0.0
+
+    def accepted(self, tokens: int, reward_sum: float, completions: int) -> None:
+        with self._lock:
+            self._accepted.append((time.time(), tokens, reward_sum, completions))
+
+    def rejected(self) -> None:
+        with self._lock:
+            self._rejected.append(time.time())
+
+    def trained(self, samples: int) -> None:
+        with self._lock:
+            self._trained.append((time.time(), samples))
+
+    def bound_reached(self, now: float) -> None:
+        with self._lock:
+            if self._bound_since is None:
+                self._bound_since = now
+
+    def bound_cleared(self, now: float) -> None:
+        with self._lock:
+            if self._bound_since is not None:
+                self._bound_total += now - self._bound_since
+                self._bound_since = None
+
+    def wait_for_trainer_s(self, now: float) -> float:
+        """Seconds lease requests were refused because generation was async_level steps ahead: high
+        means the trainer is the bottleneck."""
+        with self._lock:
+            return self._bound_total + (now - self._bound_since if self._bound_since is not None else 0.0)
+
+    def rates(self, now: float) -> dict[str, Any]:
+        """Rates over the last WINDOW_S seconds (or since start, if shorter)."""
+        span = max(1e-3, min(WINDOW_S, now - self.started_at))
+        with self._lock:
+            for dq in (self._accepted, self._rejected, self._trained):
+                while dq and now - (dq[0] if isinstance(dq[0], float) else dq[0][0]) > WINDOW_S:
+                    dq.popleft()
+            tokens = sum(e[1] for e in self._accepted)
+            reward_sum = sum(e[2] for e in self._accepted)
+            completions = sum(e[3] for e in self._accepted)
+            n_acc, n_rej = len(self._accepted), len(self._rejected)
+            trained = sum(e[1] for e in self._trained)
+        return {
+            "rollout_tokens_per_s": tokens / span,
+            "trained_samples_per_s": trained / span,
+            "submissions_per_s": (n_acc + n_rej) / span,
+            "acceptance": n_acc / (n_acc + n_rej) if n_acc + n_rej else None,
+            "mean_reward": reward_sum / completions if completions else None,
+        }

@@ -1,0 +1,93 @@
+"""One run, one config: `RunConfig` composes every component's own config model (each default has one
+owner: its package's model). Loaded by `swarmrl.loading` (TOML < environment < command line).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from inference_worker.config import WorkerConfig
+from orchestrator.config import DataConfig, OrchestratorConfig, StepShape
+from shardcast.config import ShardcastConfig
+from trainer.config import TrainerConfig
+from verifier.config import VerifierConfig
+
+
+class ModelConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field("", description="a transformers model folder; empty: make a tiny one in the run folder")
+    init_size: Literal["tiny", "small"] = "tiny"
+    init_seed: int = 0
+    tie_embeddings: bool = True
+    init_pretrain_steps: int = Field(
+        0, ge=0, description="short base-model pretraining of the made model (trainer.tiny_model.pretrain_corpus)"
+    )
+
+
+class ResourcesConfig(BaseModel):
+    """Ray resources of the trusted actors (GPUs on a cluster; 0 on a laptop)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    trainer_gpus: float = Field(0.0, ge=0)
+    verifier_gpus: float = Field(0.0, ge=0)
+    trainer_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources, e.g. {trainer = 1} to land on the trainer group")
+    verifier_resources: dict[str, float] = Field(default_factory=dict)
+    max_restarts: int = Field(3, ge=0, description="times Ray restarts a crashed trainer or verifier actor")
+    cpu_affinity: dict[Literal["workers", "trainer", "verifier", "orchestrator", "relays"], list[int]] = Field(
+        default_factory=dict,
+        description="pin local components to CPU cores, e.g. {workers = [0], trainer = [1]}: one machine standing in for several",
+    )
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("demo", pattern=r"^[\w.-]+$")
+    seed: int = 0
+    output_dir: str = "runs"
+    ray_address: str = Field("", description="empty: start a local Ray")
+    num_workers: int = Field(1, ge=0, description="local inference workers started by `swarmrl run`")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    max_minutes: float = Field(0.0, ge=0, description="stop after this much wall time; 0: no limit")
+    stop_reward: float | None = Field(
+        None, description="stop once the mean reward of the accepted rollouts stays at or above this for 5 steps"
+    )
+    resources: ResourcesConfig = ResourcesConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    orchestrator: OrchestratorConfig = OrchestratorConfig()
+    verifier: VerifierConfig = VerifierConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    shardcast: ShardcastConfig = ShardcastConfig()
+    worker: WorkerConfig = WorkerConfig()
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+    @model_validator(mode="after")
+    def _whole_groups_per_step(self) -> "RunConfig":
+        # The buffer hands out whole GRPO groups; a step of a fraction of a group would leave it short.
+        if self.trainer.samples_per_step % self.orchestrator.samples_per_prompt:
+            raise ValueError(
+                f"trainer.samples_per_step ({self.trainer.samples_per_step}) must be a multiple of "
+                f"orchestrator.samples_per_prompt, the group size ({self.orchestrator.samples_per_prompt})"
+            )
+        return self
+
+    def step_shape(self) -> StepShape:
+        """What the orchestrator needs to know of the trainer."""
+        t = self.trainer
+        return StepShape(samples_per_step=t.samples_per_step, mini_batches=t.mini_batches, max_staleness=t.max_staleness, advantage_std=t.loss.advantage_std)
+
+
+def load_run_config(path: str | Path | None = None, overrides: dict[str, str] | list[str] | None = None, environ: dict[str, str] | None = None) -> RunConfig:
+    """A RunConfig from TOML < SWARMRL_* environment < command-line overrides (see swarmrl.loading)."""
+    from swarmrl.loading import load_config
+
+    return load_config(path, overrides, environ, model=RunConfig)

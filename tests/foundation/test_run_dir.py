@@ -1,0 +1,53 @@
+"""A run folder never shadows a package: `swarmrl run` may be started from inside its own run folder, and
+`python -m` (how the launcher starts relays and workers) puts the current folder first on the module
+path. A folder there named like one of our modules (the old layout had `shardcast/origin/`, which made
+`shardcast.origin` an empty namespace package) breaks every import of it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from swarmrl.processes import child_env, swarmrl_command
+from swarmrl.run_dir import RunDir
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("protocol", "shardcast", "verifier", "inference_worker", "trainer", "orchestrator", "swarmrl")
+
+
+def laid_out_run_dir(root: Path) -> RunDir:
+    """A run folder with every directory the launcher, the trainer and the workers create in it."""
+    rd = RunDir(root / "runs" / "demo")
+    for d in (rd.checkpoints / "step_00000001", rd.origin_dir / "v0000000001", rd.relay_dir(0) / "v0000000001", rd.verifier_weights,
+              rd.model_dir, rd.logs, rd.workers / "worker-0" / "weights"):
+        d.mkdir(parents=True, exist_ok=True)
+    return rd
+
+
+def test_every_module_imports_from_inside_a_run_folder(tmp_path):
+    rd = laid_out_run_dir(tmp_path)
+    modules = sorted(
+        ".".join(p.relative_to(REPO).with_suffix("").parts) for pkg in PACKAGES for p in (REPO / pkg).glob("*.py") if p.name not in ("__init__.py", "__main__.py")
+    )
+    code = (
+        "import importlib, sys\n"
+        "sys.path.insert(0, '')  # what `python -m` does\n"
+        f"bad = []\n"
+        f"for m in {modules!r}:\n"
+        "    mod = importlib.import_module(m)\n"
+        "    if getattr(mod, '__file__', None) is None or mod.__file__.startswith(sys.path[0] or '.'):\n"
+        "        bad.append(m)\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=rd.root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_launchers_children_start_from_inside_a_run_folder(tmp_path):
+    rd = laid_out_run_dir(tmp_path)
+    for args in (["shardcast", "relay", "--help"], ["worker", "--help"]):
+        out = subprocess.run(swarmrl_command() + args, cwd=rd.root, env=child_env(1), capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "Usage" in out.stdout
