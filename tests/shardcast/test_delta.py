@@ -13,7 +13,7 @@ import torch
 import zstandard
 
 from shardcast.delta import (
-    MAGIC,
+    CHOICE_SAMPLE_ELEMENTS,
     DeltaBaseMismatch,
     DeltaError,
     apply_delta,
@@ -21,6 +21,7 @@ from shardcast.delta import (
     encode_delta,
     read_header,
 )
+from shardcast.delta_format import MAGIC
 from shardcast.precision import cast_for_publishing
 from shardcast.weights import model_hash
 
@@ -78,6 +79,31 @@ def test_roundtrip_sparse_dense_and_unchanged(dtype):
     assert (stats["xor"], stats["sparse"], stats["same"]) == (1, 1, 2)
     assert out["same"] is base["same"]  # unchanged tensors are shared, not copied
     assert len(delta) < sum(t.numel() * t.element_size() for t in new.values())
+
+
+def test_big_tensors_choose_their_encoding_on_a_sample():
+    g = torch.Generator().manual_seed(5)
+    n = 4 * CHOICE_SAMPLE_ELEMENTS
+    base = {"dense": rand(torch.bfloat16, (n,), g), "sparse": rand(torch.bfloat16, (n,), g), "one": rand(torch.float16, (n,), g)}
+    one = base["one"].clone()
+    one.view(torch.int16)[20000] ^= 1  # between the first two sampled runs: the sample sees no change
+    new = dict(base, dense=perturb(base["dense"], 0.95, g), sparse=perturb(base["sparse"], 0.02, g), one=one)
+    delta, _ = roundtrip(base, new)
+    stats = delta_stats(delta)
+    assert (stats["xor"], stats["sparse"]) == (1, 2)
+    assert len(delta) < 0.2 * sum(t.numel() * t.element_size() for t in new.values())
+
+
+def test_workers_change_nothing_but_speed(pair):
+    base, new, delta = pair
+    assert encode_delta(base, new, workers=3, threads=2) == delta
+    assert_bit_equal(apply_delta(base, delta, workers=3), new)
+    h, s = split(delta)
+    y, frame = entry(h, "y"), declaring(1 << 40)  # an error inside a worker still surfaces as DeltaError
+    s = s[: y["offset"]] + frame + s[y["offset"] + y["length"] :]
+    y["length"] = len(frame)
+    with pytest.raises(DeltaError, match="frame declares"):
+        apply_delta(base, forge(h, s), workers=3)
 
 
 def test_no_change_is_a_tiny_delta():
@@ -239,6 +265,7 @@ def entry(h: dict, name: str) -> dict:
 HOSTILE = {
     "huge shape": lambda h, s: (entry(h, "y").update(shape=[1 << 40]), s),
     "huge sparse count": lambda h, s: (entry(h, "x").update(count=1 << 32), s),
+    "sparse denser than the format allows": lambda h, s: (entry(h, "x").update(count=601), s),
     "negative offset": lambda h, s: (entry(h, "x").update(offset=-5), s),
     "overlapping sections": lambda h, s: (entry(h, "y").update(offset=0), s),
     "length past the end": lambda h, s: (entry(h, "y").update(length=entry(h, "y")["length"] + 10**12), s),
