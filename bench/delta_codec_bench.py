@@ -5,8 +5,9 @@
    pretraining corpus, at lr 1e-6 and at 1e-5. After each step a version is published twice: as bf16
    (cast from the fp32 master, shardcast.precision) and as fp32 (the master itself). Per version:
    delta bytes / full bytes, where full = the safetensors bytes of that version. For reference, the
-   same full version compressed by zstd (level 3), and a what-if the codec does not implement: the
-   integer difference of the bit patterns (mod 2^bits, zigzag) instead of XOR, same planes and choice.
+   same full version compressed by zstd (level 3), and two variants the codec does not implement: the
+   integer difference of the bit patterns (mod 2^bits, zigzag) instead of XOR, and sparse sections
+   holding the new values instead of the XOR.
    Every chain v0 + deltas is checked to equal the last full version bit for bit.
 2. Speed. Encode and apply MB/s (MB of the full version per second of wall time) on the small model's
    deltas, and on a synthetic state of `--synthetic-mb` MB (bf16) made of 2048x2048 tensors, one
@@ -102,8 +103,10 @@ def train_versions(lr: float, steps: int) -> list[dict[str, torch.Tensor]]:
     return versions
 
 
-def intdiff_frames(base: dict, new: dict) -> int:
-    """What-if: the codec's frames with (new - base) mod 2^bits, zigzagged, in place of new XOR base."""
+def whatif_frames(base: dict, new: dict, variant: str) -> int:
+    """The codec's frame bytes under a variant it does not implement (same planes, same smaller-of-two):
+    "int-diff": (new - base) mod 2^bits, zigzagged, in place of new XOR base, dense and sparse;
+    "new values": sparse sections hold the new values at the changed positions instead of the XOR."""
     cctx = zstandard.ZstdCompressor(level=codec.DEFAULT_LEVEL)
     total = 0
     b_t, _ = split_aliases(base)
@@ -111,15 +114,22 @@ def intdiff_frames(base: dict, new: dict) -> int:
     for name in sorted(b_t):
         w = b_t[name].element_size()
         sint, uint = {2: (np.int16, np.uint16), 4: (np.int32, np.uint32)}[w]
-        a = codec._bytes(b_t[name]).view(sint)
-        d = codec._bytes(n_t[name]).view(sint) - a  # wraps mod 2^bits
-        z = ((d << 1) ^ (d >> (8 * w - 1))).view(uint)
+        a, b = codec._bytes(b_t[name]).view(sint), codec._bytes(n_t[name]).view(sint)
+        if variant == "int-diff":
+            d = b - a  # wraps mod 2^bits
+            z = ((d << 1) ^ (d >> (8 * w - 1))).view(uint)
+        else:
+            z = (a ^ b).view(uint)
         count = int(np.count_nonzero(z))
         if count == 0:
             continue
         best = len(cctx.compress(codec._dense_raw(z, w)))
         if count <= codec.SPARSE_MAX_DENSITY * z.size:
-            best = min(best, len(cctx.compress(codec._sparse_raw(z, w))))
+            raw = codec._sparse_raw(z, w)
+            if variant == "new values":
+                pos = np.flatnonzero(z)
+                raw[4 * count :] = codec._planes(b[pos].view(np.uint8), w)
+            best = min(best, len(cctx.compress(raw)))
         total += best
     return total
 
@@ -170,16 +180,17 @@ def bench_model(versions: int, repeats: int) -> dict:
                 b, _ = split_aliases(states[i + 1])
                 n = sum(t.numel() for t in a.values())
                 changed.append(sum(int((codec._bytes(a[k]) != codec._bytes(b[k])).reshape(-1, a[k].element_size()).any(1).sum()) for k in a) / n)
-            intdiff = []
+            whatif: dict[str, list[float]] = {"int-diff": [], "new values": []}
             for i, d in enumerate(deltas):
                 frames = sum(t.length for t in read_header(d).tensors)
-                intdiff.append((len(d) - frames + intdiff_frames(states[i], states[i + 1])) / full[i + 1])
+                for variant, ratios in whatif.items():
+                    ratios.append((len(d) - frames + whatif_frames(states[i], states[i + 1], variant)) / full[i + 1])
             key = f"lr={lr:g} {pub}"
             out[key] = {
                 "full_bytes": full[1],
                 "full_zstd3_ratio": len(zstandard.ZstdCompressor(level=3).compress(full_bytes(states[1]))) / full[1],
                 "delta_ratio": [len(d) / full[i + 1] for i, d in enumerate(deltas)],
-                "intdiff_ratio": intdiff,
+                "whatif_ratio": whatif,
                 "changed_fraction": changed,
                 "encodings": [{k: v for k, v in delta_stats(d).items() if k in ("same", "xor", "sparse")} for d in deltas],
                 "chain_bit_exact": True,
@@ -255,15 +266,17 @@ def report(res: dict) -> str:
         f"## 1. The `small` model ({res['params']:,} parameters), fp32 master, AdamW, {res['versions']} versions",
         "",
         "delta / full = the delta's bytes over the version's safetensors bytes, one value per version v→v+1.",
-        "int-diff what-if: the same codec with (new − base) mod 2^bits (zigzag) in place of XOR; not implemented.",
+        "What-ifs, not implemented, same planes and choice: *int-diff* = (new − base) mod 2^bits (zigzag) in place of",
+        "XOR; *new values* = sparse sections holding the new values at the changed positions instead of the XOR.",
         "",
-        "| run | full MB | full + zstd-3 | delta / full | int-diff what-if | elements changed | tensors same/xor/sparse (v0→v1) | chain == full |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | full MB | full + zstd-3 | delta / full | what-if int-diff | what-if new values | elements changed | tensors same/xor/sparse (v0→v1) | chain == full |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for key, r in m.items():
         e = r["encodings"][0]
         lines.append(
-            f"| {key} | {r['full_bytes'] / 1e6:.2f} | {r['full_zstd3_ratio']:.3f} | {spread(r['delta_ratio'])} | {spread(r['intdiff_ratio'])} "
+            f"| {key} | {r['full_bytes'] / 1e6:.2f} | {r['full_zstd3_ratio']:.3f} | {spread(r['delta_ratio'])} "
+            f"| {spread(r['whatif_ratio']['int-diff'])} | {spread(r['whatif_ratio']['new values'])} "
             f"| {spread(r['changed_fraction'])} | {e['same']}/{e['xor']}/{e['sparse']} | {r['chain_bit_exact']} |"
         )
     lines += ["", "Per version, delta / full:", ""]

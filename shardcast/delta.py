@@ -5,8 +5,8 @@ then the smaller of two zstd-compressed encodings (judged on a sample of the ten
   xor     the byte planes of x (byte 0 of every element, then byte 1, ...). Small updates leave the high
           bytes (sign, exponent) zero, and planes turn them into long zero runs for zstd.
   sparse  the positions where x != 0 (as gaps, uint32 byte planes) and x at those positions (byte planes).
-          x rather than the new value: a one-ulp change has a tiny x, and on the `small` model's bf16
-          updates this measured 35-40% fewer bytes than shipping the new values.
+          x rather than the new value: a one-ulp change has a tiny x; on the `small` model's bf16 versions
+          whole deltas came out 28-37% smaller than with new values (bench/results/delta_codec.md).
   same    no section: the tensor did not change.
 A frame's decompressed size is implied by the base (xor: nbytes; sparse: count * (4 + itemsize), count <=
 numel / 2), and the frame must declare exactly that size, so decoding a tensor allocates at most 2.5x its
