@@ -36,6 +36,7 @@ from shardcast.delta_format import (  # noqa: F401 - re-exported: the API is sha
     DeltaError,
     DeltaHeader,
     TensorEntry,
+    header_bytes_for,
     pack_delta,
     read_header,
     sections_of,
@@ -211,10 +212,10 @@ def apply_delta(
     from shardcast.weights import model_hash
 
     _check_host()
-    header = read_header(delta)
+    tensors, aliases = _canonical(base)
+    header = read_header(delta, header_bytes_for(list(tensors)))
     if expected_hash is not None and header.result_hash != expected_hash:
         raise DeltaError(f"delta yields {header.result_hash[:12]}, the manifest expects {expected_hash[:12]}")
-    tensors, aliases = _canonical(base)
     have = base_hash or model_hash(base)
     if header.base_hash != have:
         raise DeltaBaseMismatch(f"delta is for base {header.base_hash[:12]}, this base is {have[:12]}")

@@ -104,8 +104,12 @@ def _int(v, lo: int, hi: int, what: str) -> int:
     return v
 
 
-def read_header(delta: bytes | memoryview) -> DeltaHeader:
-    """Check the framing and trailer, then parse and validate the header (no base needed, bounded work)."""
+def read_header(delta: bytes | memoryview, max_header_bytes: int = MAX_HEADER_BYTES) -> DeltaHeader:
+    """Check the framing and trailer, then parse and validate the header (no base needed, bounded work).
+
+    max_header_bytes: JSON parsing allocates ~10x its input in Python objects, so callers that know the
+    base pass what its tensor list can need (header_bytes_for) and a padded header is refused unparsed.
+    """
     mv = memoryview(delta).cast("B")
     if len(mv) < len(MAGIC) + 8 + TRAILER_BYTES:
         raise DeltaError(f"delta of {len(mv)} bytes is truncated")
@@ -116,7 +120,7 @@ def read_header(delta: bytes | memoryview) -> DeltaHeader:
     (head_len,) = struct.unpack_from("<Q", mv, len(MAGIC))
     start = len(MAGIC) + 8
     end = len(mv) - TRAILER_BYTES
-    if head_len > MAX_HEADER_BYTES or start + head_len > end:
+    if head_len > min(max_header_bytes, MAX_HEADER_BYTES) or start + head_len > end:
         raise DeltaError(f"header length {head_len} is out of bounds")
     try:
         h = json.loads(bytes(mv[start : start + head_len]).decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
@@ -143,6 +147,11 @@ def read_header(delta: bytes | memoryview) -> DeltaHeader:
     if offset != sections:
         raise DeltaError(f"sections hold {sections} bytes, the header accounts for {offset}")
     return DeltaHeader(h["base_hash"], h["result_hash"], tensors, start + head_len)
+
+
+def header_bytes_for(names: list[str]) -> int:
+    """An upper bound on the header of a delta over tensors with these names (an entry is < 600 bytes + name)."""
+    return 512 + sum(len(json.dumps(n)) + 600 for n in names)
 
 
 def _parse_entry(e, offset: int, sections: int) -> TensorEntry:

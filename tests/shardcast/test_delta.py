@@ -305,6 +305,7 @@ def test_hostile_framing_is_refused(pair):
         forge(b'{"format": "swarmrl-delta", "format": "x"}', b""),  # duplicate JSON key
         forge(b"[" * 100_000 + b"]" * 100_000, b""),  # deep nesting
         forge(b"\xff\xfe", b""),  # not UTF-8
+        forge(json.dumps({**h, "pad": ["xy"] * 200_000}).encode(), s),  # far more header than 3 tensors need
         b"NOTDELTA" + delta[8:],
     ):
         refused_in_small_memory(base, bad)
