@@ -55,6 +55,7 @@ FORKSERVER_PRELOAD = ["__main__", "verifier.reward_child", "math_verify"]
 # rewards (toy: microseconds) share one IPC message.
 TARGET_CHUNK_S = 0.005
 START_FAILURES_TO_GIVE_UP = 3
+MAX_UNBLAMED_RETRIES = 2
 MAX_WARMUP_SPECS = 16
 
 
@@ -104,8 +105,9 @@ class RewardPoolConfig(BaseModel):
     # loaded maps ~70 MB and stays there on honest inputs; 1 GiB per process is ample and bounds the host
     # to processes x 1 GiB.
     memory_limit_mb: int | None = Field(1024, ge=16, description="MiB per process on top of its start size")
-    # Completions per IPC message at most. Results stream back one message each (< 4 KiB), so 32 stays
-    # far below a socket buffer: a child never blocks on its results while the parent is busy.
+    # Completions per IPC message at most. For toy rewards 32 halves the per-completion cost of 8 and
+    # larger chunks gain little (bench); a chunk's results (<= 32 x ~400 B) fit in a socket buffer, so a
+    # child never blocks on sending them while the parent is busy.
     max_batch: int = Field(32, ge=1, le=256)
     # After this many timed-out or crashed completions in one group (submission), its completions not yet
     # started are skipped (reward 0): a submission costs the pool at most about budget x time_limit_s.
@@ -140,7 +142,8 @@ class _Call:
     results: list[RewardResult | None]
     queue: deque
     spec: list[tuple] = field(default_factory=list)  # per request: its (task, params key)
-    failures: Counter = field(default_factory=Counter)
+    failures: Counter = field(default_factory=Counter)  # per group: timed-out and crashed completions
+    retries: Counter = field(default_factory=Counter)  # per request: requeues after a death that was not its fault
 
 
 def _kill(proc: Any) -> None:
@@ -374,15 +377,19 @@ class RewardPool:
         except Exception:
             pass
         code = p.proc.exitcode
-        k = int(p.progress[1])  # the child is dead: this is the completion it was running, or one it finished
-        if p.chunk and call is not None and k < p.done:  # it died between completions: nobody to blame
-            call.queue.extendleft(reversed(p.chunk[p.done:]))
-        elif p.chunk and call is not None:
+        if p.chunk and call is not None:
+            # The child is dead, so `progress` is final: the index of the completion it was running (or of one
+            # whose result died with it; -1 if it never started the chunk).
+            k = max(int(p.progress[1]), p.done)
             running = p.chunk[k]
             call.queue.extendleft(reversed(p.chunk[p.done:k] + p.chunk[k + 1:]))  # results lost with it, and not started
             task, limit, ran = call.reqs[running].task, self.config.time_limit_s, killed_at - p.running_since()
-            if cause == "timeout" and ran < limit:
-                call.queue.appendleft(running)  # the late result was for its predecessor: this one only just started
+            # Not its fault if it had not started (the child died between completions) or had only just started
+            # (a result came in between our last read and the kill). Requeued, but not forever.
+            innocent = int(p.progress[1]) < p.done or (cause == "timeout" and ran < limit)
+            if innocent and call.retries[running] < MAX_UNBLAMED_RETRIES:
+                call.retries[running] += 1
+                call.queue.appendleft(running)
             elif cause == "timeout":
                 self._settle(call, running, 0.0, RewardStatus.timed_out, "wall", f"reward {task!r} ran past the {limit:g} s limit; its process was killed", ran)
             elif code == -signal.SIGXCPU:

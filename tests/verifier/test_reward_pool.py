@@ -227,6 +227,32 @@ def test_each_kind_of_error_is_logged_once(pool, caplog):
     assert pool.counts["error"] >= 30
 
 
+@pytest.mark.parametrize("fn, status", [("sleepy", RewardStatus.timed_out), ("die", RewardStatus.crashed), ("boom", RewardStatus.error)])
+def test_only_the_completion_that_was_running_is_blamed(plugin_dir, fn, status):
+    """One process, one chunk: the honest completions before the bad one finish in microseconds, so their
+    results are still in the child (not yet sent) when it is killed or dies; they must be scored again, not blamed."""
+    cfg = RewardPoolConfig(processes=1, time_limit_s=0.5, import_paths=[str(plugin_dir)])
+    item = TaskItem("x", "copy:12=", "12")
+    honest = [RewardRequest("toy", item, "12")] * 3
+    with RewardPool(cfg) as p:
+        results = p.score_many([*honest, RewardRequest(f"{MOD}:{fn}", item, "t"), *honest])
+    assert [r.status for r in results] == [RewardStatus.ok] * 3 + [status] + [RewardStatus.ok] * 3
+    assert [r.reward for r in results] == [1.0] * 3 + [0.0] + [1.0] * 3
+
+
+class _DiesWhenUnpickled:
+    def __reduce__(self):
+        return (os._exit, (1,))
+
+
+def test_a_chunk_that_kills_its_child_before_any_completion_starts_is_not_requeued_forever(pool):
+    """A worker controls only the text, so this cannot come from one; the pool must still end."""
+    item = TaskItem("x", "copy:12=", "12", {"poison": _DiesWhenUnpickled()})
+    r = pool.score(RewardRequest("toy", item, "12"))
+    assert r.status == RewardStatus.crashed and r.reward == 0.0 and "exit code 1" in r.message
+    assert pool.score(RewardRequest("toy", TaskItem("x", "copy:12=", "12"), "12")).reward == 1.0
+
+
 def test_cpu_limit_kills_a_spinning_reward(plugin_dir):
     cfg = RewardPoolConfig(processes=1, time_limit_s=60, cpu_limit_s=1, import_paths=[str(plugin_dir)])
     with RewardPool(cfg) as p:
