@@ -3,7 +3,7 @@
 This module runs inside the pool's children (`verifier.reward_pool` starts them), so it imports only the
 standard library and `verifier.tasks`: never torch, never the service. The parent owns the wall-clock
 limit (it SIGKILLs a child whose current completion runs too long); the child owns the limits that the
-kernel enforces: address space, CPU seconds per completion, no core files.
+kernel enforces: address space, CPU seconds per completion, no core files, and death with the pool owner.
 
 Wire format (multiprocessing Connection, pickled):
   parent -> child: a chunk, (specs, rows): the distinct (task, params) and one (spec index, item, text)
@@ -33,9 +33,10 @@ from typing import Any, Callable
 from verifier.tasks import TASKS, TaskItem, get_task
 
 MAX_MESSAGE_CHARS = 300
-# Results wait at most this long in the child. Cheap rewards (toy: ~3 us) then share one message per chunk,
-# and a kill loses (requeues) at most this much honest work: results not yet sent die with the child.
-FLUSH_S = 0.002
+# Results wait at most this long in the child: a chunk (~20 ms of work, see reward_pool.TARGET_CHUNK_S)
+# comes back in one or a few messages, each one a wake-up of the parent; and a kill loses (requeues) at
+# most this much honest work, since results not yet sent die with the child.
+FLUSH_S = 0.01
 
 Scorer = Callable[[TaskItem, str], Any]
 

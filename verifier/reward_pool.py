@@ -15,12 +15,12 @@ returns one `RewardResult` per completion, always, whatever the reward code does
              crashes: reward 0. One submission cannot make the pool spend more than budget x limit on it.
 
 Batching and the per-completion limit: completions go to an idle child in chunks (one IPC message), and
-results come back in one message per chunk (or per 2 ms of work). Before each completion the child
+results come back in one message per chunk (or per 10 ms of work). Before each completion the child
 writes its index and start time (time.monotonic(), one clock for all processes on Linux) into a small
 shared array, so the parent's deadline is per completion: that start + time_limit_s. On a deadline the
 parent SIGKILLs the child's process group, reads the results the child sent before it died (the socket
 keeps them) and the index it was running: that completion timed out; completions after it, and any that
-finished but whose results died with the child (< 2 ms of work), go back to the front of the queue,
+finished but whose results died with the child (< 10 ms of work), go back to the front of the queue,
 unblamed. A child that dies on its own is handled the same way, with status crashed.
 """
 
@@ -38,22 +38,25 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from enum import Enum
 from multiprocessing.connection import wait
-from typing import Any, Hashable, Literal, Mapping, Sequence
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any, Hashable, Mapping, Sequence
 
 from verifier.reward_child import child_main, params_key
+from verifier.reward_config import RewardPoolConfig
 from verifier.tasks import TaskItem
 
 log = logging.getLogger(__name__)
 
-# Imported once in the forkserver, so a replacement child (after a kill) starts in milliseconds instead of
-# re-importing math-verify / sympy (~0.7 s). "__main__" is the standard library's default, kept.
+__all__ = ["RewardPool", "RewardPoolConfig", "RewardPoolError", "RewardRequest", "RewardResult", "RewardStatus"]
+
+# Imported once in the forkserver, so a replacement child (after a kill) does not import math-verify /
+# sympy again (~0.7 s of CPU each time). "__main__" is the standard library's default, kept.
 FORKSERVER_PRELOAD = ["__main__", "verifier.reward_child", "math_verify"]
-# Chunks are sized so that honest completions of one chunk take about this long: small enough that the
-# completions queued behind a slow one in the same chunk do not wait long, large enough that cheap
-# rewards (toy: microseconds) share one IPC message.
-TARGET_CHUNK_S = 0.005
+# Chunks are sized so that honest completions of one chunk take about this long. Each chunk costs a round
+# trip that waits for both processes to be scheduled: on the loaded 2-core VM, math's time outside the
+# reward calls was 79-205 us per completion at 5 ms, 41-117 us at 20 ms, no better at 50 ms or 32 per
+# chunk. Larger chunks cost little otherwise: completions queued behind a hung one in its chunk are
+# requeued when it is killed, and only wait in calls that already last a time limit.
+TARGET_CHUNK_S = 0.02
 START_FAILURES_TO_GIVE_UP = 3
 MAX_UNBLAMED_RETRIES = 2
 MAX_WARMUP_SPECS = 16
@@ -86,37 +89,6 @@ class RewardResult:
 
 class RewardPoolError(RuntimeError):
     """The pool cannot run at all (its processes fail to start): a deployment problem, not a bad completion."""
-
-
-class RewardPoolConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    # Honest rewards are cheap (toy/countdown: microseconds; math-verify: 0.2-20 ms measured), so a few
-    # processes keep up with the prefill; more than one so that a completion being timed out does not
-    # stall every other one. Capped at the CPU count: a reward is CPU-bound.
-    processes: int = Field(default_factory=lambda: max(1, min(4, os.cpu_count() or 1)), ge=1, le=256)
-    # ~100x the slowest honest math-verify call measured (bench/results/reward_pool.md), short enough
-    # that an attacker's completion costs at most this much of one process.
-    time_limit_s: float = Field(2.0, gt=0, le=600, description="wall-clock seconds per completion")
-    # CPU seconds per completion (RLIMIT_CPU): matters only for rewards that burn several cores at once
-    # (threads), since a single thread reaches the wall limit first; also holds if the parent stalls.
-    cpu_limit_s: int | None = Field(4, ge=1, description="CPU seconds per completion; None: no CPU limit")
-    # Address space a child may add to what it has mapped at start (RLIMIT_AS). A child with math-verify
-    # loaded maps ~70 MB and stays there on honest inputs; 1 GiB per process is ample and bounds the host
-    # to processes x 1 GiB.
-    memory_limit_mb: int | None = Field(1024, ge=16, description="MiB per process on top of its start size")
-    # Completions per IPC message at most. For toy rewards 32 halves the per-completion cost of 8 and
-    # larger chunks gain little (bench); a chunk's results (<= 32 x ~400 B) fit in a socket buffer, so a
-    # child never blocks on sending them while the parent is busy.
-    max_batch: int = Field(32, ge=1, le=256)
-    # After this many timed-out or crashed completions in one group (submission), its completions not yet
-    # started are skipped (reward 0): a submission costs the pool at most about budget x time_limit_s.
-    group_failure_budget: int | None = Field(2, ge=1, description="None: score every completion")
-    # forkserver: children fork from a clean, single-threaded server process with math-verify preloaded.
-    # Plain fork is unsafe in the verifier (torch and its threads); spawn works but restarts cost ~1 s.
-    start_method: Literal["forkserver", "spawn"] = "forkserver"
-    import_paths: list[str] = Field(default_factory=list, description="prepended to sys.path in children, for plug-ins")
-    start_timeout_s: float = Field(60.0, gt=0, description="a child must be ready within this")
 
 
 class _Proc:
@@ -377,6 +349,8 @@ class RewardPool:
         except Exception:
             pass
         code = p.proc.exitcode
+        log.info("reward process %d replaced: %s, %s, %d of %d completions of its chunk done, progress %s",
+                 p.pid, cause, _exit_text(code), p.done, len(p.chunk), list(p.progress))
         if p.chunk and call is not None:
             # The child is dead, so `progress` is final: the index of the completion it was running (or of one
             # whose result died with it; -1 if it never started the chunk).
