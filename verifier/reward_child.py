@@ -1,0 +1,224 @@
+"""The reward pool's worker process: its limits, the task resolver, one scoring call and its checks.
+
+This module runs inside the pool's children (`verifier.reward_pool` starts them), so it imports only the
+standard library and `verifier.tasks`: never torch, never the service. The parent owns the wall-clock
+limit (it SIGKILLs a child whose current completion runs too long); the child owns the limits that the
+kernel enforces: address space, CPU seconds per completion, no core files, and death with the pool owner.
+
+Wire format (multiprocessing Connection, pickled):
+  parent -> child: a chunk, (specs, rows): the distinct (task, params) and one (spec index, item, text)
+      per completion; None asks the child to exit.
+  child -> parent: ("ready", pid) once; then lists of (index, reward, status, kind, message, t_start,
+      t_end), sent when the chunk is done or FLUSH_S after the previous list, whichever comes first.
+  shared `progress` (two doubles): [t_start, index] of the completion running now, written before it
+      starts. Times are time.monotonic(), one clock for all processes on Linux. The parent reads
+      t_start for the deadline and, after a kill, the index to know which completion was running.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib
+import math
+import numbers
+import os
+import resource
+import select
+import signal
+import sys
+import time
+from operator import attrgetter
+from typing import Any, Callable
+
+from verifier.tasks import TASKS, TaskItem, get_task
+
+MAX_MESSAGE_CHARS = 300
+# Results wait at most this long in the child: a chunk (~20 ms of work, see reward_pool.TARGET_CHUNK_S)
+# comes back in one or a few messages, each one a wake-up of the parent; and a kill loses (requeues) at
+# most this much honest work, since results not yet sent die with the child.
+FLUSH_S = 0.01
+
+Scorer = Callable[[TaskItem, str], Any]
+
+
+class LoadError(Exception):
+    """The task could not be resolved (unknown name, bad params, import failure, not callable)."""
+
+
+def params_key(params: dict[str, Any]) -> tuple:
+    return tuple(sorted((str(k), repr(v)) for k, v in params.items()))
+
+
+def resolve(task: str, params: dict[str, Any]) -> Scorer:
+    """A built-in task's `reward(item, text)`, or a plug-in `module:function` called as fn(text, item, **params)."""
+    if task in TASKS:
+        try:
+            return get_task(task, **params).reward
+        except ValueError as exc:
+            raise LoadError(str(exc)) from None
+    module_name, sep, attr = task.partition(":")
+    if not sep or not module_name or not attr:
+        raise LoadError(f"unknown task {task!r}: not one of {sorted(TASKS)} and not 'module:function'")
+    try:
+        fn = attrgetter(attr)(importlib.import_module(module_name))
+    except Exception as exc:  # ImportError, AttributeError, or whatever the module raises at import time
+        raise LoadError(f"cannot load reward {task!r}: {type(exc).__name__}: {exc}") from None
+    if not callable(fn):
+        raise LoadError(f"reward {task!r} is a {type(fn).__name__}, not a function")
+    return lambda item, text: fn(text, item, **params)
+
+
+def check_value(value: Any) -> tuple[float, str, str]:
+    """(reward, kind, message): kind is "" for a valid reward in [0, 1], else why it is not one."""
+    if not isinstance(value, numbers.Real):  # bool, int, float, numpy scalars pass; str, None, complex do not
+        return 0.0, "not_a_number", f"returned a {type(value).__name__}, not a number"
+    try:
+        v = float(value)
+    except (OverflowError, ValueError, TypeError):
+        return 0.0, "out_of_range", "returned a number that is not a finite float"
+    if math.isnan(v):
+        return 0.0, "nan", "returned NaN"
+    if not 0.0 <= v <= 1.0:
+        return 0.0, "out_of_range", f"returned {v!r}, outside [0, 1]"
+    return v, "", ""
+
+
+def _describe(exc: BaseException) -> str:
+    try:
+        text = str(exc)
+    except Exception:
+        text = "<unprintable>"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def load(scorers: dict[tuple, Scorer | LoadError], task: str, params: dict) -> Scorer | LoadError:
+    """The task's scorer, resolved once per process; a failed load is remembered too (no import per completion)."""
+    key = (task, params_key(params))
+    if key not in scorers:
+        try:
+            scorers[key] = resolve(task, params)
+        except LoadError as exc:
+            scorers[key] = exc
+    return scorers[key]
+
+
+def score_one(scorer: Scorer | LoadError, task: str, item: TaskItem, text: str) -> tuple[float, str, str, str]:
+    """(reward, status, kind, message) for one completion; never raises for anything the reward does."""
+    if isinstance(scorer, LoadError):
+        return 0.0, "error", "load", str(scorer)[:MAX_MESSAGE_CHARS]
+    try:
+        value = scorer(item, text)
+    except (Exception, SystemExit, KeyboardInterrupt, GeneratorExit) as exc:  # MemoryError (RLIMIT_AS) lands here
+        return 0.0, "error", type(exc).__name__, f"reward {task!r} raised {_describe(exc)}"[:MAX_MESSAGE_CHARS]
+    reward, kind, message = check_value(value)
+    if kind:
+        return 0.0, "error", kind, f"reward {task!r} {message}"[:MAX_MESSAGE_CHARS]
+    return reward, "ok", "", ""
+
+
+# --------------------------------------------------------------------------------------------------
+# the process
+
+
+def _vm_size_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def die_with_parent(lifeline_fd: int) -> None:
+    """The pool owner holds the only write end of the lifeline pipe. When it closes (the owner exits or is
+    killed), the kernel sends SIGIO to our process group, and SIGIO's default action ends it: no thread,
+    no GIL needed, so it works while a reward is stuck in C code. PR_SET_PDEATHSIG would not do: our parent
+    is the forkserver, which outlives the owner for as long as any of its children is alive."""
+    signal.signal(signal.SIGIO, signal.SIG_DFL)
+    fcntl.fcntl(lifeline_fd, fcntl.F_SETOWN, -os.getpgrp())
+    fcntl.fcntl(lifeline_fd, fcntl.F_SETFL, fcntl.fcntl(lifeline_fd, fcntl.F_GETFL) | os.O_ASYNC)
+    if select.select([lifeline_fd], [], [], 0)[0]:  # nothing is ever written: readable means the owner is gone
+        os._exit(0)
+
+
+def apply_limits(memory_limit_mb: int | None) -> None:
+    """Limits the kernel enforces, so they hold even when the parent is stalled."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGXCPU / SIGSEGV must not write core files
+    if memory_limit_mb:
+        # On top of what is mapped now: the forkserver may carry the parent's __main__ imports, which a
+        # reward did not allocate and must not be charged for. Hard limit too: a plug-in cannot raise it.
+        limit = _vm_size_bytes() + memory_limit_mb * 2**20
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def _cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+class _CpuLimit:
+    """RLIMIT_CPU is per process and cumulative, so each completion gets `soft = used + cpu_limit_s`. Past it
+    the kernel sends SIGXCPU, whose default action ends the process; the parent reports timed_out.
+    The soft limit is whole seconds: it moves only when used CPU crosses one, so a completion always has
+    between cpu_limit_s and cpu_limit_s + 1 seconds, and most completions cost one getrusage call."""
+
+    def __init__(self, cpu_limit_s: int | None):
+        self.limit = cpu_limit_s
+        self.soft = 0
+        self.hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+
+    def arm(self) -> None:
+        if self.limit:
+            used = _cpu_seconds()
+            if used + self.limit > self.soft:
+                self.soft = math.ceil(used) + self.limit
+                if self.hard != resource.RLIM_INFINITY:
+                    self.soft = min(self.soft, self.hard)
+                resource.setrlimit(resource.RLIMIT_CPU, (self.soft, self.hard))
+
+
+WARMUP_ITEM = TaskItem("warmup", "", "1", {"nums": [1], "target": 1})
+
+
+def child_main(conn, lifeline, progress, memory_limit_mb: int | None, cpu_limit_s: int | None, import_paths: list[str], warmup: list[tuple[str, dict]]) -> None:
+    os.setsid()  # our own process group: the parent's kill, and SIGIO, also reach anything a plug-in started
+    die_with_parent(lifeline.fileno())
+    apply_limits(memory_limit_mb)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop; ^C goes to it
+    sys.path[:0] = [p for p in import_paths if p not in sys.path]
+    cpu = _CpuLimit(cpu_limit_s)
+    scorers: dict[tuple, Scorer | LoadError] = {}
+    for task, params in warmup:
+        # Load (imports a plug-in's module) and, for our own built-in tasks only, score once: math-verify's
+        # first call builds its parsers (~60 ms), which must not be charged to a real completion's limit.
+        # A plug-in is not called: it could hang on any input, and this child must become ready.
+        scorer = load(scorers, task, params)
+        if task in TASKS and not isinstance(scorer, LoadError):
+            try:
+                scorer(WARMUP_ITEM, "1")
+            except Exception:
+                pass  # a real completion will report it
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            chunk = conn.recv()
+        except (EOFError, OSError):
+            return  # the parent is gone
+        if chunk is None:
+            return
+        specs, rows = chunk  # the chunk's distinct (task, params), then (spec index, item, text) per completion
+        fns = [load(scorers, task, params) for task, params in specs]
+        results, flushed = [], time.monotonic()
+        for index, (s, item, text) in enumerate(rows):
+            cpu.arm()
+            t0 = time.monotonic()
+            progress[1] = index
+            progress[0] = t0  # one aligned 8-byte store: the parent never reads half of it
+            reward, status, kind, message = score_one(fns[s], specs[s][0], item, text)
+            t1 = time.monotonic()
+            results.append((index, reward, status, kind, message, t0, t1))
+            if t1 - flushed >= FLUSH_S or index == len(rows) - 1:
+                conn.send(results)
+                results, flushed = [], t1

@@ -1,0 +1,396 @@
+"""Rewards computed in a pool of long-lived worker processes, with a hard time limit per completion.
+
+A completion's text comes from an untrusted worker, and some texts make honest reward code run for
+minutes (`\\boxed{9^{9^{9^{9}}}}` in math-verify) or exhaust memory. So no reward runs in the verifier's
+process: `RewardPool.score_many` sends completions to child processes (`verifier.reward_child`) and
+returns one `RewardResult` per completion, always, whatever the reward code does:
+
+  ok         the reward, a float in [0, 1]
+  error      the reward raised, or returned NaN / inf / a value outside [0, 1] / not a number, or the
+             task could not be loaded: reward 0, and the message says which (logged once per task and kind)
+  timed_out  it ran past `time_limit_s` (wall) or `cpu_limit_s` (CPU): its process was SIGKILLed and
+             replaced; reward 0. The caller counts this against the worker that sent the text.
+  crashed    its process died while scoring it (segfault, os._exit, OOM killer): replaced; reward 0
+  skipped    not scored because its group (submission) already had `group_failure_budget` timeouts or
+             crashes: reward 0. One submission cannot make the pool spend more than budget x limit on it.
+
+Batching and the per-completion limit: completions go to an idle child in chunks (one IPC message), and
+results come back in one message per chunk (or per 10 ms of work). Before each completion the child
+writes its index and start time (time.monotonic(), one clock for all processes on Linux) into a small
+shared array, so the parent's deadline is per completion: that start + time_limit_s. On a deadline the
+parent SIGKILLs the child's process group, reads the results the child sent before it died (the socket
+keeps them) and the index it was running: that completion timed out; completions after it, and any that
+finished but whose results died with the child (< 10 ms of work), go back to the front of the queue,
+unblamed. A child that dies on its own is handled the same way, with status crashed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import weakref
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from enum import Enum
+from multiprocessing.connection import wait
+from typing import Any, Hashable, Mapping, Sequence
+
+from verifier.reward_child import child_main, params_key
+from verifier.reward_config import RewardPoolConfig
+from verifier.tasks import TaskItem
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RewardPool", "RewardPoolConfig", "RewardPoolError", "RewardRequest", "RewardResult", "RewardStatus"]
+
+# Imported once in the forkserver, so a replacement child (after a kill) does not import math-verify /
+# sympy again (~0.7 s of CPU each time). "__main__" is the standard library's default, kept.
+FORKSERVER_PRELOAD = ["__main__", "verifier.reward_child", "math_verify"]
+# Chunks are sized so that honest completions of one chunk take about this long. Each chunk costs a round
+# trip that waits for both processes to be scheduled: on the loaded 2-core VM, math's time outside the
+# reward calls was 79-205 us per completion at 5 ms, 41-117 us at 20 ms, no better at 50 ms or 32 per
+# chunk. Larger chunks cost little otherwise: completions queued behind a hung one in its chunk are
+# requeued when it is killed, and only wait in calls that already last a time limit.
+TARGET_CHUNK_S = 0.02
+START_FAILURES_TO_GIVE_UP = 3
+MAX_UNBLAMED_RETRIES = 2
+MAX_WARMUP_SPECS = 16
+
+
+class RewardStatus(str, Enum):
+    ok = "ok"
+    error = "error"
+    timed_out = "timed_out"
+    crashed = "crashed"
+    skipped = "skipped"
+
+
+@dataclass(frozen=True)
+class RewardRequest:
+    task: str  # a built-in task name ("toy", "countdown", "math") or a plug-in "module:function"
+    item: TaskItem
+    text: str  # the decoded completion
+    params: Mapping[str, Any] = field(default_factory=dict)  # the task's parameters (kwargs for a plug-in)
+    group: Hashable | None = None  # e.g. the submission id: the failure budget is per group
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    reward: float
+    status: RewardStatus
+    message: str = ""
+    seconds: float = 0.0
+
+
+class RewardPoolError(RuntimeError):
+    """The pool cannot run at all (its processes fail to start): a deployment problem, not a bad completion."""
+
+
+class _Proc:
+    """One child and what it is doing: `chunk` holds request indices, `done` how many have results."""
+
+    def __init__(self, proc: Any, conn: Any, progress: Any, ready_by: float):
+        self.proc, self.conn, self.progress, self.pid = proc, conn, progress, proc.pid
+        self.ready = False
+        self.ready_by = ready_by
+        self.chunk: list[int] = []
+        self.done = 0
+        self.sent_at = 0.0
+        self.lifeline: Any = None
+
+    def running_since(self) -> float:
+        """When the completion now running started (the chunk's send time until the child says otherwise)."""
+        return max(self.sent_at, self.progress[0])
+
+
+@dataclass
+class _Call:
+    reqs: list[RewardRequest]
+    results: list[RewardResult | None]
+    queue: deque
+    spec: list[tuple] = field(default_factory=list)  # per request: its (task, params key)
+    failures: Counter = field(default_factory=Counter)  # per group: timed-out and crashed completions
+    retries: Counter = field(default_factory=Counter)  # per request: requeues after a death that was not its fault
+
+
+def _kill(proc: Any) -> None:
+    """SIGKILL a child and its process group (anything a plug-in started), and reap it."""
+    if proc.exitcode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # not yet its own group leader, or already gone
+        proc.kill()
+    proc.join(5)
+
+
+def _kill_all(live: list) -> None:
+    for proc, lifeline in list(live):
+        _kill(proc)
+        lifeline.close()
+    live.clear()
+
+
+def _exit_text(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class RewardPool:
+    def __init__(self, config: RewardPoolConfig | None = None, warmup: Sequence[tuple[str, Mapping[str, Any]]] = ()):
+        """`warmup`: (task, params) loaded in every child before it takes work (more are added as seen)."""
+        self.config = config or RewardPoolConfig()
+        self._ctx = mp.get_context(self.config.start_method)
+        if self.config.start_method == "forkserver":
+            # Process-wide, and ignored if the forkserver is already running (then children import lazily).
+            self._ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+        self._warmup: dict[tuple, tuple[str, dict]] = {}
+        for task, params in warmup:
+            self._warmup[(task, params_key(dict(params)))] = (task, dict(params))
+        self._procs: list[_Proc] = []
+        self._live: list = []  # (Process, lifeline write end), shared with the finalizer (which must not hold self)
+        self._finalizer = weakref.finalize(self, _kill_all, self._live)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._start_failures = 0
+        self._ewma_s = 0.0
+        self._logged: set[tuple] = set()
+        self.counts: Counter[str] = Counter()  # completions per status, for metrics
+        self.restarts = 0
+        try:
+            for _ in range(self.config.processes):
+                self._start()
+            while any(not p.ready for p in self._procs):
+                self._step(None)
+        except BaseException:
+            self._finalizer()
+            raise
+
+    # ------------------------------------------------------------------------------------------
+    def score_many(self, requests: Sequence[RewardRequest]) -> list[RewardResult]:
+        """One result per request, in order. Raises only RewardPoolError (children cannot start) or after close()."""
+        reqs = list(requests)
+        call = _Call(reqs, [None] * len(reqs), deque(range(len(reqs))))
+        if not call.reqs:
+            return []
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the reward pool is closed")
+            keys: dict[tuple, tuple] = {}  # requests usually share one params object: key it once
+            for r in call.reqs:
+                ident = (r.task, id(r.params))
+                if ident not in keys:
+                    keys[ident] = (r.task, params_key(dict(r.params)))
+                    self._note_spec(keys[ident], r)
+                call.spec.append(keys[ident])
+            try:
+                while call.queue or any(p.chunk for p in self._procs):
+                    self._step(call)
+            finally:
+                for p in [p for p in self._procs if p.chunk]:  # only when an exception escaped the loop
+                    p.chunk = []
+                    self._replace(p, None, "abandoned")
+        return call.results  # type: ignore[return-value]  # every slot is set when the loop ends
+
+    def score(self, request: RewardRequest) -> RewardResult:
+        return self.score_many([request])[0]
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def close(self) -> None:
+        """Ask the children to exit, SIGKILL any that do not within 2 s, and reap them all."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for p in self._procs:
+                try:
+                    p.conn.send(None)
+                except (OSError, ValueError):
+                    pass
+            deadline = time.monotonic() + 2.0
+            for p in self._procs:
+                p.proc.join(max(0.0, deadline - time.monotonic()))
+            self._finalizer()  # kills and reaps whatever is left
+            for p in self._procs:
+                p.conn.close()
+            self._procs.clear()
+
+    def __enter__(self) -> "RewardPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------
+    def _note_spec(self, key: tuple, r: RewardRequest) -> None:
+        """Remember a task for the warm-up of children started from now on."""
+        if key not in self._warmup and len(self._warmup) < MAX_WARMUP_SPECS:
+            self._warmup[key] = (r.task, dict(r.params))
+
+    def _start(self) -> None:
+        cfg = self.config
+        parent_conn, child_conn = self._ctx.Pipe()
+        # Only this process holds the write end, so its death is the child's SIGIO (reward_child.die_with_parent).
+        # One pipe per child: the SIGIO owner is a property of the pipe's open file, shared by all its copies.
+        lifeline_r, lifeline_w = self._ctx.Pipe(duplex=False)
+        progress = self._ctx.RawArray("d", 2)  # [start time, index] of the completion running in the child
+        args = (child_conn, lifeline_r, progress, cfg.memory_limit_mb, cfg.cpu_limit_s, list(cfg.import_paths), list(self._warmup.values()))
+        proc = self._ctx.Process(target=child_main, args=args, name="swarmrl-reward", daemon=True)
+        proc.start()
+        child_conn.close()  # the child's end lives only in the child now, so its death is EOF here
+        lifeline_r.close()
+        p = _Proc(proc, parent_conn, progress, time.monotonic() + cfg.start_timeout_s)
+        p.lifeline = lifeline_w
+        self._procs.append(p)
+        self._live.append((proc, lifeline_w))
+
+    def _step(self, call: _Call | None) -> None:
+        """Dispatch what can go out, then handle one round of events: results, ready children, deaths, deadlines."""
+        if call is not None:
+            self._dispatch(call)
+        limit = self.config.time_limit_s
+        now = time.monotonic()
+        deadlines = [p.running_since() + limit if p.ready else p.ready_by for p in self._procs if p.chunk or not p.ready]
+        timeout = min(1.0, max(0.0, min(deadlines, default=now + 1.0) - now))
+        readable = wait([p.conn for p in self._procs], timeout)
+        for p in list(self._procs):
+            if p.conn in readable:
+                self._drain(p, call)
+        for p in list(self._procs):
+            if p not in self._procs:
+                continue
+            if not p.ready and time.monotonic() > p.ready_by:
+                self._replace(p, call, "start")
+            elif p.chunk and time.monotonic() - p.running_since() > limit:
+                self._drain(p, call)  # results may have come in since the wait
+                if p in self._procs and p.chunk and time.monotonic() - p.running_since() > limit:
+                    self._replace(p, call, "timeout")
+
+    def _dispatch(self, call: _Call) -> None:
+        budget = self.config.group_failure_budget
+        for p in self._procs:
+            if not call.queue:
+                return
+            if not p.ready or p.chunk:
+                continue
+            size = self._chunk_size(len(call.queue))
+            chunk: list[int] = []
+            while call.queue and len(chunk) < size:
+                i = call.queue.popleft()
+                group = call.reqs[i].group
+                if budget is not None and group is not None and call.failures[group] >= budget:
+                    self._settle(call, i, 0.0, RewardStatus.skipped, "budget", f"not scored: its submission already had {budget} timed-out or crashed completions", 0.0)
+                    continue
+                chunk.append(i)
+            if not chunk:
+                continue
+            specs: dict[tuple, int] = {}
+            for i in chunk:
+                specs.setdefault(call.spec[i], i)  # first request of each distinct spec carries its params
+            where = {key: n for n, key in enumerate(specs)}
+            msg = (
+                [(call.reqs[i].task, dict(call.reqs[i].params)) for i in specs.values()],
+                [(where[call.spec[i]], call.reqs[i].item, call.reqs[i].text) for i in chunk],
+            )
+            p.progress[0], p.progress[1] = 0.0, -1.0  # the child is idle: nothing of this chunk has started
+            try:
+                p.conn.send(msg)
+            except (OSError, ValueError):  # it died while idle: nobody to blame, requeue
+                call.queue.extendleft(reversed(chunk))
+                self._replace(p, call, "died")
+                continue
+            p.chunk, p.done, p.sent_at = chunk, 0, time.monotonic()
+
+    def _chunk_size(self, queued: int) -> int:
+        size = min(self.config.max_batch, math.ceil(queued / len(self._procs)))  # spread a batch over all children
+        if self._ewma_s > 0:
+            size = min(size, int(TARGET_CHUNK_S / self._ewma_s))
+        return max(1, size)
+
+    def _drain(self, p: _Proc, call: _Call | None) -> None:
+        try:
+            while p.conn.poll():
+                self._on_message(p, p.conn.recv(), call)
+        except Exception:  # EOF, or a message cut short by a death: the child is gone
+            self._replace(p, call, "died")
+
+    def _on_message(self, p: _Proc, msg: Any, call: _Call | None) -> None:
+        if isinstance(msg, tuple) and msg[0] == "ready":
+            p.ready = True
+            self._start_failures = 0
+            return
+        for index, reward, status, kind, message, t0, t1 in msg:
+            if call is None or index != p.done or index >= len(p.chunk):
+                raise RuntimeError(f"reward process {p.pid} sent result {index} out of turn")
+            self._settle(call, p.chunk[index], reward, RewardStatus(status), kind, message, t1 - t0)
+            self._ewma_s = (t1 - t0) if self._ewma_s == 0 else 0.9 * self._ewma_s + 0.1 * (t1 - t0)
+            p.done += 1
+        if p.done == len(p.chunk):
+            p.chunk, p.done = [], 0
+
+    def _replace(self, p: _Proc, call: _Call | None, cause: str) -> None:
+        """Kill `p` (if alive), settle the completion it was running, requeue the rest, start a new child."""
+        killed_at = time.monotonic()
+        _kill(p.proc)
+        try:  # everything the child sent before it died is still in the socket
+            while p.chunk and p.conn.poll():
+                self._on_message(p, p.conn.recv(), call)
+        except Exception:
+            pass
+        code = p.proc.exitcode
+        log.info("reward process %d replaced: %s, %s, %d of %d completions of its chunk done, progress %s",
+                 p.pid, cause, _exit_text(code), p.done, len(p.chunk), list(p.progress))
+        if p.chunk and call is not None:
+            # The child is dead, so `progress` is final: the index of the completion it was running (or of one
+            # whose result died with it; -1 if it never started the chunk).
+            k = max(int(p.progress[1]), p.done)
+            running = p.chunk[k]
+            call.queue.extendleft(reversed(p.chunk[p.done:k] + p.chunk[k + 1:]))  # results lost with it, and not started
+            task, limit, ran = call.reqs[running].task, self.config.time_limit_s, killed_at - p.running_since()
+            # Not its fault if it had not started (the child died between completions) or had only just started
+            # (a result came in between our last read and the kill). Requeued, but not forever.
+            innocent = int(p.progress[1]) < p.done or (cause == "timeout" and ran < limit)
+            if innocent and call.retries[running] < MAX_UNBLAMED_RETRIES:
+                call.retries[running] += 1
+                call.queue.appendleft(running)
+            elif cause == "timeout":
+                self._settle(call, running, 0.0, RewardStatus.timed_out, "wall", f"reward {task!r} ran past the {limit:g} s limit; its process was killed", ran)
+            elif code == -signal.SIGXCPU:
+                self._settle(call, running, 0.0, RewardStatus.timed_out, "cpu", f"reward {task!r} used more than {self.config.cpu_limit_s} CPU seconds; its process was killed", ran)
+            else:
+                self._settle(call, running, 0.0, RewardStatus.crashed, _exit_text(code), f"reward {task!r} killed its process ({_exit_text(code)})", ran)
+        elif cause == "start" or not p.ready:
+            self._start_failures += 1
+            log.warning("reward process %d did not start (%s, %s)", p.pid, cause, _exit_text(code))
+        p.conn.close()
+        p.lifeline.close()
+        self._procs.remove(p)
+        self._live.remove((p.proc, p.lifeline))
+        if p.proc.exitcode is not None:
+            p.proc.close()
+        self.restarts += 1
+        if self._start_failures >= START_FAILURES_TO_GIVE_UP:
+            raise RewardPoolError(f"{self._start_failures} reward processes in a row failed to start; see the log")
+        if not self._closed:
+            self._start()
+
+    def _settle(self, call: _Call, i: int, reward: float, status: RewardStatus, kind: str, message: str, seconds: float) -> None:
+        req = call.reqs[i]
+        call.results[i] = RewardResult(reward, status, message, seconds)
+        self.counts[status.value] += 1
+        if status in (RewardStatus.timed_out, RewardStatus.crashed) and req.group is not None:
+            call.failures[req.group] += 1
+        if status is not RewardStatus.ok and (req.task, status, kind) not in self._logged:
+            self._logged.add((req.task, status, kind))
+            log.warning("reward %s: %s (logged once per task and kind; RewardPool.counts has the totals)", status.value, message)
