@@ -104,6 +104,10 @@ def make_orchestrator(cfg, prompts, verifier):
                         task_name=cfg.data.task, run_name=cfg.name, verify_batch=64)
 
 
+def register(orch, reg):
+    return orch.register(reg, JOIN) if hasattr(orch, "tokens") else orch.register(reg)
+
+
 def commit(orch, batch_id: str) -> None:
     """Commit without publishing a new version."""
     if hasattr(orch, "verification"):
@@ -126,6 +130,9 @@ def bench_config(run_dir: Path, port: int, args):
     except ImportError:
         from swarmrl.config import RunConfig
 
+    orch_fields = RunConfig.model_fields["orchestrator"].annotation.model_fields
+    # 64-256 simulated workers under one join token (newer configs cap identities per token).
+    many = {"max_identities_per_token": 100_000, "registrations_per_min_per_token": 1e9} if "max_identities_per_token" in orch_fields else {}
     return RunConfig.model_validate({
         "name": "bench", "output_dir": str(run_dir), "seed": 0,
         "data": {"task": "toy", "num_prompts": 4096},
@@ -134,7 +141,7 @@ def bench_config(run_dir: Path, port: int, args):
         "orchestrator": {"port": port, "samples_per_prompt": args.samples_per_prompt, "prompts_per_lease": args.prompts_per_lease,
                          "sampling": {"max_tokens": args.max_tokens}, "max_open_leases_per_worker": 2,
                          "rate_limit_per_s": 1000.0, "lease_timeout_s": 120.0, "admin_token": ADMIN, "join_tokens": [JOIN],
-                         "db_path": str(run_dir / "orchestrator.sqlite")},
+                         "db_path": str(run_dir / "orchestrator.sqlite"), **many},
     })
 
 
@@ -227,7 +234,7 @@ def steps_main(args) -> None:
     items = get_task("toy", digits=6).make_prompts(cfg.data.num_prompts, 0)
     orch = make_orchestrator(cfg, PromptSet.from_items(items, make_tokenizer(), 0, padded_vocab_size()), StubVerifier())
     orch.publish_version(0, "0" * 64)
-    workers = [orch.authenticate(orch.register(WorkerRegistration(name="bench")).secret) for _ in range(64)]
+    workers = [orch.authenticate(register(orch, WorkerRegistration(name="bench")).secret) for _ in range(64)]
     tmpl, cctx, rng = template(args), zstandard.ZstdCompressor(level=1), np.random.default_rng(0)
     spent = dict.fromkeys(STEPS, 0.0)
     clock = time.thread_time

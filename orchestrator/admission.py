@@ -49,14 +49,15 @@ def decompress_zstd(body: bytes, max_output: int = limits.MAX_DECOMPRESSED_BODY_
     return out.getvalue()
 
 
-def decode_body(body: bytes, content_encoding: str | None) -> bytes:
-    if len(body) > limits.MAX_BODY_BYTES:
-        raise ApiError(ErrorCode.payload_too_large, f"body is larger than {limits.MAX_BODY_BYTES} bytes")
+def decode_body(body: bytes, content_encoding: str | None, cap: int = limits.MAX_DECOMPRESSED_BODY_BYTES) -> bytes:
+    """The JSON of a submission body, at most `cap` bytes whether it came compressed or not."""
+    if len(body) > min(cap, limits.MAX_BODY_BYTES):
+        raise ApiError(ErrorCode.payload_too_large, f"body is larger than {min(cap, limits.MAX_BODY_BYTES)} bytes")
     enc = (content_encoding or "identity").strip().lower()
     if enc in ("", "identity"):
         return body
     if enc == "zstd":
-        return decompress_zstd(body)
+        return decompress_zstd(body, min(cap, limits.MAX_DECOMPRESSED_BODY_BYTES))
     raise ApiError(ErrorCode.unsupported_encoding, f"Content-Encoding {content_encoding!r} is not supported; use zstd or none")
 
 
@@ -120,20 +121,46 @@ def fingerprint(sub: RolloutSubmission) -> str:
 
 
 class RateLimiter:
-    """Token bucket per key: `rate` requests per second on average, bursts up to `burst`."""
+    """Token bucket per key: `rate` units per second on average, bursts up to `burst`. Keys idle long
+    enough to have refilled are forgotten, so a flood of new keys cannot grow it without bound."""
 
     def __init__(self, rate: float, burst: float | None = None):
         self.rate = rate
         self.burst = burst if burst is not None else max(1.0, 2 * rate)
         self._buckets: dict[str, tuple[float, float]] = {}
         self._lock = threading.Lock()
+        self._swept = time.monotonic()
 
-    def check(self, key: str, now: float | None = None) -> None:
+    def _tokens(self, key: str, now: float) -> float:
+        tokens, last = self._buckets.get(key, (self.burst, now))
+        return min(self.burst, tokens + (now - last) * self.rate)
+
+    def check(self, key: str, now: float | None = None, cost: float = 1.0) -> None:
+        """Take `cost` units, or raise rate_limited (with how long until they are there)."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            tokens, last = self._buckets.get(key, (self.burst, now))
-            tokens = min(self.burst, tokens + (now - last) * self.rate)
-            if tokens < 1.0:
+            tokens = self._tokens(key, now)
+            if tokens < cost:
                 self._buckets[key] = (tokens, now)
-                raise ApiError(ErrorCode.rate_limited, f"more than {self.rate:g} requests/s", retry_after_s=(1.0 - tokens) / self.rate)
-            self._buckets[key] = (tokens - 1.0, now)
+                raise ApiError(ErrorCode.rate_limited, f"more than {self.rate:g}/s", retry_after_s=(cost - tokens) / self.rate)
+            self._buckets[key] = (tokens - cost, now)
+            self._sweep(now)
+
+    def has(self, key: str, now: float | None = None) -> bool:
+        """Whether one unit is there, without taking it."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            return self._tokens(key, now) >= 1.0
+
+    def take(self, key: str, now: float | None = None) -> None:
+        """Take one unit even if that leaves the bucket empty (a refusal counted after the fact)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._buckets[key] = (max(0.0, self._tokens(key, now) - 1.0), now)
+            self._sweep(now)
+
+    def _sweep(self, now: float) -> None:
+        refill_s = self.burst / self.rate
+        if now - self._swept > refill_s and len(self._buckets) > 1024:
+            self._buckets = {k: v for k, v in self._buckets.items() if now - v[1] < refill_s}
+            self._swept = now

@@ -4,13 +4,17 @@ the entry (method, path, body model, auth), plus the operator's dashboard page a
 - Auth, from the table: a join token to register, a worker's own secret for worker endpoints (a worker
   acts only as itself), the admin token for operator endpoints (worker secrets are refused there).
 - Every refusal is a `protocol.ErrorBody` with the 4xx status of its code (`protocol.api.HTTP_STATUS`).
-- Limits (http_limits.py) and group commit (group_commit.py) wrap every request; the fast path
-  (fast_path.py) keeps FastAPI's per-request machinery off every route.
+- The gate (gate.py) checks the credential from the headers before the body is read, enforces the
+  request budgets and reads the body under its cap; group commit (group_commit.py) wraps every request;
+  the fast path (fast_path.py) keeps FastAPI's per-request machinery off every route. A submission's
+  decompression and parsing run off the event loop when the run's leases allow big bodies.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import inspect
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -25,9 +29,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orchestrator.dashboard import HTML as DASHBOARD
 from orchestrator.errors import ApiError
-from orchestrator.fast_path import BareRoute, BareRouteDispatch, error_response, json_response, parse_json_body
+from orchestrator.fast_path import (
+    BareRoute,
+    BareRouteDispatch,
+    error_response,
+    json_response,
+    parse_json_body,
+)
 from orchestrator.group_commit import GroupCommit, GroupCommitMiddleware
-from orchestrator.http_limits import LimitsMiddleware
+from orchestrator.gate import CALLER, Gate
 from orchestrator.service import Orchestrator
 from protocol import api, limits
 from protocol.models import ErrorBody, ErrorCode, HealthStatus, WireModel
@@ -37,9 +47,10 @@ log = logging.getLogger(__name__)
 # The endpoints every worker calls once per task: dispatched past Starlette's router (fast_path.py).
 HOT = (api.LEASE, api.SUBMIT)
 # Bodies that may be left out (their model's defaults apply).
-OPTIONAL_BODY = (api.RELEASE, api.BAN, api.UNBAN)
-# A banned worker may still read its verdicts, to learn why.
-BANNED_MAY_CALL = (api.VERDICT,)
+OPTIONAL_BODY = (api.RELEASE, api.BAN, api.UNBAN, api.REVOKE_TOKEN)
+# Above this many bytes of honest body, a submission is decompressed and parsed in a thread, so that it
+# never holds the event loop (below, inline is cheaper than the two thread hand-offs: ~0.1 ms).
+INLINE_PARSE_BYTES = 256 << 10
 BEARER_SECURITY = [{"HTTPBearer": []}]
 
 Handler = Callable[[Request, "str | None", Any], "WireModel | Response"]
@@ -57,21 +68,24 @@ def swagger_assets() -> Path | None:
     return static if (static / "swagger-ui-bundle.js").is_file() and (static / "swagger-ui.css").is_file() else None
 
 
-def bearer_token(request: Request) -> str:
-    scheme, _, credentials = (request.headers.get("authorization") or "").partition(" ")
-    if scheme.lower() != "bearer" or not credentials.strip():
-        raise ApiError(ErrorCode.unauthorized, "missing 'Authorization: Bearer <token>' header")
-    return credentials.strip()
-
-
 def handlers(orch: Orchestrator) -> dict[api.Endpoint, Handler]:
-    """What each endpoint does, given the request, the authenticated worker (worker endpoints) and the
-    parsed body."""
+    """What each endpoint does, given the request, its caller (the gate's: a worker id for worker
+    endpoints, the join token's row for register) and the parsed body."""
+    parse_lock = asyncio.Semaphore(2)  # parses in threads at once: bounds their memory
 
-    def register(request: Request, _: str | None, body: Any) -> WireModel:
-        # Registrations are rate-limited per client address: a leaked join token cannot flood the table.
+    def register(request: Request, token: Any, body: Any) -> WireModel:
+        # Registrations are also rate-limited per client address: a leaked join token cannot flood the table.
         orch.limiter.check(f"register@{request.client.host if request.client else '?'}")
-        return orch.register(body)
+        return orch.register(body, token)
+
+    async def submit(request: Request, worker: Any, body: bytes) -> WireModel:
+        encoding = request.headers.get("content-encoding")
+        if orch.submission_cap <= INLINE_PARSE_BYTES:
+            parsed = orch.parse_submission(body, encoding)
+        else:
+            async with parse_lock:
+                parsed = await asyncio.get_running_loop().run_in_executor(None, orch.parse_submission, body, encoding)
+        return orch.accept_submission(worker, parsed, body, encoding)
 
     def history(*_: Any) -> Response:
         return JSONResponse(
@@ -92,12 +106,15 @@ def handlers(orch: Orchestrator) -> dict[api.Endpoint, Handler]:
         api.HEARTBEAT: lambda r, worker, body: orch.heartbeat(worker, r.path_params["worker_id"], body),
         api.LEASE: lambda r, worker, body: orch.lease(worker, body),
         api.RELEASE: lambda r, worker, body: orch.release(worker, r.path_params["lease_id"]),
-        api.SUBMIT: lambda r, worker, body: orch.submit(worker, body, r.headers.get("content-encoding")),
+        api.SUBMIT: submit,
         api.VERDICT: lambda r, worker, body: orch.verdict(worker, r.path_params["submission_id"]),
         api.STATUS: lambda *_: orch.status(),
         api.WORKERS: lambda *_: orch.worker_list(),
-        api.BAN: lambda r, _, body: orch.set_ban(r.path_params["worker_id"], True, body.reason),
+        api.BAN: lambda r, _, body: orch.set_ban(r.path_params["worker_id"], True, body.reason, body.scope),
         api.UNBAN: lambda r, _, body: orch.set_ban(r.path_params["worker_id"], False, body.reason),
+        api.MINT_TOKEN: lambda r, _, body: orch.mint_token(body),
+        api.TOKENS: lambda *_: orch.token_list(),
+        api.REVOKE_TOKEN: lambda r, _, body: orch.revoke_token(r.path_params["token_id"], body.reason),
         api.METRICS: lambda *_: Response(generate_latest(orch.metrics.registry), media_type=CONTENT_TYPE_LATEST),
         api.STATUS_HISTORY: history,
         api.HEALTH: lambda *_: HealthStatus(ok=True),
@@ -110,9 +127,7 @@ def create_app(orch: Orchestrator) -> FastAPI:
     and their writes join one transaction per loop iteration (group_commit.py), committed before any of
     them answers. (A thread pool would add two context switches and a lock hand-off per request and buy
     no parallelism.)"""
-    cfg = orch.cfg
-    join_tokens = [t.encode() for t in cfg.join_tokens]
-    admin_token = cfg.admin_token.encode()
+    admin_token = orch.cfg.admin_token.encode()
     errors = {status: {"model": ErrorBody} for status in sorted(set(api.HTTP_STATUS.values()))}
 
     assets = swagger_assets()
@@ -156,33 +171,21 @@ def create_app(orch: Orchestrator) -> FastAPI:
         code = api.code_for_status(exc.status_code)
         return error_response(ApiError(code, str(exc.detail), status=exc.status_code if exc.status_code < 500 else 400))
 
-    # -- middleware, added innermost first: a request's body is read under the limits, then it joins
-    # the shared transaction, then the hot endpoints go straight to their route.
-    bare_routes: dict[tuple[str, str], Any] = {}
-    app.add_middleware(BareRouteDispatch, routes=bare_routes, api_error_handler=_api_error)
-    app.state.group_commit = group = GroupCommit(orch.db)
-    app.add_middleware(GroupCommitMiddleware, group=group)
-    app.add_middleware(LimitsMiddleware, timeout_s=cfg.request_timeout_s)
-    app.state.orchestrator = orch
-
-    # -- auth -------------------------------------------------------------------------------------
-
-    def authorize(ep: api.Endpoint, request: Request) -> str | None:
-        """The worker a worker endpoint acts for; raises unless the caller holds the endpoint's credential."""
-        if ep.auth is api.Auth.none:
-            return None
-        token = bearer_token(request)
-        if ep.auth is api.Auth.join:
-            if not any(hmac.compare_digest(token.encode(), j) for j in join_tokens):
-                raise ApiError(ErrorCode.unauthorized, "invalid join token")
-            return None
-        if ep.auth is api.Auth.worker:
-            return orch.authenticate(token, allow_banned=ep in BANNED_MAY_CALL)
+    # -- middleware, added innermost first: the gate checks the credential and reads the body under the
+    # budgets, then the request joins the shared transaction, then the hot endpoints go straight to their route.
+    def admin_check(token: str) -> None:
         if hmac.compare_digest(token.encode(), admin_token):
             return None
         if orch.is_worker_secret(token):
             raise ApiError(ErrorCode.forbidden, "operator endpoints refuse worker tokens")
         raise ApiError(ErrorCode.unauthorized, "invalid admin token")
+
+    bare_routes: dict[tuple[str, str], Any] = {}
+    app.add_middleware(BareRouteDispatch, routes=bare_routes, api_error_handler=_api_error)
+    app.state.group_commit = group = GroupCommit(orch.db)
+    app.add_middleware(GroupCommitMiddleware, group=group)
+    app.add_middleware(Gate, orch=orch, admin_check=admin_check)
+    app.state.orchestrator = orch
 
     # -- routes: one per endpoint of the table --------------------------------------------------------
 
@@ -191,12 +194,14 @@ def create_app(orch: Orchestrator) -> FastAPI:
         optional = ep in OPTIONAL_BODY
 
         async def endpoint(request: Request) -> Response:
-            caller = authorize(ep, request)
+            caller = request.scope["state"].get(CALLER)  # the gate authenticated it (nothing reaches here otherwise)
             body = None
             if ep.request is not None:
                 data = await request.body()
                 body = data if raw_body else parse_json_body(ep.request, data, request.headers.get("content-type"), optional)
             out = handler(request, caller, body)
+            if inspect.isawaitable(out):
+                out = await out
             return out if isinstance(out, Response) else json_response(out)
 
         extra: dict[str, Any] = {}

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from protocol.models import SamplingParams
+from protocol.models import BanScope, SamplingParams
 
 
 class DataConfig(BaseModel):
@@ -34,8 +34,18 @@ class OrchestratorConfig(BaseModel):
     sampling: SamplingParams = SamplingParams()
     lease_timeout_s: float = Field(60.0, gt=0)
     max_open_leases_per_worker: int = Field(2, ge=1)
-    rate_limit_per_s: float = Field(50.0, gt=0, description="requests per second per worker")
+    rate_limit_per_s: float = Field(50.0, gt=0, description="requests per second per worker (and per join token, times its live workers)")
+    bytes_per_s_per_worker: float = Field(16 << 20, gt=0, description="request body bytes per second per worker (bursts of 4 s)")
+    requests_in_flight_per_worker: int = Field(8, ge=1, description="requests one worker may have open at once")
+    failed_auth_per_min: float = Field(30.0, gt=0, description="refused credentials per minute per client address before it is refused outright")
+    max_connections: int = Field(2048, ge=16, description="open connections (and requests) at once; beyond, 503")
+    header_timeout_s: float = Field(10.0, gt=0, description="a request's line and headers must arrive within this (slow-loris)")
     strikes_to_ban: int = Field(3, ge=1)
+    ban_scope: BanScope = Field(BanScope.token, description="a ban by strikes: the worker only (identity), or its join token too (token)")
+    max_identities_per_token: int = Field(8, ge=1, description="live workers per join token (a Sybil cap)")
+    registrations_per_min_per_token: float = Field(6.0, gt=0)
+    lease_cooldown_s: float = Field(10.0, ge=0, description="a join token that let a whole lease go unsubmitted waits this long; doubles with its debt")
+    lease_debt_per_strike: float = Field(2.0, gt=0, description="leases' worth of debt per strike against the worker that let them go")
     heartbeat_interval_s: float = Field(5.0, gt=0)
     worker_dead_after_s: float = Field(30.0, gt=0)
     request_timeout_s: float = Field(30.0, gt=0)

@@ -2,13 +2,21 @@
 seeds, until when, which policy version they must be generated with, and what happens when the deadline
 passes (the prompts are handed out again and a late submission is refused). Owns the `leases` and
 `reissue` tables, and the count of leased prompts behind the async bound.
+
+A lease is a budget. The async bound (generation at most async_level steps ahead of the trainer) is
+shared fairly: the open leases of one join token's workers hold at most bound / (join tokens with a live
+worker), however many leases they ask for. A lease that expires or is released unsubmitted costs its
+token debt in proportion to its prompts and the time it was held (orchestrator/tokens.py: a cooldown
+that doubles, then strikes), so hoarding loses its slot; a worker that crashes loses only the lease.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import sqlite3
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +26,8 @@ from orchestrator.config import OrchestratorConfig, StepShape
 from orchestrator.data import PromptSet
 from orchestrator.db import Database
 from orchestrator.errors import ApiError
+from orchestrator.tokens import JoinTokens
+from orchestrator.workers import Workers
 from protocol import staleness
 from protocol.models import ErrorCode, TaskLease, TaskPrompt
 
@@ -31,7 +41,8 @@ CREATE TABLE IF NOT EXISTS leases (
     issued_at REAL NOT NULL,
     deadline REAL NOT NULL,
     status TEXT NOT NULL,           -- open | submitted | done | expired | released | rejected
-    request_id TEXT                 -- the worker's idempotency key, if it sent one
+    request_id TEXT,                -- the worker's idempotency key, if it sent one
+    token_id TEXT                   -- the worker's join token: shares and debts are per token
 );
 CREATE INDEX IF NOT EXISTS leases_by_worker ON leases (worker_id, status);
 CREATE INDEX IF NOT EXISTS leases_by_deadline ON leases (status, deadline);
@@ -40,10 +51,20 @@ CREATE TABLE IF NOT EXISTS reissue (seq INTEGER PRIMARY KEY AUTOINCREMENT, promp
 """
 # Prompts of open or submitted leases (kept in the same transactions as those rows; recounted at start).
 LEASED_PROMPTS = "untrained:leased_prompts"
+# A lease given back within this fraction of its time costs its token nothing.
+FREE_HOLD = 0.1
 
 
 class GenerationBoundReached(Exception):
     """Generation is async_level steps ahead of the trainer; wait for it to consume a batch."""
+
+
+class NoLeaseNow(Exception):
+    """This worker's join token has used its share of the generation budget, or is cooling down."""
+
+    def __init__(self, why: str, retry_after_s: float):
+        super().__init__(why)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -57,6 +78,7 @@ class LeaseRow:
     deadline: float
     status: str
     request_id: str | None = None
+    token_id: str | None = None
 
 
 def _row(r: sqlite3.Row) -> LeaseRow:
@@ -66,21 +88,34 @@ def _row(r: sqlite3.Row) -> LeaseRow:
 
 
 class LeaseBook:
-    def __init__(self, db: Database, prompts: PromptSet, config: OrchestratorConfig, shape: StepShape | None = None):
+    def __init__(
+        self, db: Database, prompts: PromptSet, config: OrchestratorConfig, shape: StepShape | None = None,
+        workers: Workers | None = None, tokens: JoinTokens | None = None,
+    ):
         self.db = db
         self.prompts = prompts
         self.config = config
         self.shape = shape
+        self.workers = workers
+        self.tokens = tokens
         db.create(SCHEMA, counters=("lease_seq", "prompt_cursor"))
-        if "request_id" not in {r[1] for r in db.all("PRAGMA table_info(leases)")}:  # from before idempotent leases
-            with db.tx() as conn:
-                conn.execute("ALTER TABLE leases ADD COLUMN request_id TEXT")
-        db.create("CREATE INDEX IF NOT EXISTS leases_by_request ON leases (worker_id, request_id);")
+        columns = {r[1] for r in db.all("PRAGMA table_info(leases)")}
+        for column in ("request_id", "token_id"):  # a database from before idempotent leases / join tokens
+            if column not in columns:
+                with db.tx() as conn:
+                    conn.execute(f"ALTER TABLE leases ADD COLUMN {column} TEXT")
+        db.create(
+            "CREATE INDEX IF NOT EXISTS leases_by_request ON leases (worker_id, request_id);"
+            "CREATE INDEX IF NOT EXISTS leases_by_token ON leases (token_id, status);"
+        )
         with db.tx() as conn:
             leased = conn.execute(
                 "SELECT COALESCE(SUM(json_array_length(prompt_indices)), 0) FROM leases WHERE status IN ('open', 'submitted')"
             ).fetchone()[0]
             db.set(conn, LEASED_PROMPTS, int(leased))
+        # Leases whose deadline passed before this process served are not their workers' fault: no debt.
+        self.serving_since = time.time()
+        self._active_tokens = (0.0, 1)  # (computed at, join tokens with a live worker), refreshed each second
         # Open leases, parsed, so a submission does not re-parse its lease (a cache: SQLite is the truth).
         self._open: dict[str, TaskLease] = {}
         # Prompt index -> (prompt_id, token ids) as validated by the first lease that carried the prompt.
@@ -115,6 +150,7 @@ class LeaseBook:
         k = cfg.samples_per_prompt
         n = min(max_prompts, cfg.prompts_per_lease)
         min_version = staleness.min_policy_version(current_version, cfg.async_level)
+        token_id = self.workers.token_of(worker_id) if self.workers is not None else None
         with self.db.tx() as db:
             if request_id is not None:
                 earlier = db.execute(
@@ -122,12 +158,19 @@ class LeaseBook:
                 ).fetchone()
                 if earlier is not None:  # a retry of a request whose answer was lost: the same lease again
                     return TaskLease.model_validate_json(earlier[0])
+            if token_id is not None and self.tokens is not None:
+                wait = self.tokens.cooldown_left(token_id, now)
+                if wait > 0:
+                    raise NoLeaseNow(f"join token {token_id} let leases go unsubmitted: cooling down", wait)
             if shape is not None:
                 untrained = self.untrained_samples(db)
-                room = (staleness.max_untrained_samples(cfg.async_level, shape.samples_per_step) - untrained) // k
+                bound = staleness.max_untrained_samples(cfg.async_level, shape.samples_per_step) // k
+                room = bound - untrained // k
                 if room <= 0:
                     raise GenerationBoundReached()
                 n = min(n, room)
+                if token_id is not None:
+                    n = min(n, self._token_room(db, token_id, bound, now))
                 min_version = staleness.lease_min_version(
                     current_version, cfg.async_level, untrained_samples=untrained, new_samples=n * k,
                     samples_per_step=shape.samples_per_step, mini_batches=shape.mini_batches, max_staleness=shape.max_staleness,
@@ -165,13 +208,27 @@ class LeaseBook:
                 deadline=now + cfg.lease_timeout_s,
             )
             db.execute(
-                "INSERT INTO leases (lease_id, seq, worker_id, prompt_indices, body, issued_at, deadline, status, request_id) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, 'open', ?)",
-                (lease.lease_id, seq, worker_id, json.dumps(indices), lease.model_dump_json(), now, lease.deadline, request_id),
+                "INSERT INTO leases (lease_id, seq, worker_id, prompt_indices, body, issued_at, deadline, status, request_id, token_id) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, 'open', ?, ?)",
+                (lease.lease_id, seq, worker_id, json.dumps(indices), lease.model_dump_json(), now, lease.deadline, request_id, token_id),
             )
             Database.add(db, LEASED_PROMPTS, len(indices))
         self._open[lease.lease_id] = lease
         return lease
+
+    def _token_room(self, db: sqlite3.Connection, token_id: str, bound_prompts: int, now: float) -> int:
+        """Prompts this token may still lease: its fair share of the bound, less what its workers hold."""
+        at, active = self._active_tokens
+        if now - at > 1.0 and self.workers is not None:
+            active = max(1, self.workers.active_tokens(now))
+            self._active_tokens = (now, active)
+        share = max(1, math.ceil(bound_prompts / active))
+        held = db.execute(
+            "SELECT COALESCE(SUM(json_array_length(prompt_indices)), 0) FROM leases WHERE token_id=? AND status='open'", (token_id,)
+        ).fetchone()[0]
+        if held >= share:
+            raise NoLeaseNow(f"join token {token_id} holds its share of the generation budget ({share} prompts)", 1.0)
+        return share - int(held)
 
     @staticmethod
     def _take_reissue(db: sqlite3.Connection, n: int) -> list[int]:
@@ -226,29 +283,56 @@ class LeaseBook:
             raise ApiError(ErrorCode.not_found, f"no lease {lease_id}")
         self._open.pop(lease_id, None)
         with self.db.tx() as db:
-            return self._end(db, lease_id, "released", "open")
+            return self._end(db, lease_id, "released", "open", charge=True)
+
+    def release_banned(self, db: sqlite3.Connection) -> int:
+        """Open leases of banned workers go back at once (their prompts re-issued), not at their deadline."""
+        ids = [r[0] for r in db.execute(
+            "SELECT l.lease_id FROM leases l JOIN workers w ON w.worker_id=l.worker_id WHERE l.status='open' AND w.banned=1"
+        ).fetchall()]
+        for lease_id in ids:
+            self._open.pop(lease_id, None)
+            self._end(db, lease_id, "released", "open", charge=False)
+        return len(ids)
 
     def expire(self, now: float) -> list[str]:
         """Open leases past their deadline become expired; their prompts are queued for re-issue."""
         with self.db.tx() as db:
             ids = [r[0] for r in db.execute("SELECT lease_id FROM leases WHERE status='open' AND deadline<?", (now,)).fetchall()]
             for lease_id in ids:
-                self._end(db, lease_id, "expired", "open")
+                self._end(db, lease_id, "expired", "open", charge=True, now=now)
         for lease_id in ids:
             self._open.pop(lease_id, None)
         return ids
 
-    @staticmethod
-    def _end(db: sqlite3.Connection, lease_id: str, status: str, from_status: str) -> bool:
-        """Close a lease and queue its prompts for re-issue."""
-        row = db.execute("SELECT prompt_indices FROM leases WHERE lease_id=? AND status=?", (lease_id, from_status)).fetchone()
+    def _end(self, db: sqlite3.Connection, lease_id: str, status: str, from_status: str, charge: bool = False, now: float | None = None) -> bool:
+        """Close a lease and queue its prompts for re-issue; a lease given back unsubmitted (`charge`)
+        costs its worker's token."""
+        row = db.execute(
+            "SELECT prompt_indices, worker_id, token_id, issued_at, deadline FROM leases WHERE lease_id=? AND status=?", (lease_id, from_status)
+        ).fetchone()
         if row is None:
             return False
         db.execute("UPDATE leases SET status=? WHERE lease_id=?", (status, lease_id))
         indices = json.loads(row[0])
         db.executemany("INSERT INTO reissue (prompt_index) VALUES (?)", [(i,) for i in indices])
         Database.add(db, LEASED_PROMPTS, -len(indices))  # from_status is open or submitted
+        if charge and row[2] is not None:
+            self._charge(db, row[1], row[2], len(indices), row[3], row[4], time.time() if now is None else now)
         return True
+
+    def _charge(self, db: sqlite3.Connection, worker_id: str, token_id: str, prompts: int, issued: float, deadline: float, now: float) -> None:
+        if self.tokens is None or self.workers is None or deadline < self.serving_since:
+            return
+        held = min(1.0, max(0.0, (now - issued) / max(deadline - issued, 1e-6)))
+        if held < FREE_HOLD:  # given back at once (shutting down, version too old): no cost
+            return
+        units = held * prompts / self.config.prompts_per_lease  # a full lease held to its deadline costs 1
+        per_strike = self.config.lease_debt_per_strike
+        before = (db.execute("SELECT lease_debt FROM join_tokens WHERE token_id=?", (token_id,)).fetchone() or (0.0,))[0]
+        after = self.tokens.add_debt(db, token_id, units, now)
+        for _ in range(int(after // per_strike) - int(before // per_strike)):
+            self.workers.strike(db, worker_id, "leases held and given back unsubmitted", self.config.strikes_to_ban)
 
     def counts(self) -> dict[str, int]:
         return {r["status"]: int(r["n"]) for r in self.db.all("SELECT status, COUNT(*) AS n FROM leases GROUP BY status")}

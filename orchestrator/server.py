@@ -14,6 +14,8 @@ from typing import Any
 import uvicorn
 
 from orchestrator.api import create_app
+from orchestrator.config import OrchestratorConfig
+from orchestrator.gate import uvicorn_protocol
 from orchestrator.service import Orchestrator
 
 log = logging.getLogger(__name__)
@@ -21,14 +23,16 @@ log = logging.getLogger(__name__)
 GC_YOUNG_THRESHOLD = 10_000
 
 
-def uvicorn_config(app: Any, host: str, port: int, timeout_s: float) -> uvicorn.Config:
+def uvicorn_config(app: Any, host: str, port: int, cfg: OrchestratorConfig) -> uvicorn.Config:
     return uvicorn.Config(
         app,
         host=host,
         port=port,
+        http=uvicorn_protocol(cfg.header_timeout_s),  # a deadline on each request's head (gate.py)
+        limit_concurrency=cfg.max_connections,  # beyond: 503, so a flood of connections cannot exhaust the host
         log_level="warning",
         access_log=False,
-        timeout_keep_alive=max(5, int(timeout_s)),
+        timeout_keep_alive=max(5, int(cfg.request_timeout_s)),
         timeout_graceful_shutdown=5,
         lifespan="off",
     )
@@ -41,7 +45,7 @@ class OrchestratorServer:
         self.orch = orch
         cfg = orch.cfg
         self.app = create_app(orch)
-        self.server = uvicorn.Server(uvicorn_config(self.app, host or cfg.host, cfg.port if port is None else port, cfg.request_timeout_s))
+        self.server = uvicorn.Server(uvicorn_config(self.app, host or cfg.host, cfg.port if port is None else port, cfg))
         self._thread: threading.Thread | None = None
 
     def start(self, timeout_s: float = 30.0) -> "OrchestratorServer":

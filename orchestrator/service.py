@@ -5,6 +5,7 @@ authenticated; the trainer takes and commits batches through `take_batch` / `com
 actor, or directly in tests). Each concept keeps its own state and SQL:
 
     db.py            the SQLite file, transactions, counters
+    tokens.py        join tokens: identity caps, registration rate, token bans, lease debt
     workers.py       identities, secrets, heartbeats, strikes and bans
     leases.py        which prompts and seeds a worker gets, the async bound, expiry
     admission.py     what a submission must pass before it is queued
@@ -30,19 +31,33 @@ from orchestrator.config import OrchestratorConfig, StepShape
 from orchestrator.data import PromptSet
 from orchestrator.db import Database
 from orchestrator.errors import ApiError
-from orchestrator.leases import GenerationBoundReached, LeaseBook
+from orchestrator.leases import GenerationBoundReached, LeaseBook, NoLeaseNow
 from orchestrator.status import HISTORY_EVERY_S, Metrics, RunWindows
-from orchestrator.verification import MAX_VERIFY_BACKLOG, Pending, SubmissionRow, Verification, Verifier, default_make_job
+from orchestrator.tokens import JoinTokens, TokenRow
+from orchestrator.verification import (
+    MAX_VERIFY_BACKLOG,
+    Pending,
+    SubmissionRow,
+    Verification,
+    Verifier,
+    default_make_job,
+)
 from orchestrator.workers import Workers
-from protocol import staleness
+from protocol import limits, staleness
 from protocol.batches import Batch
 from protocol.models import (
+    BanScope,
     ErrorCode,
     Heartbeat,
     HeartbeatAck,
+    JoinTokenList,
+    JoinTokenMinted,
+    JoinTokenRecord,
+    JoinTokenRequest,
     LeaseRequest,
     LeaseResponse,
     ReleaseAck,
+    RolloutSubmission,
     RunStatus,
     SubmissionReceipt,
     Verdict,
@@ -81,15 +96,19 @@ class Orchestrator:
         self.manifest_public_key = manifest_public_key
         self.metrics = Metrics()
         self.windows = RunWindows()
-        self.workers = Workers(db, config.worker_dead_after_s)
+        self.tokens = JoinTokens(db, config.join_tokens, config.max_identities_per_token, config.lease_cooldown_s)
+        self.workers = Workers(db, self.tokens, config.worker_dead_after_s, config.ban_scope)
         self.buffer = RolloutBuffer(db, shape.max_staleness)
-        self.leases = LeaseBook(db, prompts, config, shape)
+        self.leases = LeaseBook(db, prompts, config, shape, self.workers, self.tokens)
         self.verification = Verification(
             db, verifier=verifier, workers=self.workers, leases=self.leases, buffer=self.buffer, prompts=prompts, metrics=self.metrics,
             windows=self.windows, task_name=task_name, task_params=task_params or {}, advantage_std=shape.advantage_std,
             strikes_to_ban=config.strikes_to_ban, make_job=make_job, batch_size=verify_batch,
         )
         self.limiter = admission.RateLimiter(config.rate_limit_per_s)
+        self.submission_cap = limits.submission_bytes_cap(config.prompts_per_lease * config.samples_per_prompt, config.sampling.max_tokens)
+        # A token may register its whole quota of identities at once, then re-register at the per-minute rate.
+        self.registrations = admission.RateLimiter(config.registrations_per_min_per_token / 60.0, burst=float(config.max_identities_per_token))
         self._version = db.get_int("policy_version")
         self._stop = self.verification.stopping
         self._threads: list[threading.Thread] = []
@@ -122,8 +141,8 @@ class Orchestrator:
     # ---------------------------------------------------------------------------------------------
     # auth
 
-    def authenticate(self, secret: str, allow_banned: bool = False) -> str:
-        worker_id = self.workers.authenticate(secret, allow_banned)
+    def authenticate(self, secret: str) -> str:
+        worker_id = self.workers.authenticate(secret)
         self.limiter.check(worker_id)
         return worker_id
 
@@ -133,8 +152,18 @@ class Orchestrator:
     # ---------------------------------------------------------------------------------------------
     # worker endpoints
 
-    def register(self, reg: WorkerRegistration) -> WorkerRegistered:
-        worker_id, secret = self.workers.register(reg.name, reg.device, reg.client_version)
+    def register(self, reg: WorkerRegistration, join_token: "str | TokenRow") -> WorkerRegistered:
+        """A new identity under a join token that may still register (the secret, or the row the HTTP gate
+        already authenticated): not banned or revoked, under its registration rate and its cap on live
+        identities."""
+        token = self.tokens.authenticate(join_token) if isinstance(join_token, str) else join_token
+        self.registrations.check(token.token_id)
+        if self.workers.live_identities(token.token_id, time.time()) >= token.max_identities:
+            raise ApiError(
+                ErrorCode.too_many_identities, f"join token {token.token_id} already has {token.max_identities} live workers",
+                retry_after_s=self.cfg.worker_dead_after_s,
+            )
+        worker_id, secret = self.workers.register(reg.name, reg.device, reg.client_version, token.token_id)
         return WorkerRegistered(
             worker_id=worker_id,
             secret=secret,
@@ -171,6 +200,9 @@ class Orchestrator:
             self.windows.bound_reached(now)
             self.metrics.leases_refused_async_bound.inc()
             return LeaseResponse(lease=None, retry_after_s=0.2)
+        except NoLeaseNow as exc:  # this worker's token: its share is in use, or it is cooling down
+            self.metrics.leases_refused_budget.inc()
+            return LeaseResponse(lease=None, retry_after_s=round(exc.retry_after_s, 3))
         self.windows.bound_cleared(now)
         self.metrics.leases_issued.inc()
         return LeaseResponse(lease=lease)
@@ -181,8 +213,16 @@ class Orchestrator:
     def submit(self, worker_id: str, body: bytes, content_encoding: str | None) -> SubmissionReceipt:
         """Admission in the order that spends the least work on a bad submission (see admission.py),
         then into the verification queue."""
-        raw = admission.decode_body(body, content_encoding)
-        sub = admission.parse_submission(raw, self.prompts.vocab_size)
+        return self.accept_submission(worker_id, self.parse_submission(body, content_encoding), body, content_encoding)
+
+    def parse_submission(self, body: bytes, content_encoding: str | None) -> tuple[bytes, RolloutSubmission]:
+        """Decompress and validate, at most the largest honest body for this run's leases. Touches no
+        state, so the HTTP app may run it off the event loop."""
+        raw = admission.decode_body(body, content_encoding, self.submission_cap)
+        return raw, admission.parse_submission(raw, self.prompts.vocab_size)
+
+    def accept_submission(self, worker_id: str, parsed: tuple[bytes, RolloutSubmission], body: bytes, content_encoding: str | None) -> SubmissionReceipt:
+        raw, sub = parsed
         now = time.time()
         row, lease = self.leases.for_submission(sub.lease_id, worker_id, now)
         admission.check_version(sub.policy_version, self._version, self.cfg.async_level)
@@ -221,8 +261,31 @@ class Orchestrator:
         now = time.time()
         return WorkerList(workers=[self.workers.record(w, now) for w in self.workers.all()])
 
-    def set_ban(self, worker_id: str, banned: bool, reason: str) -> WorkerRecord:
-        return self.workers.record(self.workers.set_ban(worker_id, banned, reason), time.time())
+    def set_ban(self, worker_id: str, banned: bool, reason: str, scope: BanScope | None = None) -> WorkerRecord:
+        row = self.workers.set_ban(worker_id, banned, reason, scope)
+        if banned:
+            self._release_banned()
+        return self.workers.record(row, time.time())
+
+    def mint_token(self, req: JoinTokenRequest) -> JoinTokenMinted:
+        row, token = self.tokens.mint(req.label, req.max_identities)
+        return JoinTokenMinted(token=token, **self.tokens.record(row, 0).model_dump())
+
+    def token_list(self) -> JoinTokenList:
+        now = time.time()
+        return JoinTokenList(tokens=[self.tokens.record(t, self.workers.live_identities(t.token_id, now)) for t in self.tokens.all()])
+
+    def revoke_token(self, token_id: str, reason: str) -> JoinTokenRecord:
+        """No registration with the token any more, and every worker it registered is banned."""
+        row = self.tokens.revoke(token_id, reason)
+        with self.db.tx() as db:
+            self.workers.ban_token_identities(db, token_id, f"join token revoked: {row.ban_reason}")
+        self._release_banned()
+        return self.tokens.record(row, 0)
+
+    def _release_banned(self) -> None:
+        with self.db.tx() as db:
+            self.leases.release_banned(db)
 
     def status(self) -> RunStatus:
         now = time.time()

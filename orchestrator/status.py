@@ -31,6 +31,11 @@ class Metrics:
             "Lease requests refused because generation is async_level versions ahead of the trainer (high: the trainer is the bottleneck)",
             registry=r,
         )
+        self.leases_refused_budget = Counter(
+            "swarmrl_leases_refused_budget",
+            "Lease requests refused because the worker's join token holds its share of the generation budget or is cooling down",
+            registry=r,
+        )
         self.leases_expired = Counter("swarmrl_leases_expired", "Leases expired", registry=r)
         self.groups_dropped = Counter("swarmrl_groups_dropped_zero_signal", "Groups dropped for zero signal", registry=r)
         self.verified_tokens = Counter("swarmrl_verified_tokens", "Tokens in accepted submissions", registry=r)

@@ -25,7 +25,16 @@ from orchestrator.db import Database
 from orchestrator.leases import LeaseBook
 from orchestrator.status import Metrics, RunWindows
 from orchestrator.workers import WorkerRow, Workers
-from protocol.models import NO_STRIKE, Rejection, RejectionCode, RolloutSubmission, TaskLease, Verdict, VerdictStatus
+from protocol.models import (
+    CHARGED_REWARD_STATUS,
+    NO_STRIKE,
+    Rejection,
+    RejectionCode,
+    RolloutSubmission,
+    TaskLease,
+    Verdict,
+    VerdictStatus,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +61,8 @@ COUNTERS = ("policy_version", "submissions_accepted", "submissions_rejected", "r
 # MAX_PARSED_PENDING are not kept in memory but re-read from SQLite when their turn comes.
 MAX_VERIFY_BACKLOG = 4096
 MAX_PARSED_PENDING = 1024
+# A submission the verifier fails on alone this many times is rejected (without a strike) instead of retried.
+MAX_VERIFY_ATTEMPTS = 3
 # The verification thread, woken by a submission, waits this long for more before it verifies and records
 # them together: one transaction and one verifier call per batch instead of per submission (at 500
 # submissions/s, ~10 per batch instead of ~2). The submit response does not wait for verdicts.
@@ -153,6 +164,7 @@ class Verification:
         self.task_name, self.task_params, self.advantage_std = task_name, dict(task_params), advantage_std
         self.strikes_to_ban, self.make_job, self.batch_size = strikes_to_ban, make_job, batch_size
         self._pending: dict[str, Pending] = {}
+        self._failures: dict[str, int] = {}  # submission -> failed verification attempts on its own
         self._queue: queue.Queue[str] = queue.Queue()
         self.stopping = threading.Event()
 
@@ -227,7 +239,7 @@ class Verification:
         )
 
     def verify_pending(self, max_jobs: int | None = None, block: float = 0.0, gather_s: float = 0.0) -> int:
-        """Verify queued submissions (up to max_jobs) and apply their verdicts. Returns how many.
+        """Verify queued submissions (up to max_jobs) and apply their verdicts. Returns how many verdicts.
         `block`: wait that long for a first one; `gather_s`: then wait that long for more to batch with it."""
         ids: list[str] = []
         limit = max_jobs or self.batch_size
@@ -245,22 +257,13 @@ class Verification:
             return 0
         workers: dict[str, WorkerRow | None] = {}
         jobs = [self._job(sid, p, workers) for sid, p in batch]
-        t0 = time.perf_counter()
-        try:
-            verdicts = self.verifier.verify_many(jobs)
-            if len(verdicts) != len(jobs):
-                raise RuntimeError(f"verifier returned {len(verdicts)} verdicts for {len(jobs)} jobs")
-        except Exception:
-            log.exception("verification failed; submissions stay queued", extra={"submissions": len(jobs)})
-            for sid, _ in batch:
-                self._queue.put(sid)
-            self.stopping.wait(1.0)
-            return 0
-        self.metrics.verify_seconds.observe(time.perf_counter() - t0)
+        verdicts = self._verify(batch, jobs)
         # CPU work first (advantages, samples), then one transaction for the whole batch (one commit),
         # so the request path waits for the lock as briefly as possible.
         prepared = []
         for (sid, p), v in zip(batch, verdicts):
+            if v is None:  # failed this time: queued again (or given up on, in _verify)
+                continue
             try:
                 prepared.append(self._prepare(sid, p, v))
             except Exception:  # one bad verdict must not lose the others; this one stays pending in SQLite
@@ -275,7 +278,34 @@ class Verification:
         for item, (applied, banned_now) in results:
             self._after(item, applied, banned_now)
         self.buffer.added(sum(item.groups.num_samples for item, (applied, _) in results if applied and item.groups is not None))
-        return len(batch)
+        return sum(v is not None for v in verdicts)
+
+    def _verify(self, batch: list[tuple[str, Pending]], jobs: list[Any]) -> list[Verdict | None]:
+        """Verdicts of a batch. When the pool fails (an actor died, a call ran past its timeout), the batch
+        is split in halves and each tried alone, so one bad submission never holds back the others; one
+        that fails alone goes back in the queue, and after MAX_VERIFY_ATTEMPTS is rejected (no strike)."""
+        t0 = time.perf_counter()
+        try:
+            verdicts = self.verifier.verify_many(jobs)
+            if len(verdicts) != len(jobs):
+                raise RuntimeError(f"verifier returned {len(verdicts)} verdicts for {len(jobs)} jobs")
+            self.metrics.verify_seconds.observe(time.perf_counter() - t0)
+            return list(verdicts)
+        except Exception:
+            log.exception("verification failed", extra={"submissions": len(jobs)})
+        if len(jobs) > 1:
+            half = len(jobs) // 2
+            return self._verify(batch[:half], jobs[:half]) + self._verify(batch[half:], jobs[half:])
+        sid = batch[0][0]
+        self._failures[sid] = self._failures.get(sid, 0) + 1
+        if self._failures[sid] < MAX_VERIFY_ATTEMPTS:
+            self._queue.put(sid)
+            self.stopping.wait(1.0)
+            return [None]
+        del self._failures[sid]
+        message = f"the verifier failed on this submission {MAX_VERIFY_ATTEMPTS} times"
+        log.error(message, extra={"submission_id": sid})
+        return [Verdict(submission_id=sid, status=VerdictStatus.rejected, rejections=[Rejection(code=RejectionCode.verification_failed, message=message)])]
 
     def _prepare(self, submission_id: str, p: Pending, v: Verdict) -> Applied:
         v = v.model_copy(update={"submission_id": submission_id})
@@ -305,6 +335,9 @@ class Verification:
             tokens = a.verdict.verified_tokens if a.accepted else 0
             strike = not a.accepted and any(r.code not in NO_STRIKE for r in a.verdict.rejections)
             banned_now = self.workers.record_verdict(db, row["worker_id"], a.accepted, tokens, self.strikes_to_ban, strike=strike)
+            if a.accepted and any(st in CHARGED_REWARD_STATUS for st in a.verdict.reward_status or ()):
+                # Text whose reward ran past its time limit (or killed its process): the worker's doing.
+                banned_now = self.workers.strike(db, row["worker_id"], "completions whose rewards ran out of time", self.strikes_to_ban) or banned_now
             if a.accepted:
                 Database.add(db, "submissions_accepted", 1)
                 Database.add(db, "reward_sum", float(sum(a.rewards)))
@@ -329,7 +362,8 @@ class Verification:
             for r in a.verdict.rejections:
                 self.metrics.rejections.labels(r.code.value).inc()
         if banned_now:
-            self.workers.forget_auth(a.worker_id)
+            with self.db.tx() as db:
+                self.leases.release_banned(db)
             self.metrics.bans.inc()
             log.warning("worker banned after strikes", extra={"worker_id": a.worker_id})
 

@@ -1,9 +1,10 @@
-"""Workers and identities: registration, bearer secrets, heartbeats, strikes and bans, the contribution
-ledger, and the `workers` table that holds them.
+"""Workers and identities: registration under a join token, bearer secrets, heartbeats, strikes and
+bans, the contribution ledger, and the `workers` table that holds them.
 
 A worker's secret is `<worker id>.<random>`; only its sha256 is stored. Authentication is a dictionary
 lookup and one constant-time compare per request (the cache is filled from SQLite on a miss and dropped
-on a ban), and last-seen times are kept in memory and flushed to SQLite by housekeeping.
+on a ban), and last-seen times are kept in memory and flushed to SQLite by housekeeping. A ban of scope
+"token" bans every identity of the worker's join token, and the token itself (orchestrator/tokens.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from dataclasses import dataclass
 
 from orchestrator.db import Database
 from orchestrator.errors import ApiError
-from protocol.models import ErrorCode, WorkerRecord, WorkerState
+from orchestrator.tokens import JoinTokens
+from protocol.models import BanScope, ErrorCode, WorkerRecord, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,8 @@ CREATE TABLE IF NOT EXISTS workers (
     ban_reason TEXT NOT NULL DEFAULT '',
     accepted INTEGER NOT NULL DEFAULT 0,
     rejected INTEGER NOT NULL DEFAULT 0,
-    verified_tokens INTEGER NOT NULL DEFAULT 0
+    verified_tokens INTEGER NOT NULL DEFAULT 0,
+    token_id TEXT                   -- the join token it registered with
 );
 """
 
@@ -74,6 +77,7 @@ class WorkerRow:
     accepted: int
     rejected: int
     verified_tokens: int
+    token_id: str | None = None
 
     @property
     def trust_level(self) -> str:
@@ -85,36 +89,59 @@ def _row(r: sqlite3.Row) -> WorkerRow:
 
 
 class Workers:
-    def __init__(self, db: Database, dead_after_s: float):
+    def __init__(self, db: Database, tokens: JoinTokens, dead_after_s: float, ban_scope: BanScope = BanScope.token):
         self.db = db
+        self.tokens = tokens
         self.dead_after_s = dead_after_s
+        self.ban_scope = ban_scope
         db.create(SCHEMA)
+        if "token_id" not in {r[1] for r in db.all("PRAGMA table_info(workers)")}:  # a database from before join tokens
+            with db.tx() as conn:
+                conn.execute("ALTER TABLE workers ADD COLUMN token_id TEXT")
+        db.create("CREATE INDEX IF NOT EXISTS workers_by_token ON workers (token_id);")
         self._auth: dict[str, tuple[str, bool]] = {}  # worker id -> (secret hash, banned)
-        self._seen: dict[str, float] = {}  # last request per worker, flushed to SQLite periodically
+        self._dirty: dict[str, float] = {}  # last-seen times not yet flushed to SQLite
+        # Every identity's join token and last request, in memory (fair shares and live counts read them per lease).
+        rows = db.all("SELECT worker_id, token_id, last_seen, banned FROM workers")
+        self._token_of: dict[str, str | None] = {r[0]: r[1] for r in rows}
+        self._last_seen: dict[str, float] = {r[0]: float(r[2] or 0.0) for r in rows if not r[3]}
 
     # ---------------------------------------------------------------------------------------------
     # identity
 
-    def register(self, name: str, device: str, client_version: str) -> tuple[str, str]:
-        """A new identity: (worker id, bearer secret)."""
+    def register(self, name: str, device: str, client_version: str, token_id: str) -> tuple[str, str]:
+        """A new identity under a join token: (worker id, bearer secret). The caller checked the token."""
         worker_id = f"w-{secrets.token_hex(8)}"
         secret = f"{worker_id}.{secrets.token_urlsafe(32)}"
         digest = hash_secret(secret)
         now = time.time()
         with self.db.tx() as db:
             db.execute(
-                "INSERT INTO workers (worker_id, name, device, client_version, secret_hash, created_at, last_seen, state) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, 'starting')",
-                (worker_id, name, device, client_version, digest, now, now),
+                "INSERT INTO workers (worker_id, name, device, client_version, secret_hash, created_at, last_seen, state, token_id) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, 'starting', ?)",
+                (worker_id, name, device, client_version, digest, now, now, token_id),
             )
+            self.tokens.count_registration(db, token_id)
         self._auth[worker_id] = (digest, False)
-        self._seen[worker_id] = now
-        log.info("worker registered", extra={"worker_id": worker_id, "worker_name": name})
+        self._token_of[worker_id] = token_id
+        self._last_seen[worker_id] = self._dirty[worker_id] = now
+        log.info("worker registered", extra={"worker_id": worker_id, "worker_name": name, "token_id": token_id})
         return worker_id, secret
 
-    def authenticate(self, secret: str, allow_banned: bool = False) -> str:
-        """The worker a bearer secret belongs to; raises unauthorized / banned (a banned worker may
-        still read its verdicts, to learn why)."""
+    def live_identities(self, token_id: str, now: float) -> int:
+        """Identities of a token that are not banned and were seen within dead_after_s."""
+        return sum(1 for w, t in self._last_seen.items() if self._token_of.get(w) == token_id and now - t <= self.dead_after_s)
+
+    def active_tokens(self, now: float) -> int:
+        """Join tokens with at least one live identity: what a fair share of the generation budget divides by."""
+        return len({self._token_of.get(w) for w, t in self._last_seen.items() if now - t <= self.dead_after_s})
+
+    def token_of(self, worker_id: str) -> str | None:
+        return self._token_of.get(worker_id)
+
+    def authenticate(self, secret: str) -> str:
+        """The worker a bearer secret belongs to; raises unauthorized, or banned: a banned secret can do
+        nothing (the worker learns why from this refusal's detail)."""
         worker_id, _, _ = secret.partition(".")
         entry = self._auth.get(worker_id)
         if entry is None:
@@ -124,10 +151,15 @@ class Workers:
             entry = self._auth[worker_id] = (row.secret_hash, row.banned)
         if not secret_matches(secret, entry[0]):
             raise ApiError(ErrorCode.unauthorized, "unknown worker secret")
-        if entry[1] and not allow_banned:
+        if entry[1]:
             raise ApiError(ErrorCode.banned, f"worker {worker_id} is banned")
-        self._seen[worker_id] = time.time()
+        self._last_seen[worker_id] = self._dirty[worker_id] = time.time()
         return worker_id
+
+    def is_cached(self, secret: str) -> bool:
+        """Whether the secret names an identity already in the auth cache (a worker that authenticated
+        before): such requests skip the per-address limit on refused credentials."""
+        return secret.partition(".")[0] in self._auth
 
     def is_secret(self, secret: str) -> bool:
         worker_id, _, _ = secret.partition(".")
@@ -153,55 +185,82 @@ class Workers:
 
     def flush_seen(self) -> None:
         """Persist the last-seen times kept in memory (batched, not one write per request)."""
-        seen, self._seen = self._seen, {}
+        seen, self._dirty = self._dirty, {}
         if seen:
             with self.db.tx() as db:
                 db.executemany("UPDATE workers SET last_seen=? WHERE worker_id=?", [(t, w) for w, t in seen.items()])
 
-    def set_ban(self, worker_id: str, banned: bool, reason: str) -> WorkerRow:
-        if self.get(worker_id) is None:
+    def set_ban(self, worker_id: str, banned: bool, reason: str, scope: BanScope | None = None) -> WorkerRow:
+        """An operator's ban (or unban). Scope "token" bans every identity of the worker's join token and
+        the token itself, so the ban sticks across re-registration; unbanning a worker lifts its token's ban."""
+        row = self.get(worker_id)
+        if row is None:
             raise ApiError(ErrorCode.not_found, f"no worker {worker_id}")
         reason = reason or ("banned by an operator" if banned else "")
         with self.db.tx() as db:
             if banned:
-                db.execute("UPDATE workers SET banned=1, ban_reason=? WHERE worker_id=?", (reason, worker_id))
+                self._ban(db, worker_id, reason, scope or self.ban_scope)
             else:
                 db.execute("UPDATE workers SET banned=0, ban_reason='', strikes=0 WHERE worker_id=?", (worker_id,))
+                if row.token_id:
+                    self.tokens.set_ban(db, row.token_id, False, "")
+                self._last_seen[worker_id] = time.time()
         self._auth.pop(worker_id, None)
         log.warning("worker %s", "banned" if banned else "unbanned", extra={"worker_id": worker_id, "reason": reason})
-        row = self.get(worker_id)
-        assert row is not None
-        return row
+        out = self.get(worker_id)
+        assert out is not None
+        return out
+
+    def ban_token_identities(self, db: sqlite3.Connection, token_id: str, reason: str) -> list[str]:
+        """Inside a transaction: ban every identity of a join token (a revoked or banned token)."""
+        ids = [r[0] for r in db.execute("SELECT worker_id FROM workers WHERE token_id=? AND banned=0", (token_id,)).fetchall()]
+        db.executemany("UPDATE workers SET banned=1, ban_reason=? WHERE worker_id=?", [(reason, w) for w in ids])
+        for w in ids:
+            self._forget(w)
+        return ids
+
+    def _ban(self, db: sqlite3.Connection, worker_id: str, reason: str, scope: BanScope) -> None:
+        db.execute("UPDATE workers SET banned=1, ban_reason=? WHERE worker_id=?", (reason, worker_id))
+        self._forget(worker_id)
+        token_id = self._token_of.get(worker_id)
+        if scope is BanScope.token and token_id:
+            self.tokens.set_ban(db, token_id, True, f"worker {worker_id}: {reason}")
+            self.ban_token_identities(db, token_id, f"join token banned (worker {worker_id}: {reason})")
+
+    def _forget(self, worker_id: str) -> None:
+        self._auth.pop(worker_id, None)
+        self._last_seen.pop(worker_id, None)
 
     def record_verdict(self, db: sqlite3.Connection, worker_id: str, accepted: bool, verified_tokens: int, strikes_to_ban: int, strike: bool = True) -> bool:
         """The worker's ledger after a verdict, inside the verdict's transaction: an acceptance adds its
-        verified tokens; a rejection is a strike (unless it was the trusted side's failure), and enough
-        strikes ban. Returns whether it banned now."""
+        verified tokens (and pays down its token's lease debt); a rejection is a strike (unless it was the
+        trusted side's failure). Returns whether it banned now."""
         if accepted:
             db.execute(
                 "UPDATE workers SET accepted=accepted+1, verified_tokens=verified_tokens+? WHERE worker_id=?", (verified_tokens, worker_id)
             )
+            token_id = self._token_of.get(worker_id)
+            if token_id:
+                self.tokens.pay_debt(db, token_id)
             return False
-        db.execute("UPDATE workers SET rejected=rejected+1, strikes=strikes+? WHERE worker_id=?", (int(strike), worker_id))
-        if not strike:
-            return False
+        db.execute("UPDATE workers SET rejected=rejected+1 WHERE worker_id=?", (worker_id,))
+        return self.strike(db, worker_id, "rejected submissions", strikes_to_ban) if strike else False
+
+    def strike(self, db: sqlite3.Connection, worker_id: str, why: str, strikes_to_ban: int) -> bool:
+        """One strike, inside the caller's transaction; enough strikes ban (with the run's ban scope).
+        Returns whether it banned now."""
+        db.execute("UPDATE workers SET strikes=strikes+1 WHERE worker_id=?", (worker_id,))
         strikes, banned = db.execute("SELECT strikes, banned FROM workers WHERE worker_id=?", (worker_id,)).fetchone()
         if banned or strikes < strikes_to_ban:
             return False
-        db.execute(
-            "UPDATE workers SET banned=1, ban_reason=? WHERE worker_id=?", (f"{strikes} rejected submissions (threshold {strikes_to_ban})", worker_id)
-        )
+        self._ban(db, worker_id, f"{strikes} strikes (threshold {strikes_to_ban}), the last for {why}", self.ban_scope)
         return True
-
-    def forget_auth(self, worker_id: str) -> None:
-        """Drop a cached identity (after a ban applied by a verdict), so the next request reads SQLite."""
-        self._auth.pop(worker_id, None)
 
     # ---------------------------------------------------------------------------------------------
     # operator views
 
     def last_seen(self, w: WorkerRow) -> float | None:
-        return max(w.last_seen or 0.0, self._seen.get(w.worker_id, 0.0)) or None
+        return max(w.last_seen or 0.0, self._last_seen.get(w.worker_id, 0.0)) or None
 
     def online(self, w: WorkerRow, now: float) -> bool:
         return not w.banned and now - (self.last_seen(w) or 0.0) <= self.dead_after_s
@@ -224,4 +283,5 @@ class Workers:
             submissions_rejected=w.rejected,
             verified_tokens=w.verified_tokens,
             tokens_per_s=w.tokens_per_s,
+            token_id=w.token_id,
         )

@@ -49,6 +49,7 @@ HTTP_STATUS: dict[m.ErrorCode, int] = {
     m.ErrorCode.too_many_leases: 429,
     m.ErrorCode.unsupported_encoding: 415,
     m.ErrorCode.timeout: 503,
+    m.ErrorCode.too_many_identities: 429,
 }
 # Statuses several codes share map back to the most general of them.
 _CODE_FOR_STATUS = {400: m.ErrorCode.invalid_request, 403: m.ErrorCode.forbidden, 409: m.ErrorCode.duplicate, 429: m.ErrorCode.rate_limited}
@@ -77,13 +78,16 @@ WORKERS = Endpoint("GET", "/v1/workers", None, m.WorkerList, Auth.admin, "All wo
 BAN = Endpoint("POST", "/v1/workers/{worker_id}/ban", m.BanRequest, m.WorkerRecord, Auth.admin, "Ban a worker")
 UNBAN = Endpoint("POST", "/v1/workers/{worker_id}/unban", m.BanRequest, m.WorkerRecord, Auth.admin, "Unban a worker")
 METRICS = Endpoint("GET", "/metrics", None, None, Auth.admin, "Prometheus metrics")
+MINT_TOKEN = Endpoint("POST", "/v1/join-tokens", m.JoinTokenRequest, m.JoinTokenMinted, Auth.admin, "Mint a join token (its secret is shown once)")
+TOKENS = Endpoint("GET", "/v1/join-tokens", None, m.JoinTokenList, Auth.admin, "All join tokens")
+REVOKE_TOKEN = Endpoint("POST", "/v1/join-tokens/{token_id}/revoke", m.BanRequest, m.JoinTokenRecord, Auth.admin, "Revoke a join token and ban its workers")
 STATUS_HISTORY = Endpoint("GET", "/v1/status/history", None, None, Auth.admin, "Dashboard data: status, workers and time series")
 
 HEALTH = Endpoint("GET", "/healthz", None, m.HealthStatus, Auth.none, "Liveness")
 READY = Endpoint("GET", "/readyz", None, m.HealthStatus, Auth.none, "Readiness: 503 until the run is serving")
 
 WORKER_ENDPOINTS = (REGISTER, HEARTBEAT, LEASE, RELEASE, SUBMIT, VERDICT)
-OPERATOR_ENDPOINTS = (STATUS, WORKERS, BAN, UNBAN, METRICS, STATUS_HISTORY)
+OPERATOR_ENDPOINTS = (STATUS, WORKERS, BAN, UNBAN, MINT_TOKEN, TOKENS, REVOKE_TOKEN, METRICS, STATUS_HISTORY)
 ALL_ENDPOINTS = WORKER_ENDPOINTS + OPERATOR_ENDPOINTS + (HEALTH, READY)
 
 # shardcast servers (origin and relays) serve this read-only API.

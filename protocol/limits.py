@@ -30,3 +30,14 @@ MAX_NAME_CHARS = 64
 MAX_MESSAGE_CHARS = 2048
 MAX_SHARDS_PER_MANIFEST = 10_000
 MAX_SHARD_NAME_CHARS = 128
+
+
+def submission_bytes_cap(completions: int, max_tokens: int) -> int:
+    """The largest JSON body an honest worker sends for a lease of `completions` completions of at most
+    `max_tokens` tokens (compact JSON, as `model_dump_json` writes it), with 10% slack: token ids and
+    logprobs as base64 of 4 bytes per value, one 258-byte proof per 32 tokens, ~150 bytes of keys and
+    small values per completion. The orchestrator refuses bodies above it, before and while decompressing."""
+    b64 = lambda n: 4 * -(-n // 3)  # noqa: E731 - base64 length of n bytes
+    proofs = -(-max_tokens // PROOF_CHUNK_TOKENS) * (b64(MAX_PROOF_BYTES) + 3)
+    per_completion = 2 * b64(4 * max_tokens) + proofs + 160
+    return int(1.1 * (completions * per_completion + 512)) + 4096

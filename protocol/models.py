@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import base64
 import json
+import unicodedata
 from enum import Enum
 from typing import Annotated, Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from protocol import limits
 from protocol.arrays import PackedArray
@@ -54,6 +55,7 @@ class ErrorCode(str, Enum):
     too_many_leases = "too_many_leases"
     unsupported_encoding = "unsupported_encoding"
     timeout = "timeout"  # the request took longer than the server allows; safe to retry
+    too_many_identities = "too_many_identities"  # the join token has as many live workers as it may have
 
 
 class ErrorBody(WireModel):
@@ -68,10 +70,19 @@ class ErrorBody(WireModel):
 # Workers: registration and heartbeat
 
 
+def _nfkc(value: Any) -> Any:
+    """Unicode compatibility normalization before the ASCII patterns below: a fullwidth 'ａｄｍｉｎ' is
+    stored as 'admin', and anything that stays outside the safe set is refused."""
+    return unicodedata.normalize("NFKC", value) if isinstance(value, str) else value
+
+
+SafeName = Annotated[str, BeforeValidator(_nfkc), Field(min_length=1, max_length=limits.MAX_NAME_CHARS, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.@-]*$")]
+
+
 class WorkerRegistration(WireModel):
-    name: Annotated[str, Field(min_length=1, max_length=limits.MAX_NAME_CHARS, pattern=r"^[\w.@-]+$")]
-    client_version: Annotated[str, Field(max_length=32)] = "0"
-    device: Annotated[str, Field(max_length=64)] = "cpu"
+    name: SafeName
+    client_version: Annotated[str, Field(max_length=32, pattern=r"^[A-Za-z0-9_.+-]*$")] = "0"
+    device: Annotated[str, BeforeValidator(_nfkc), Field(max_length=64, pattern=r"^[ -~]*$")] = "cpu"  # printable ASCII
 
 
 class WorkerRegistered(WireModel):
@@ -265,10 +276,11 @@ class RejectionCode(str, Enum):
     wrong_model_hash = "wrong_model_hash"
     lease_mismatch = "lease_mismatch"
     reward_error = "reward_error"  # the trusted side could not score it (e.g. a NaN reward): not the worker's fault
+    verification_failed = "verification_failed"  # the verifier failed on it again and again (crash, timeout)
 
 
 # Rejections that are the trusted side's own failure: the worker gets no strike for them.
-NO_STRIKE = frozenset({RejectionCode.reward_error})
+NO_STRIKE = frozenset({RejectionCode.reward_error, RejectionCode.verification_failed})
 
 
 class Rejection(WireModel):
@@ -286,12 +298,28 @@ class VerdictStatus(str, Enum):
     rejected = "rejected"
 
 
+class RewardStatus(str, Enum):
+    """How a completion's trusted reward came out (verifier.reward_pool); all but ok give reward 0."""
+
+    ok = "ok"
+    error = "error"  # the reward code raised or gave no number in [0, 1]: the run's reward is at fault
+    timed_out = "timed_out"  # past the per-completion time limit: counts against the worker
+    crashed = "crashed"  # the reward process died on it: counts against the worker
+    skipped = "skipped"  # its submission already spent its budget of timeouts and crashes
+
+
+# Reward outcomes that count against the worker that sent the text (a strike per submission).
+CHARGED_REWARD_STATUS = frozenset({RewardStatus.timed_out, RewardStatus.crashed, RewardStatus.skipped})
+
+
 class Verdict(WireModel):
     submission_id: Id
     status: VerdictStatus
     rejections: Annotated[list[Rejection], Field(max_length=1024)] = []
     # Trusted rewards, one per completion, in submission order. Only set when accepted.
     rewards: list[float] | None = None
+    # How each reward came out, in the same order; None: all ok (or a verdict from before reward statuses).
+    reward_status: list[RewardStatus] | None = None
     verified_tokens: int = 0
 
 
@@ -375,14 +403,47 @@ class WorkerRecord(WireModel):
     submissions_rejected: int = 0
     verified_tokens: int = 0  # contribution ledger
     tokens_per_s: float = 0.0
+    token_id: str | None = None  # the join token it registered with
 
 
 class WorkerList(WireModel):
     workers: list[WorkerRecord]
 
 
+class BanScope(str, Enum):
+    identity = "identity"  # this worker only; its join token may register new workers
+    token = "token"  # every worker of its join token, and no new registration with that token
+
+
 class BanRequest(WireModel):
     reason: Message = ""
+    scope: BanScope | None = None  # None: the run's default (orchestrator.ban_scope)
+
+
+class JoinTokenRequest(WireModel):
+    label: SafeName
+    max_identities: Annotated[int, Field(ge=1, le=10_000)] | None = None  # None: the run's default
+
+
+class JoinTokenRecord(WireModel):
+    token_id: Id
+    label: str
+    created_at: float
+    revoked: bool
+    banned: bool
+    max_identities: int
+    live_identities: int = 0
+    registrations: int = 0
+    lease_debt: float = 0.0  # leases held and given back unsubmitted, in leases (see orchestrator/tokens.py)
+    cooldown_until: float = 0.0
+
+
+class JoinTokenMinted(JoinTokenRecord):
+    token: Annotated[str, Field(min_length=16, max_length=256)]  # the secret: shown once, stored hashed
+
+
+class JoinTokenList(WireModel):
+    tokens: list[JoinTokenRecord]
 
 
 class RunStatus(WireModel):

@@ -126,7 +126,8 @@ class RayVerifierPool:
         if not actors:
             raise ValueError("a verifier pool needs at least one actor")
         self.actors = actors
-        # A hung actor must not hang the orchestrator: the jobs time out and are queued again.
+        # A hung actor must not hang the orchestrator: the call times out, and the orchestrator splits the
+        # batch until the submission at fault is alone (orchestrator/verification.py).
         self.timeout_s = timeout_s
 
     @classmethod
@@ -148,7 +149,7 @@ class RayVerifierPool:
         n = num_actors or config.num_actors
         actors = [remote.remote(config, weights_for_version, tokenizer_dir, cpus=cpus) for _ in range(n)]
         ray.get([a.ping.remote() for a in actors])  # surface constructor errors now
-        return cls(actors)
+        return cls(actors, timeout_s=config.timeout_s)
 
     def verify_many(self, jobs: list[Any]) -> list[Any]:
         import ray
@@ -157,7 +158,14 @@ class RayVerifierPool:
             return []
         n = min(len(self.actors), len(jobs))
         parts = [jobs[i::n] for i in range(n)]
-        results = ray.get([self.actors[i].verify_many.remote(parts[i]) for i in range(n)], timeout=self.timeout_s)
+        futures = [self.actors[i].verify_many.remote(parts[i]) for i in range(n)]
+        done, late = ray.wait(futures, num_returns=len(futures), timeout=self.timeout_s)
+        if late:  # a stuck actor would keep every later call waiting behind it: restart it (Ray's max_restarts)
+            for i, f in enumerate(futures):
+                if f in late:
+                    ray.kill(self.actors[i], no_restart=False)
+            raise TimeoutError(f"{len(late)} verifier actor(s) did not answer within {self.timeout_s:g} s; restarted")
+        results = ray.get(futures)
         out: list[Any] = [None] * len(jobs)
         for i, verdicts in enumerate(results):
             if len(verdicts) != len(parts[i]):

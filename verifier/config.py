@@ -2,6 +2,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from verifier.reward_config import RewardPoolConfig
+
 
 class ProofThresholds(BaseModel):
     """Acceptance thresholds for one proof chunk (of its top-128 values)."""
@@ -71,6 +73,10 @@ class VerifierConfig(BaseModel):
         description="fraction of submissions verified, per worker trust level; default verifies everything",
     )
     num_threads: int = Field(0, ge=0, description="torch threads; 0 leaves torch's default")
+    rewards: RewardPoolConfig = RewardPoolConfig()
+    timeout_s: float = Field(
+        120.0, gt=0, description="one verify call of the pool; past it the batch is split so one slow submission never holds back the others"
+    )
 
     def tolerances(self) -> Tolerances:
         base = CALIBRATED[self.dtype]

@@ -7,7 +7,8 @@ Pure Python (no Ray): the orchestrator wraps `Verifier` in Ray actors. For each 
    `spot_check_rate[L]` (default 1: everything); the draw is seeded by the submission id;
 3. one batched transformers prefill per policy version over every completion of every job;
 4. per completion: termination, TOPLOC-style proofs, reported logprobs, sampling support;
-5. accepted submissions get trusted rewards from the decoded completion text.
+5. accepted submissions get trusted rewards from the decoded completion text, computed in a pool of
+   sandboxed processes with a time limit per completion (verifier/reward_pool.py).
 
 Every rejection names its reason and carries the statistics behind it.
 """
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import random
 import time
 from collections import OrderedDict
@@ -31,6 +31,7 @@ from protocol import limits
 from protocol.models import (
     Rejection,
     RejectionCode,
+    RewardStatus,
     RolloutSubmission,
     TaskLease,
     Verdict,
@@ -39,7 +40,8 @@ from protocol.models import (
 from verifier import checks, proofs
 from verifier.config import VerifierConfig
 from verifier.reference import eos_token_ids, load_reference_model, prefill
-from verifier.tasks import Task, TaskItem, get_task
+from verifier.reward_pool import RewardPool, RewardRequest, RewardResult
+from verifier.tasks import TaskItem
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +74,7 @@ class Verifier:
             self.eos_ids.add(int(self.tokenizer.eos_token_id))
         self.pad_id = int(self.tokenizer.pad_token_id or 0)
         self._models: OrderedDict[int, Any] = OrderedDict()
-        self._tasks: dict[tuple, Task] = {}
+        self.rewards = RewardPool(config.rewards)
         self.vocab_size: int | None = None
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -95,12 +97,6 @@ class Verifier:
 
     def loaded_versions(self) -> list[int]:
         return list(self._models)
-
-    def task(self, name: str, params: dict[str, Any]) -> Task:
-        key = (name, tuple(sorted((k, repr(v)) for k, v in params.items())))
-        if key not in self._tasks:
-            self._tasks[key] = get_task(name, **params)
-        return self._tasks[key]
 
     def decode(self, token_ids: np.ndarray) -> str:
         ids = [int(t) for t in token_ids]
@@ -131,7 +127,7 @@ class Verifier:
                     rejections[i].append(Rejection(code=RejectionCode.lease_mismatch, message=f"policy version {version} unavailable: {exc}"[: limits.MAX_MESSAGE_CHARS]))
                 continue
             self._deep_check(model, [jobs[i] for i in idx], [rejections[i] for i in idx])
-        return [self._verdict(job, rej) for job, rej in zip(jobs, rejections)]
+        return self._verdicts(jobs, rejections)
 
     # ------------------------------------------------------------------------------------------
     def _structural(self, job: VerifyJob) -> list[Rejection]:
@@ -215,16 +211,33 @@ class Verifier:
             out.append(Rejection(code=RejectionCode(f.code), message=f.message, stats=f.stats))
         return out, None if isinstance(diff, checks.Finding) else diff
 
-    def _verdict(self, job: VerifyJob, rejections: list[Rejection]) -> Verdict:
-        tokens = job.submission.num_tokens
-        if rejections:
-            return Verdict(submission_id=job.submission_id, status=VerdictStatus.rejected, rejections=rejections[:1024], verified_tokens=0)
-        task = self.task(job.task_name, job.task_params)
-        rewards = [float(task.reward(job.items[c.prompt_index], self.decode(c.token_ids))) for c in job.submission.completions]
-        bad = [i for i, r in enumerate(rewards) if not math.isfinite(r)]
-        if bad:  # a broken reward function: say so, never hand the trainer a NaN
-            message = f"task {job.task_name!r} gave a non-finite reward ({rewards[bad[0]]}) for completion {bad[0]}"
-            log.error(message, extra={"submission_id": job.submission_id})
-            return Verdict(submission_id=job.submission_id, status=VerdictStatus.rejected,
-                           rejections=[Rejection(code=RejectionCode.reward_error, completion_index=bad[0], message=message)])
-        return Verdict(submission_id=job.submission_id, status=VerdictStatus.accepted, rewards=rewards, verified_tokens=tokens)
+    def _verdicts(self, jobs: Sequence[VerifyJob], rejections: list[list[Rejection]]) -> list[Verdict]:
+        """Rejected jobs keep their reasons; the others get trusted rewards, every completion of every
+        job scored in one call to the sandboxed reward pool (a time limit per completion)."""
+        requests, owners = [], []
+        for j, job in enumerate(jobs):
+            if rejections[j]:
+                continue
+            for c in job.submission.completions:
+                requests.append(RewardRequest(job.task_name, job.items[c.prompt_index], self.decode(c.token_ids), job.task_params, job.submission_id))
+                owners.append(j)
+        results = self.rewards.score_many(requests) if requests else []
+        per_job: dict[int, list[RewardResult]] = {}
+        for j, r in zip(owners, results):
+            per_job.setdefault(j, []).append(r)
+        out = []
+        for j, job in enumerate(jobs):
+            if rejections[j]:
+                out.append(Verdict(submission_id=job.submission_id, status=VerdictStatus.rejected, rejections=rejections[j][:1024], verified_tokens=0))
+                continue
+            scored = per_job.get(j, [])
+            status = [RewardStatus(r.status.value) for r in scored]
+            out.append(Verdict(
+                submission_id=job.submission_id, status=VerdictStatus.accepted, rewards=[r.reward for r in scored],
+                reward_status=None if all(s is RewardStatus.ok for s in status) else status, verified_tokens=job.submission.num_tokens,
+            ))
+        return out
+
+    def close(self) -> None:
+        """Stop the reward processes (also done when the verifier is garbage-collected)."""
+        self.rewards.close()

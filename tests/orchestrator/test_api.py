@@ -272,22 +272,25 @@ def read_response(s: socket.socket) -> str:
     return (head + b"\r\n\r\n" + body).decode()
 
 
-def test_content_length_cap_before_reading(server):
-    # Announce a huge body and send none of it: refused from the header alone, without waiting.
+def test_credentials_first_then_the_body_cap_from_the_header(server, client):
+    """Announce a huge body and send none of it: without a valid credential it is refused as
+    unauthorized, and with one as too large, both from the headers alone, without reading the body."""
     host, port = server.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=5) as s:
-        s.sendall(
-            f"POST {api.SUBMIT.path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer a.b\r\n"
-            f"Content-Length: {limits.MAX_BODY_BYTES * 4}\r\n\r\n".encode()
-        )
-        reply = read_response(s)
-    assert reply.startswith("HTTP/1.1 413") and "payload_too_large" in reply
+    w = register(client)
+    for token, status, code in (("w-nobody.x", "401", "unauthorized"), (w.secret, "413", "payload_too_large")):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(
+                f"POST {api.SUBMIT.path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+                f"Content-Length: {limits.MAX_BODY_BYTES * 4}\r\n\r\n".encode()
+            )
+            reply = read_response(s)
+        assert reply.startswith(f"HTTP/1.1 {status}") and code in reply, reply
 
 
 def test_slow_body_times_out(server):
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(f"POST {api.REGISTER.path} HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{{".encode())
+        s.sendall(f"POST {api.REGISTER.path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {JOIN}\r\nContent-Length: 100\r\n\r\n{{".encode())
         reply = read_response(s)  # never send the rest: the server gives up after request_timeout_s
     assert reply.startswith("HTTP/1.1 503") and "not completed within" in reply
 
@@ -353,11 +356,19 @@ def test_ban_unban(client):
 
 def test_ban_after_strikes_over_http(client):
     w = register(client)
+    receipts = []
     for i in range(2):
         lease = get_lease(client, w)
         r = client.post(api.SUBMIT.path, content=encode(make_submission(lease, np.random.default_rng(i), bad=True)), headers=bearer(w.secret))
         assert r.status_code == 200
-        assert wait_verdict(client, w, SubmissionReceipt.model_validate_json(r.content).submission_id).status.value == "rejected"
+        receipts.append(SubmissionReceipt.model_validate_json(r.content).submission_id)
+        if i == 0:
+            assert wait_verdict(client, w, receipts[0]).status.value == "rejected"
+    # The second strike bans: from then on the secret can do nothing, not even read its verdicts.
+    deadline = time.time() + 10
+    while (r := client.get(api.VERDICT.url("", submission_id=receipts[1]), headers=bearer(w.secret))).status_code == 200 and time.time() < deadline:
+        time.sleep(0.05)
+    error(r, 403, "banned")
     error(client.post(api.LEASE.path, json={"loaded_policy_version": 0}, headers=bearer(w.secret)), 403, "banned")
     rec = WorkerList.model_validate_json(client.get(api.WORKERS.path, headers=bearer(ADMIN)).content).workers[0]
     assert rec.banned and rec.strikes == 2 and rec.submissions_rejected == 2

@@ -21,6 +21,7 @@ from orchestrator.errors import ApiError
 from protocol.models import (
     ErrorCode,
     Heartbeat,
+    JoinTokenRequest,
     LeaseRequest,
     VerdictStatus,
     WorkerRegistration,
@@ -30,8 +31,11 @@ from swarmrl.config import RunConfig
 from trainer.samples import samples_from_groups
 
 
-def register(orch, name="w"):
-    reg = orch.register(WorkerRegistration(name=name))
+def register(orch, name="w", token=None):
+    """A worker; a volunteer of its own (a freshly minted join token) when `token` is "new"."""
+    if token == "new":
+        token = orch.mint_token(JoinTokenRequest(label=f"v-{name}")).token
+    reg = orch.register(WorkerRegistration(name=name), token or orch.cfg.join_tokens[0])
     return orch.authenticate(reg.secret), reg.secret
 
 
@@ -196,7 +200,7 @@ def test_lease_shape_must_match(orch):
 def test_lease_expiry_reissue_and_late_submission(tmp_path):
     orch = make_orchestrator(run_config(tmp_path, lease_timeout_s=0.2))
     a, _ = register(orch, "a")
-    b, _ = register(orch, "b")
+    b, _ = register(orch, "b", token="new")  # another volunteer: a's expired lease cools down a's token only
     la = lease(orch, a)
     time.sleep(0.3)
     # Late, even before the sweeper ran:
@@ -283,6 +287,34 @@ def test_verifier_failure_keeps_submissions_queued(orch):
     orch._stop.clear()
     drain(orch)
     assert orch.verdict(wid, r.submission_id).status == VerdictStatus.accepted
+
+
+def test_a_submission_the_verifier_fails_on_never_holds_back_the_others(orch):
+    """The pool fails (a crash, a timeout) whenever one poisoned submission is in the batch: the batch is
+    split until it is alone, the others get their verdicts, and after three failed attempts on its own it
+    is rejected as verification_failed, without a strike (it may be our verifier's fault)."""
+    wid, _ = register(orch)
+    verifier = orch.verification.verifier
+    real = verifier.verify_many
+    subs = [submit(orch, wid, make_submission(lease(orch, wid, max_prompts=1), np.random.default_rng(i))) for i in range(2)]
+    poisoned = subs[0].submission_id
+    seen = []
+
+    def flaky(jobs):
+        seen.append(len(jobs))
+        if any(j.submission_id == poisoned for j in jobs):
+            raise TimeoutError("a verifier actor did not answer in time (test)")
+        return real(jobs)
+
+    verifier.verify_many = flaky
+    orch._stop.set()  # don't sleep in the retry back-off
+    while orch.verification.backlog():
+        orch.verification.verify_pending()
+    assert seen[0] == 2 and seen.count(1) >= 3  # the batch of two, then each alone
+    assert orch.verdict(wid, subs[1].submission_id).status == VerdictStatus.accepted
+    v = orch.verdict(wid, poisoned)
+    assert v.status == VerdictStatus.rejected and v.rejections[0].code.value == "verification_failed"
+    assert orch.workers.get(wid).strikes == 0
 
 
 def test_heartbeat_only_as_itself(orch):
@@ -606,7 +638,7 @@ def test_untrained_counters_match_the_rows_through_every_transition(tmp_path):
     """The async bound reads two counters kept alongside the lease and sample rows; after each kind of
     transition (issue, submit, accept, reject, release, expire, take, stale drop, give back, commit,
     restart) they equal a recount of the rows."""
-    cfg = run_config(tmp_path, max_open_leases_per_worker=10, strikes_to_ban=100)
+    cfg = run_config(tmp_path, max_open_leases_per_worker=10, strikes_to_ban=100, lease_cooldown_s=0)  # counters, not budgets
     cfg.trainer.max_staleness = 1
     orch = make_orchestrator(cfg)
     k = cfg.orchestrator.samples_per_prompt

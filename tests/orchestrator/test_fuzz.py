@@ -24,7 +24,7 @@ def fuzz_server(tmp_path_factory):
     cfg = run_config(tmp_path_factory.mktemp("fuzz"), admin_token=ADMIN, join_tokens=[JOIN], rate_limit_per_s=1e6,
                      max_open_leases_per_worker=100_000, request_timeout_s=5.0)
     srv = OrchestratorServer(make_orchestrator(cfg), port=0).start()
-    reg = srv.orch.register(WorkerRegistration(name="fuzzer"))
+    reg = srv.orch.register(WorkerRegistration(name="fuzzer"), JOIN)
     yield srv, reg.secret
     srv.stop()
 

@@ -6,13 +6,14 @@ an honest worker on a transformers engine would send; the vLLM path is covered b
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
 import pytest
 import torch
 
-from protocol.models import Completion, FinishReason, RejectionCode, RolloutSubmission, SamplingParams, TaskLease, TaskPrompt, VerdictStatus
+from protocol.models import Completion, FinishReason, RejectionCode, RewardStatus, RolloutSubmission, SamplingParams, TaskLease, TaskPrompt, VerdictStatus
 from verifier import proofs
 from verifier.config import VerifierConfig
 from verifier.reference import load_reference_model, prefill
@@ -175,13 +176,36 @@ def test_cli_check_verifies_a_saved_bundle(tiny_model_dir, honest, tmp_path):
     assert res.exit_code == 2 and "cannot read" in res.output
 
 
-def test_a_non_finite_reward_is_a_clear_rejection_not_a_nan(verifier, honest, monkeypatch):
-    """A broken reward function (NaN) must not reach the trainer, nor leave the submission undecided:
-    the verdict is a rejection that says which completion and why (reward_error: no strike, see
-    orchestrator.verification)."""
-    task = verifier.task("toy", {})
-    monkeypatch.setattr(task, "reward", lambda item, text: float("nan"))
-    verdict = verifier.verify(job(honest, sid="nan"))
-    assert verdict.status == VerdictStatus.rejected and verdict.rewards is None
-    [r] = verdict.rejections
-    assert r.code == RejectionCode.reward_error and r.completion_index == 0 and "non-finite reward" in r.message
+def test_rewards_run_sandboxed_and_their_failures_are_reported_per_completion(versions, tiny_model_dir, honest, tmp_path):
+    """A reward that returns NaN, raises, or runs forever never reaches the trainer as anything but 0, and
+    never leaves a submission without a verdict: each completion's reward status says what happened
+    (error: the run's reward code is at fault; timed_out: counted against the worker by the orchestrator)."""
+    from verifier.reward_config import RewardPoolConfig
+
+    (tmp_path / "user_rewards.py").write_text(
+        "import math, time\n"
+        "def nan(text, item):\n    return math.nan\n"
+        "import os\n"
+        f"MARK = {str(tmp_path / 'slept')!r}\n"
+        "def slow_once(text, item):\n"
+        "    if item.prompt_id == 'q0' and not os.path.exists(MARK):\n"
+        "        open(MARK, 'w').close()\n"
+        "        time.sleep(60)\n"
+        "    return 1.0\n"
+    )
+    cfg = VerifierConfig(keep_versions=1, rewards=RewardPoolConfig(processes=1, time_limit_s=1.0, import_paths=[str(tmp_path)]))
+    v = Verifier(cfg, lambda ver: versions[ver], tiny_model_dir)
+    try:
+        lease, items, comps = honest
+        items = [dataclasses.replace(it, prompt_id=f"q{i}") for i, it in enumerate(items)]
+        nan = v.verify(dataclasses.replace(job(honest, sid="nan", items=items), task_name="user_rewards:nan"))
+        assert nan.status == VerdictStatus.accepted and nan.rewards == [0.0] * len(comps)
+        assert nan.reward_status == [RewardStatus.error] * len(comps)
+        slow = v.verify(dataclasses.replace(job(honest, sid="slow", items=items), task_name="user_rewards:slow_once"))
+        assert slow.status == VerdictStatus.accepted
+        assert slow.reward_status.count(RewardStatus.timed_out) == 1  # the one slow completion, killed at the limit
+        timed_out = slow.reward_status.index(RewardStatus.timed_out)
+        assert comps[timed_out].prompt_index == 0 and slow.rewards[timed_out] == 0.0
+        assert all(r == 1.0 and st == RewardStatus.ok for i, (r, st) in enumerate(zip(slow.rewards, slow.reward_status)) if i != timed_out)
+    finally:
+        v.close()

@@ -1,0 +1,223 @@
+"""What every request meets before the app runs: requests are a budget.
+
+- The connection: its request line and headers must arrive within `header_timeout_s` (a slow-loris
+  holds nothing), and uvicorn caps open connections at `max_connections` (`GuardedHttpToolsProtocol`,
+  `uvicorn_config`).
+- Credentials first: the endpoint's credential (protocol.api's table) is checked from the headers before
+  one byte of the body is read, so an unauthenticated flood costs a dictionary lookup, not a buffer.
+  Refused credentials are counted per client address; an address over `failed_auth_per_min` gets 429
+  for anything not already known good, without a database lookup.
+- Budgets per worker and per join token: requests per second, body bytes per second, requests in flight.
+- The body: read under the endpoint's cap (a submission: the largest honest body for the run's leases,
+  protocol.limits.submission_bytes_cap) and the whole request under `request_timeout_s`.
+
+Pure ASGI (no task or stream per request). The caller it authenticated travels in the scope's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from orchestrator.admission import RateLimiter
+from orchestrator.errors import ApiError
+from orchestrator.fast_path import error_response
+from orchestrator.service import Orchestrator
+from protocol import api, limits
+from protocol.models import ErrorCode
+
+log = logging.getLogger(__name__)
+
+# Bodies of endpoints other than submit are small JSON objects.
+MAX_SMALL_BODY_BYTES = 64 << 10
+CALLER = "swarmrl_caller"  # scope["state"] key: the worker id (worker endpoints) or the join token's row (register)
+
+
+class Gate:
+    def __init__(self, app: Any, orch: Orchestrator, admin_check: Any):
+        self.app = app
+        self.orch = orch
+        self.admin_check = admin_check  # token -> None, or raises (the app's admin credential check)
+        cfg = orch.cfg
+        self.timeout_s = cfg.request_timeout_s
+        self.submit_cap = limits.submission_bytes_cap(cfg.prompts_per_lease * cfg.samples_per_prompt, cfg.sampling.max_tokens)
+        self.failed = RateLimiter(cfg.failed_auth_per_min / 60.0, burst=max(5.0, cfg.failed_auth_per_min))
+        self.bytes = RateLimiter(cfg.bytes_per_s_per_worker, burst=4 * cfg.bytes_per_s_per_worker)
+        # A join token's identities share half of what as many independent workers could send: a Sybil
+        # crowd costs its token, a group of honest machines under one token still has room.
+        token_rate = cfg.rate_limit_per_s * max(1.0, cfg.max_identities_per_token / 2)
+        self.token_requests = RateLimiter(token_rate, burst=2 * token_rate)
+        self.in_flight: dict[str, int] = {}
+        self.routes = [(ep, re.compile("^" + re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", ep.path) + "$")) for ep in api.ALL_ENDPOINTS]
+
+    def endpoint(self, method: str, path: str) -> api.Endpoint | None:
+        for ep, pattern in self.routes:
+            if ep.method == method and pattern.match(path):
+                return ep
+        return None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked_send(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        ep = self.endpoint(scope["method"], scope["path"])
+        worker_id = None
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                caller = self.authorize(ep, scope) if ep is not None else None
+                if isinstance(caller, str):
+                    worker_id = caller
+                    if self.in_flight.get(worker_id, 0) >= self.orch.cfg.requests_in_flight_per_worker:
+                        raise ApiError(ErrorCode.rate_limited, "too many requests in flight", retry_after_s=1.0)
+                    self.in_flight[worker_id] = self.in_flight.get(worker_id, 0) + 1
+                scope.setdefault("state", {})[CALLER] = caller
+                body = await self.read_body(scope, receive, self.submit_cap if ep is api.SUBMIT else MAX_SMALL_BODY_BYTES, worker_id)
+                if body is None:
+                    return  # the client went away
+                await self.app(scope, _replay(body, receive), tracked_send)
+        except ApiError as exc:
+            self.orch.metrics.requests_refused.labels(exc.code.value).inc()
+            if not started:
+                await error_response(exc)(scope, receive, send)
+        except TimeoutError:
+            log.warning("request timed out", extra={"path": scope.get("path")})
+            if not started:
+                await error_response(ApiError(ErrorCode.timeout, f"request not completed within {self.timeout_s:g} s", retry_after_s=1.0))(scope, receive, send)
+        finally:
+            if worker_id is not None:
+                self.in_flight[worker_id] -= 1
+
+    def authorize(self, ep: api.Endpoint, scope: dict) -> Any:
+        """The endpoint's credential, from the headers; counts refusals per client address."""
+        if ep.auth is api.Auth.none:
+            return None
+        address = (scope.get("client") or ("?",))[0]
+        token = bearer_token(scope)
+        if ep.auth is api.Auth.worker:
+            known = self.orch.workers.is_cached(token)
+            if not known and not self.failed.has(address):
+                raise ApiError(ErrorCode.rate_limited, "too many refused credentials from this address", retry_after_s=10.0)
+        elif not self.failed.has(address):
+            raise ApiError(ErrorCode.rate_limited, "too many refused credentials from this address", retry_after_s=10.0)
+        try:
+            if ep.auth is api.Auth.join:
+                return self.orch.tokens.authenticate(token)
+            if ep.auth is api.Auth.admin:
+                return self.admin_check(token)
+            worker_id = self.orch.authenticate(token)
+        except ApiError as exc:
+            if exc.code in (ErrorCode.unauthorized, ErrorCode.forbidden):
+                self.failed.take(address)
+            raise
+        self.token_budget(worker_id)
+        return worker_id
+
+    def token_budget(self, worker_id: str) -> None:
+        token_id = self.orch.workers.token_of(worker_id)
+        if token_id is not None:
+            self.token_requests.check(f"token:{token_id}")
+
+    async def read_body(self, scope: dict, receive: Any, cap: int, worker_id: str | None) -> bytes | None:
+        for name, value in scope.get("headers", []):
+            if name == b"content-length":
+                try:
+                    length = int(value)
+                except ValueError:
+                    raise ApiError(ErrorCode.invalid_request, "Content-Length is not a number", status=400) from None
+                if length > cap:
+                    raise ApiError(ErrorCode.payload_too_large, f"body of {length} bytes; the limit is {cap}")
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > cap:
+                raise ApiError(ErrorCode.payload_too_large, f"body larger than {cap} bytes")
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        if worker_id is not None and size:
+            self.bytes.check(worker_id, cost=size)
+        return b"".join(chunks)
+
+
+def bearer_token(scope: dict) -> str:
+    for name, value in scope.get("headers", []):
+        if name == b"authorization":
+            scheme, _, credentials = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer" and credentials.strip():
+                return credentials.strip()
+            break
+    raise ApiError(ErrorCode.unauthorized, "missing 'Authorization: Bearer <token>' header")
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    replayed = False
+
+    async def replay() -> dict:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a deadline on each request's head: from the connection (or the
+    end of the previous response's keep-alive wait) to the end of the headers, at most `header_timeout_s`
+    (set as a class attribute by `uvicorn_config`); otherwise the connection is closed."""
+
+    header_timeout_s = 10.0
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._arm_head_timer()
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        log.info("closing a connection whose request head did not arrive in time", extra={"client": self.client})
+        self.transport.close()
+
+    def on_message_begin(self) -> None:
+        self._arm_head_timer()
+        super().on_message_begin()
+
+    def on_headers_complete(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
+
+
+def uvicorn_protocol(header_timeout_s: float) -> type[GuardedHttpToolsProtocol]:
+    return type("GuardedHttp", (GuardedHttpToolsProtocol,), {"header_timeout_s": header_timeout_s})
+
+
+def _now() -> float:
+    return time.monotonic()
