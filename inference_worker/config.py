@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 
 class EngineConfig(BaseModel):
@@ -21,7 +21,7 @@ class WorkerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     orchestrator_url: str = "http://127.0.0.1:8000"
-    join_token: str = ""
+    join_token: SecretStr = SecretStr("")  # shown as ********** by --dry-run
     name: str = "worker"
     model: str = Field(
         "",

@@ -107,7 +107,7 @@ class Worker:
         if self.client.secret is not None and not self._reregister.is_set():
             return True
         try:
-            reg = self.client.register(self.config.join_token, self.config.name, device=_device())
+            reg = self.client.register(self.config.join_token.get_secret_value(), self.config.name, device=_device())
         except c.Banned as e:
             log.error("registration refused: %s", e)
             self.stop(EXIT_BANNED)

@@ -127,7 +127,7 @@ def create_app(orch: Orchestrator) -> FastAPI:
     and their writes join one transaction per loop iteration (group_commit.py), committed before any of
     them answers. (A thread pool would add two context switches and a lock hand-off per request and buy
     no parallelism.)"""
-    admin_token = orch.cfg.admin_token.encode()
+    admin_token = orch.cfg.admin_token.get_secret_value().encode()
     errors = {status: {"model": ErrorBody} for status in sorted(set(api.HTTP_STATUS.values()))}
 
     assets = swagger_assets()

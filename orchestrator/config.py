@@ -6,9 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+import ipaddress
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from protocol.models import BanScope, SamplingParams
+
+
+DEMO_JOIN_TOKEN = "demo-join-token"
+DEMO_ADMIN_TOKEN = "demo-admin-token"
 
 
 class DataConfig(BaseModel):
@@ -49,9 +55,33 @@ class OrchestratorConfig(BaseModel):
     heartbeat_interval_s: float = Field(5.0, gt=0)
     worker_dead_after_s: float = Field(30.0, gt=0)
     request_timeout_s: float = Field(30.0, gt=0)
-    join_tokens: list[str] = Field(default_factory=lambda: ["demo-join-token"])
-    admin_token: str = "demo-admin-token"
+    # Secrets: shown as ********** by --dry-run and in the run folder's config.toml. The demo values are
+    # refused on any address but loopback (`refuse_exposed_demo_secrets`).
+    join_tokens: list[SecretStr] = Field(
+        default_factory=lambda: [SecretStr(DEMO_JOIN_TOKEN)], description="join tokens from the config (more can be minted through the admin API)"
+    )
+    admin_token: SecretStr = SecretStr(DEMO_ADMIN_TOKEN)
     db_path: str = Field("", description="SQLite file; default <run dir>/orchestrator.sqlite")
+
+
+def refuse_exposed_demo_secrets(config: OrchestratorConfig) -> None:
+    """Refuse to serve on a non-loopback address with a demo or placeholder token: anyone who can reach the
+    port could then administer the run or join it."""
+    try:
+        loopback = config.host == "localhost" or ipaddress.ip_address(config.host).is_loopback
+    except ValueError:  # a host name
+        loopback = False
+    if loopback:
+        return
+    weak = [name for name, value in [("admin_token", config.admin_token), *(("join_tokens", t) for t in config.join_tokens)]
+            if value.get_secret_value() in (DEMO_ADMIN_TOKEN, DEMO_JOIN_TOKEN) or value.get_secret_value().startswith("CHANGE-ME")]
+    if weak:
+        raise ValueError(
+            f"orchestrator.host is {config.host}, reachable from other machines, but {', '.join(sorted(set(weak)))} still hold the demo "
+            "or placeholder value. Set them, e.g. SWARMRL_ORCHESTRATOR__ADMIN_TOKEN=$(openssl rand -hex 32) and "
+            "SWARMRL_ORCHESTRATOR__JOIN_TOKENS='[\"'$(openssl rand -hex 16)'\"]' (or mint join tokens with the admin API), "
+            "or bind 127.0.0.1."
+        )
 
 
 class StepShape(BaseModel):

@@ -14,7 +14,7 @@ from typing import Any
 import uvicorn
 
 from orchestrator.api import create_app
-from orchestrator.config import OrchestratorConfig
+from orchestrator.config import OrchestratorConfig, refuse_exposed_demo_secrets
 from orchestrator.gate import uvicorn_protocol
 from orchestrator.service import Orchestrator
 
@@ -44,6 +44,7 @@ class OrchestratorServer:
     def __init__(self, orch: Orchestrator, host: str | None = None, port: int | None = None):
         self.orch = orch
         cfg = orch.cfg
+        refuse_exposed_demo_secrets(cfg.model_copy(update={"host": host or cfg.host}))
         self.app = create_app(orch)
         self.server = uvicorn.Server(uvicorn_config(self.app, host or cfg.host, cfg.port if port is None else port, cfg))
         self._thread: threading.Thread | None = None

@@ -96,7 +96,7 @@ class Orchestrator:
         self.manifest_public_key = manifest_public_key
         self.metrics = Metrics()
         self.windows = RunWindows()
-        self.tokens = JoinTokens(db, config.join_tokens, config.max_identities_per_token, config.lease_cooldown_s)
+        self.tokens = JoinTokens(db, [t.get_secret_value() for t in config.join_tokens], config.max_identities_per_token, config.lease_cooldown_s)
         self.workers = Workers(db, self.tokens, config.worker_dead_after_s, config.ban_scope)
         self.buffer = RolloutBuffer(db, shape.max_staleness)
         self.leases = LeaseBook(db, prompts, config, shape, self.workers, self.tokens)
@@ -157,12 +157,12 @@ class Orchestrator:
         already authenticated): not banned or revoked, under its registration rate and its cap on live
         identities."""
         token = self.tokens.authenticate(join_token) if isinstance(join_token, str) else join_token
-        self.registrations.check(token.token_id)
         if self.workers.live_identities(token.token_id, time.time()) >= token.max_identities:
             raise ApiError(
                 ErrorCode.too_many_identities, f"join token {token.token_id} already has {token.max_identities} live workers",
                 retry_after_s=self.cfg.worker_dead_after_s,
             )
+        self.registrations.check(token.token_id)
         worker_id, secret = self.workers.register(reg.name, reg.device, reg.client_version, token.token_id)
         return WorkerRegistered(
             worker_id=worker_id,

@@ -153,13 +153,14 @@ class JoinTokens:
         return max(0.0, float(row[0]) - now) if row else 0.0
 
     def add_debt(self, db: sqlite3.Connection, token_id: str, units: float, now: float) -> float:
-        """Charge a lease given back unsubmitted (units: leases' worth, scaled by the time held). The
-        cooldown doubles with every whole unit of debt: backoff, before the strikes. Returns the new debt."""
+        """Charge a lease given back unsubmitted (units: leases' worth, scaled by the time held). The first
+        lease of debt is free (a crash costs only the lease); beyond it the cooldown doubles with every
+        unit: backoff, before the strikes. Returns the new debt."""
         row = db.execute("SELECT lease_debt FROM join_tokens WHERE token_id=?", (token_id,)).fetchone()
         if row is None:
             return 0.0
         debt = float(row[0]) + units
-        cooldown = min(self.lease_cooldown_s * units * 2 ** max(0.0, debt - 1.0), 3600.0)
+        cooldown = min(self.lease_cooldown_s * (2 ** max(0.0, debt - 1.0) - 1.0), 3600.0)
         db.execute("UPDATE join_tokens SET lease_debt=? WHERE token_id=?", (debt, token_id))
         if cooldown > 0:  # from the wall clock: `now` may be when the deadline was noticed, not when it is
             db.execute("UPDATE join_tokens SET cooldown_until=MAX(cooldown_until, ?) WHERE token_id=?", (time.time() + cooldown, token_id))

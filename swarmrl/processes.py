@@ -99,7 +99,6 @@ def start_worker(url: str, model_dir: Path, rd: RunDir, index: int, cfg: RunConf
     cmd = swarmrl_command() + [
         "worker",
         "--orchestrator", url,
-        "--join-token", cfg.orchestrator.join_tokens[0],
         "--name", f"local-{index}",
         "--model", str(model_dir),
         "--work-dir", str(rd.workers / f"worker-{index}"),
@@ -112,5 +111,7 @@ def start_worker(url: str, model_dir: Path, rd: RunDir, index: int, cfg: RunConf
     for key in ("max_prompts_per_lease", "num_threads"):
         cmd += [f"--{key}", str(getattr(cfg.worker, key))]
     out = log_path.open("ab")
-    popen = subprocess.Popen(cmd, stdout=out, stderr=out, env=child_env(max(1, cfg.worker.num_threads)), preexec_fn=_pinner(cfg, "workers"))
+    env = child_env(max(1, cfg.worker.num_threads))
+    env["SWARMRL_JOIN_TOKEN"] = cfg.orchestrator.join_tokens[0].get_secret_value()  # not in argv, which any local user can read
+    popen = subprocess.Popen(cmd, stdout=out, stderr=out, env=env, preexec_fn=_pinner(cfg, "workers"))
     return Proc(f"worker-{index}", popen, log_path)

@@ -18,8 +18,8 @@ from typing import Any, Iterator
 class RunDir:
     def __init__(self, root: str | Path, create: bool = True):
         self.root = Path(root)
-        if create:
-            self.root.mkdir(parents=True, exist_ok=True)
+        if create:  # owner only: it holds the signing key, the run's database and the resolved config
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     config_path = property(lambda self: self.root / "config.toml")
     metrics_path = property(lambda self: self.root / "metrics.jsonl")
@@ -40,8 +40,11 @@ class RunDir:
         return self.weights / f"relay-{index}"
 
     def write_config(self, toml_text: str) -> None:
+        """The resolved config (secrets already shown as **********), readable by the owner only."""
         tmp = self.config_path.with_suffix(".tmp")
-        tmp.write_text(toml_text)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(toml_text)
         os.replace(tmp, self.config_path)
 
     def append_metrics(self, record: dict[str, Any]) -> None:

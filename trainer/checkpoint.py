@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -69,7 +70,10 @@ def publishable_state(state: Mapping[str, torch.Tensor], tie_word_embeddings: bo
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG's state as tensors and plain Python values only, so `torch.load(weights_only=True)` reads
+    it back (numpy's key array travels as a list)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (name, keys.tolist(), pos, has_gauss, cached), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -77,7 +81,8 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -156,7 +161,10 @@ def read_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
     if not (path / "trainer_state.json").is_file():
         raise FileNotFoundError(f"{path} is not a swarmrl checkpoint (no trainer_state.json)")
     model_state = load_file(str(path / "model" / MODEL_FILE))
-    train_state = torch.load(path / "train_state.pt", weights_only=False)
+    try:  # weights_only: a checkpoint is data; unpickling arbitrary objects from it could run code
+        train_state = torch.load(path / "train_state.pt", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise ValueError(f"{path}: train_state.pt holds more than tensors and plain values (an older swarmrl, or not ours): {exc}") from None
     trainer_state = json.loads((path / "trainer_state.json").read_text())
     return model_state, train_state, trainer_state
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tomllib
@@ -38,7 +39,7 @@ def test_overrides_take_precedence_and_are_typed():
 
 def test_list_override_is_parsed_as_json():
     cfg = load_config(DEMO, ["--orchestrator.join_tokens", '["a", "b"]'], environ={})
-    assert cfg.orchestrator.join_tokens == ["a", "b"]
+    assert [t.get_secret_value() for t in cfg.orchestrator.join_tokens] == ["a", "b"]
 
 
 def test_null_override_clears_an_optional_field():
@@ -51,7 +52,7 @@ def test_null_override_clears_an_optional_field():
 def test_environment_between_file_and_command_line():
     env = {"SWARMRL_TRAINER__LR": "0.5", "SWARMRL_ORCHESTRATOR__ADMIN_TOKEN": "from-env", "SWARMRL_LOG_LEVEL": "DEBUG", "UNRELATED": "x"}
     cfg = load_config(DEMO, environ=env)
-    assert cfg.trainer.lr == 0.5 and cfg.orchestrator.admin_token == "from-env" and cfg.log_level == "DEBUG"
+    assert cfg.trainer.lr == 0.5 and cfg.orchestrator.admin_token.get_secret_value() == "from-env" and cfg.log_level == "DEBUG"
     cfg = load_config(DEMO, ["--trainer.lr", "0.25"], environ=env)
     assert cfg.trainer.lr == 0.25
 
@@ -96,10 +97,40 @@ def test_missing_file_and_bad_toml(tmp_path):
         load_config(bad, environ={})
 
 
-def test_dump_round_trips():
-    cfg = load_config(DEMO, ["--trainer.lr", "3e-4"], environ={})
-    again = RunConfig.model_validate(tomllib.loads(dump_toml(cfg)))
-    assert again == cfg
+SECRETS = {"orchestrator": {"admin_token", "join_tokens"}, "worker": {"join_token"}}
+
+
+def test_dump_round_trips_everything_but_the_secrets():
+    cfg = load_config(DEMO, ["--trainer.lr", "3e-4", "--orchestrator.admin_token", "s3cret-admin"], environ={"SWARMRL_WORKER__JOIN_TOKEN": "s3cret-join"})
+    text = dump_toml(cfg)
+    for secret in ("s3cret-admin", "s3cret-join", "demo-join-token"):
+        assert secret not in text  # the run folder's config.toml and --dry-run show ********** instead
+    again = RunConfig.model_validate(tomllib.loads(text))
+    assert again.model_dump(exclude=SECRETS) == cfg.model_dump(exclude=SECRETS)
+
+
+def test_dry_run_never_prints_secrets():
+    env = dict(os.environ, SWARMRL_ORCHESTRATOR__ADMIN_TOKEN="admin-from-env", SWARMRL_ORCHESTRATOR__JOIN_TOKENS='["join-from-env"]')
+    out = subprocess.run([sys.executable, "-m", "swarmrl", "run", "--dry-run", "--orchestrator.admin_token", "admin-from-flag"],
+                         capture_output=True, text=True, cwd=REPO, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "admin-from" not in out.stdout and "join-from-env" not in out.stdout and "**********" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "swarmrl", "worker", "--orchestrator", "http://x", "--join-token", "worker-secret", "--dry-run"],
+                         capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "worker-secret" not in out.stdout and "**********" in out.stdout
+
+
+def test_demo_tokens_are_refused_on_a_non_loopback_address():
+    from orchestrator.config import OrchestratorConfig, refuse_exposed_demo_secrets
+
+    refuse_exposed_demo_secrets(OrchestratorConfig())  # loopback: the local demo
+    for host in ("0.0.0.0", "10.1.2.3", "example.org"):
+        with pytest.raises(ValueError, match="admin_token, join_tokens still hold the demo"):
+            refuse_exposed_demo_secrets(OrchestratorConfig(host=host))
+    with pytest.raises(ValueError, match="join_tokens"):
+        refuse_exposed_demo_secrets(OrchestratorConfig(host="0.0.0.0", admin_token="a-real-one", join_tokens=["CHANGE-ME-join-token"]))
+    refuse_exposed_demo_secrets(OrchestratorConfig(host="0.0.0.0", admin_token="a-real-one", join_tokens=["another-real-one"]))
 
 
 def test_cli_dry_run_prints_resolved_config_and_errors_exit_2(tmp_path):

@@ -51,3 +51,9 @@ def test_the_launchers_children_start_from_inside_a_run_folder(tmp_path):
         out = subprocess.run(swarmrl_command() + args, cwd=rd.root, env=child_env(1), capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-3000:]
         assert "Usage" in out.stdout
+
+
+def test_the_run_folder_and_its_config_are_the_owners_only(tmp_path):
+    rd = RunDir(tmp_path / "runs" / "secret-run")
+    rd.write_config('admin_token = "**********"\n')
+    assert rd.root.stat().st_mode & 0o077 == 0 and rd.config_path.stat().st_mode & 0o077 == 0

@@ -19,7 +19,7 @@ def test_dry_run_resolves_overrides():
     res = invoke(["--orchestrator", "http://o:8000", "--join-token", "tok", "--name", "vol1", "--engine.dtype", "bfloat16", "--max_prompts_per_lease=3", "--dry-run"])
     assert res.exit_code == 0, res.output
     cfg = json.loads(res.output)
-    assert cfg["orchestrator_url"] == "http://o:8000" and cfg["join_token"] == "tok" and cfg["name"] == "vol1"
+    assert cfg["orchestrator_url"] == "http://o:8000" and cfg["join_token"] == "**********" and cfg["name"] == "vol1"  # the secret is never printed
     assert cfg["engine"]["dtype"] == "bfloat16" and cfg["max_prompts_per_lease"] == 3
 
 

@@ -101,7 +101,7 @@ def run_config(tmp: Path, **orch: Any) -> RunConfig:
     base.update(orch)
     return RunConfig.model_validate({"name": "test", "output_dir": str(tmp), "seed": 7,
                                      "data": {"task": "toy", "num_prompts": 32},
-                                     "orchestrator": {**base, "sampling": {"max_tokens": 8, "temperature": 1.0}}})
+                                     "orchestrator": {"sampling": {"max_tokens": 8, "temperature": 1.0}, **base}})
 
 
 def make_prompts(config: RunConfig) -> PromptSet:

@@ -35,7 +35,7 @@ def register(orch, name="w", token=None):
     """A worker; a volunteer of its own (a freshly minted join token) when `token` is "new"."""
     if token == "new":
         token = orch.mint_token(JoinTokenRequest(label=f"v-{name}")).token
-    reg = orch.register(WorkerRegistration(name=name), token or orch.cfg.join_tokens[0])
+    reg = orch.register(WorkerRegistration(name=name), token or orch.cfg.join_tokens[0].get_secret_value())
     return orch.authenticate(reg.secret), reg.secret
 
 

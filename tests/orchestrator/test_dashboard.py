@@ -32,7 +32,7 @@ def busy_server(tmp_path):
     orch = make_orchestrator(cfg)
     srv = OrchestratorServer(orch, port=0).start()
     rng = np.random.default_rng(0)
-    workers = [orch.authenticate(orch.register(WorkerRegistration(name=f"volunteer-{i}"), orch.cfg.join_tokens[0]).secret) for i in range(3)]
+    workers = [orch.authenticate(orch.register(WorkerRegistration(name=f"volunteer-{i}"), orch.cfg.join_tokens[0].get_secret_value()).secret) for i in range(3)]
     for tick in range(12):
         for j, wid in enumerate(workers):
             lease = orch.lease(wid, LeaseRequest(loaded_policy_version=0, max_prompts=2)).lease

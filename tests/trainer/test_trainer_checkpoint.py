@@ -99,3 +99,33 @@ def test_not_a_checkpoint_is_a_clear_error(tmp_path):
         ckpt.read_checkpoint(tmp_path)
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         Trainer.resume(TrainerConfig(), tmp_path)
+
+
+class _Payload:
+    """Unpickling this runs code: what a malicious checkpoint could carry."""
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch /tmp/swarmrl-pwned-by-checkpoint",))
+
+
+def test_a_checkpoint_is_read_as_data_never_run(tiny_model_dir, tmp_path):
+    """train_state.pt is loaded with weights_only: a pickled callable is refused with a clear error, and
+    never runs (`swarmrl trainer inspect|export` and resume all read checkpoints this way)."""
+    import os
+
+    from trainer.checkpoint import latest_checkpoint, read_checkpoint
+
+    cfg = TrainerConfig(checkpoint_every=1)
+    t = Trainer(cfg, tiny_model_dir, tmp_path / "run")
+    t.step(random_samples(4, seed=1))
+    path = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    read_checkpoint(path)  # an honest checkpoint reads back
+    marker = "/tmp/swarmrl-pwned-by-checkpoint"
+    if os.path.exists(marker):
+        os.remove(marker)
+    torch.save({"optimizer": {}, "scheduler": {}, "rng": _Payload()}, path / "train_state.pt")
+    with pytest.raises(ValueError, match="more than tensors"):
+        read_checkpoint(path)
+    assert not os.path.exists(marker)

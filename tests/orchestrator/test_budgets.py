@@ -1,0 +1,189 @@
+"""Leases, identities and bans are budgets (orchestrator logic, no HTTP): one join token's workers hold at
+most their fair share of the generation budget; leases given back unsubmitted cost the token (backoff,
+then strikes); a ban sticks across re-registration; identities per token are capped."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from orch_fakes import encode, make_orchestrator, make_submission, run_config
+from orchestrator.errors import ApiError
+from protocol.models import BanScope, ErrorCode, JoinTokenRequest, LeaseRequest, WorkerRegistration
+
+
+def small_bound(tmp_path, **orch):
+    """Groups of 4, 2 prompts per lease, a bound of (1 + 1) x 8 samples = 4 prompts."""
+    cfg = run_config(tmp_path, async_level=1, max_open_leases_per_worker=10, **orch)
+    return cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"samples_per_step": 8})})
+
+
+def volunteer(orch, name: str, token: str | None = None) -> tuple[str, str, str]:
+    """(worker id, secret, join token) of a new volunteer with its own minted token."""
+    token = token or orch.mint_token(JoinTokenRequest(label=name)).token
+    reg = orch.register(WorkerRegistration(name=name), token)
+    return orch.authenticate(reg.secret), reg.secret, token
+
+
+def ask(orch, wid: str, prompts: int = 2):
+    return orch.lease(wid, LeaseRequest(loaded_policy_version=0, max_prompts=prompts))
+
+
+def test_one_token_holds_at_most_its_fair_share_of_the_bound(tmp_path):
+    orch = make_orchestrator(small_bound(tmp_path))
+    hoarder, _, _ = volunteer(orch, "hoarder")
+    honest, _, _ = volunteer(orch, "honest")
+    held = [ask(orch, hoarder).lease for _ in range(5)]
+    got = [lease for lease in held if lease is not None]
+    assert sum(len(lease.prompts) for lease in got) == 2  # half the bound of 4: two live tokens
+    refused = ask(orch, hoarder)
+    assert refused.lease is None and refused.retry_after_s > 0
+    assert orch.metrics.leases_refused_budget._value.get() >= 1
+    # The honest volunteer still gets the other half, however many leases the hoarder asked for.
+    assert len(ask(orch, honest).lease.prompts) == 2
+    orch.db.close()
+
+
+def test_a_token_alone_may_use_the_whole_bound(tmp_path):
+    orch = make_orchestrator(small_bound(tmp_path))
+    w, _, _ = volunteer(orch, "alone")
+    assert sum(len(ask(orch, w).lease.prompts) for _ in range(2)) == 4
+    orch.db.close()
+
+
+def test_hoarding_costs_backoff_then_strikes_then_a_ban_that_sticks(tmp_path):
+    orch = make_orchestrator(small_bound(tmp_path, lease_timeout_s=0.2, lease_cooldown_s=30.0, lease_debt_per_strike=2.0, strikes_to_ban=2))
+    w, secret, token = volunteer(orch, "hoarder")
+    # First lease held to its deadline and let go: the first lease of debt is free (a crash costs only the lease).
+    assert ask(orch, w).lease is not None
+    time.sleep(0.25)
+    orch.housekeeping()
+    assert ask(orch, w).lease is not None
+    # Second: debt 2, one strike and a cooldown; the token gets no lease while it lasts.
+    time.sleep(0.25)
+    orch.housekeeping()
+    assert orch.workers.get(w).strikes == 1
+    resp = ask(orch, w)
+    assert resp.lease is None and resp.retry_after_s > 10
+    tok = orch.tokens.get(orch.workers.token_of(w))
+    assert tok.lease_debt == pytest.approx(2.0, abs=0.05) and tok.cooldown_until > time.time()
+    # A fresh identity under the same token does not wipe the debt: the cooldown is the token's.
+    w2, _, _ = volunteer(orch, "hoarder2", token)
+    assert ask(orch, w2).lease is None
+    # Let the cooldown pass (as if), hoard twice more: the second strike bans the token (the default scope).
+    with orch.db.tx() as db:
+        db.execute("UPDATE join_tokens SET cooldown_until=0")
+    for _ in range(2):
+        assert ask(orch, w).lease is not None
+        time.sleep(0.25)
+        orch.housekeeping()
+        with orch.db.tx() as db:
+            db.execute("UPDATE join_tokens SET cooldown_until=0")
+    assert orch.workers.get(w).banned and orch.workers.get(w2).banned  # every identity of the token
+    for _ in range(3):  # re-registering with the banned token: refused, every time
+        with pytest.raises(ApiError) as e:
+            orch.register(WorkerRegistration(name="again"), token)
+        assert e.value.code == ErrorCode.banned
+    with pytest.raises(ApiError) as e:
+        orch.authenticate(secret)
+    assert e.value.code == ErrorCode.banned
+    orch.db.close()
+
+
+def test_a_crashed_worker_loses_only_its_lease(tmp_path):
+    orch = make_orchestrator(small_bound(tmp_path, lease_timeout_s=0.2))
+    w, _, token = volunteer(orch, "crasher")
+    assert ask(orch, w).lease is not None
+    time.sleep(0.25)
+    orch.housekeeping()  # the worker died holding it: expired, prompts re-issued
+    restarted, _, _ = volunteer(orch, "crasher-again", token)
+    lease = ask(orch, restarted).lease
+    assert lease is not None and orch.workers.get(w).strikes == 0
+    rng = np.random.default_rng(0)
+    orch.submit(restarted, encode(make_submission(lease, rng)), None)
+    while orch.verification.verify_pending():
+        pass
+    assert orch.tokens.get(orch.workers.token_of(restarted)).lease_debt == pytest.approx(0.5, abs=0.05)  # halved by the acceptance
+    orch.db.close()
+
+
+def test_a_released_lease_costs_in_proportion_to_the_time_held(tmp_path):
+    orch = make_orchestrator(small_bound(tmp_path, lease_timeout_s=1.0))
+    w, _, _ = volunteer(orch, "releaser")
+    at_once = ask(orch, w).lease
+    orch.release(w, at_once.lease_id)  # given back at once: free
+    token_id = orch.workers.token_of(w)
+    assert orch.tokens.get(token_id).lease_debt == 0
+    held = ask(orch, w).lease
+    time.sleep(0.5)
+    orch.release(w, held.lease_id)
+    assert orch.tokens.get(token_id).lease_debt == pytest.approx(0.5, abs=0.15)
+    orch.db.close()
+
+
+def test_identities_per_token_are_capped_and_registrations_rate_limited(tmp_path):
+    orch = make_orchestrator(run_config(tmp_path, max_identities_per_token=2, registrations_per_min_per_token=6.0))
+    token = orch.mint_token(JoinTokenRequest(label="sybil")).token
+    for i in range(2):
+        orch.register(WorkerRegistration(name=f"s{i}"), token)
+    with pytest.raises(ApiError) as e:
+        orch.register(WorkerRegistration(name="s2"), token)
+    assert e.value.code == ErrorCode.too_many_identities and e.value.status == 429
+    listed = {t.token_id: t for t in orch.token_list().tokens}[orch.tokens.authenticate(token).token_id]
+    assert listed.live_identities == 2 and listed.registrations == 2
+    # A token registers its quota at once, then at its per-minute rate: a flood of re-registrations is refused.
+    other = orch.mint_token(JoinTokenRequest(label="churn", max_identities=100)).token
+    codes = []
+    for i in range(8):
+        try:
+            orch.register(WorkerRegistration(name=f"c{i}"), other)
+            codes.append("ok")
+        except ApiError as exc:
+            codes.append(exc.code.value)
+    assert codes.count("ok") == 2 and codes.count("rate_limited") == 6
+    orch.db.close()
+
+
+def test_an_identity_ban_leaves_the_token_and_a_token_ban_does_not(tmp_path):
+    orch = make_orchestrator(run_config(tmp_path))
+    a, _, token = volunteer(orch, "a")
+    b, _, _ = volunteer(orch, "b", token)
+    orch.set_ban(a, True, "operator", BanScope.identity)
+    assert orch.workers.get(a).banned and not orch.workers.get(b).banned
+    volunteer(orch, "c", token)  # the token may still register
+    orch.set_ban(b, True, "operator", BanScope.token)
+    with pytest.raises(ApiError) as e:
+        orch.register(WorkerRegistration(name="d"), token)
+    assert e.value.code == ErrorCode.banned
+    orch.set_ban(b, False, "appeal")  # unbanning the worker lifts its token's ban
+    volunteer(orch, "e", token)
+    orch.db.close()
+
+
+def test_a_revoked_token_registers_nothing_and_its_workers_are_banned(tmp_path):
+    orch = make_orchestrator(run_config(tmp_path))
+    w, secret, token = volunteer(orch, "leaver")
+    lease = ask(orch, w).lease
+    rec = orch.revoke_token(orch.workers.token_of(w), "left the project")
+    assert rec.revoked
+    with pytest.raises(ApiError) as e:
+        orch.register(WorkerRegistration(name="back"), token)
+    assert e.value.code == ErrorCode.unauthorized
+    with pytest.raises(ApiError) as e:
+        orch.authenticate(secret)
+    assert e.value.code == ErrorCode.banned
+    assert orch.leases.get(lease.lease_id).status == "released"  # its prompts go back at once
+    orch.db.close()
+
+
+@pytest.mark.parametrize("name,stored", [("ａｄｍｉｎ", "admin"), ("worker-1", "worker-1"), ("ｗｏｒｋｅｒ．２", "worker.2")])
+def test_worker_names_are_normalized(name, stored):
+    assert WorkerRegistration(name=name).name == stored
+
+
+@pytest.mark.parametrize("name", ["аdmin", "a b", "../etc", "-x", "x" * 65, "名前", "admin\u200b"])
+def test_worker_names_outside_the_safe_set_are_refused(name):
+    with pytest.raises(ValueError):
+        WorkerRegistration(name=name)
