@@ -13,7 +13,6 @@ the entry (method, path, body model, auth), plus the operator's dashboard page a
 from __future__ import annotations
 
 import asyncio
-import hmac
 import inspect
 import logging
 from collections.abc import Callable
@@ -127,7 +126,6 @@ def create_app(orch: Orchestrator) -> FastAPI:
     and their writes join one transaction per loop iteration (group_commit.py), committed before any of
     them answers. (A thread pool would add two context switches and a lock hand-off per request and buy
     no parallelism.)"""
-    admin_token = orch.cfg.admin_token.get_secret_value().encode()
     errors = {status: {"model": ErrorBody} for status in sorted(set(api.HTTP_STATUS.values()))}
 
     assets = swagger_assets()
@@ -173,18 +171,11 @@ def create_app(orch: Orchestrator) -> FastAPI:
 
     # -- middleware, added innermost first: the gate checks the credential and reads the body under the
     # budgets, then the request joins the shared transaction, then the hot endpoints go straight to their route.
-    def admin_check(token: str) -> None:
-        if hmac.compare_digest(token.encode(), admin_token):
-            return None
-        if orch.is_worker_secret(token):
-            raise ApiError(ErrorCode.forbidden, "operator endpoints refuse worker tokens")
-        raise ApiError(ErrorCode.unauthorized, "invalid admin token")
-
     bare_routes: dict[tuple[str, str], Any] = {}
     app.add_middleware(BareRouteDispatch, routes=bare_routes, api_error_handler=_api_error)
     app.state.group_commit = group = GroupCommit(orch.db)
     app.add_middleware(GroupCommitMiddleware, group=group)
-    app.add_middleware(Gate, orch=orch, admin_check=admin_check)
+    app.add_middleware(Gate, orch=orch)
     app.state.orchestrator = orch
 
     # -- routes: one per endpoint of the table --------------------------------------------------------

@@ -27,6 +27,11 @@ class DataConfig(BaseModel):
     min_pass_rate: float | None = Field(None, ge=0, le=1, description="offline difficulty filter")
     max_pass_rate: float | None = Field(None, ge=0, le=1)
     task_params: dict[str, Any] = {}
+    reward: str = Field(
+        "", pattern=r"^([\w.]+:[\w.]+)?$",
+        description="a reward plug-in `module:function` ((text, item) -> float in [0, 1]), run sandboxed with a time limit; empty: the task's own reward",
+    )
+    reward_params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the reward plug-in")
 
 
 class OrchestratorConfig(BaseModel):

@@ -17,6 +17,7 @@ Pure ASGI (no task or stream per request). The caller it authenticated travels i
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import re
 import time
@@ -39,10 +40,10 @@ CALLER = "swarmrl_caller"  # scope["state"] key: the worker id (worker endpoints
 
 
 class Gate:
-    def __init__(self, app: Any, orch: Orchestrator, admin_check: Any):
+    def __init__(self, app: Any, orch: Orchestrator):
         self.app = app
         self.orch = orch
-        self.admin_check = admin_check  # token -> None, or raises (the app's admin credential check)
+        self.admin_token = orch.cfg.admin_token.get_secret_value().encode()
         cfg = orch.cfg
         self.timeout_s = cfg.request_timeout_s
         self.submit_cap = limits.submission_bytes_cap(cfg.prompts_per_lease * cfg.samples_per_prompt, cfg.sampling.max_tokens)
@@ -100,22 +101,25 @@ class Gate:
                 self.in_flight[worker_id] -= 1
 
     def authorize(self, ep: api.Endpoint, scope: dict) -> Any:
-        """The endpoint's credential, from the headers; counts refusals per client address."""
+        """The endpoint's credential, from the headers. A correct credential is never refused here; an
+        address that sent too many wrong ones gets 429 instead of the lookups a wrong one costs (a
+        database read for an unknown worker id), and every refusal is counted against its address."""
         if ep.auth is api.Auth.none:
             return None
         address = (scope.get("client") or ("?",))[0]
         token = bearer_token(scope)
-        if ep.auth is api.Auth.worker:
-            known = self.orch.workers.is_cached(token)
-            if not known and not self.failed.has(address):
-                raise ApiError(ErrorCode.rate_limited, "too many refused credentials from this address", retry_after_s=10.0)
-        elif not self.failed.has(address):
-            raise ApiError(ErrorCode.rate_limited, "too many refused credentials from this address", retry_after_s=10.0)
         try:
             if ep.auth is api.Auth.join:
-                return self.orch.tokens.authenticate(token)
+                return self.orch.tokens.authenticate(token)  # a hash and a dict lookup; a read only for a real token
             if ep.auth is api.Auth.admin:
-                return self.admin_check(token)
+                if hmac.compare_digest(token.encode(), self.admin_token):
+                    return None
+                self.over_budget(address)
+                if self.orch.is_worker_secret(token):
+                    raise ApiError(ErrorCode.forbidden, "operator endpoints refuse worker tokens")
+                raise ApiError(ErrorCode.unauthorized, "invalid admin token")
+            if not self.orch.workers.is_cached(token):
+                self.over_budget(address)
             worker_id = self.orch.authenticate(token)
         except ApiError as exc:
             if exc.code in (ErrorCode.unauthorized, ErrorCode.forbidden):
@@ -123,6 +127,10 @@ class Gate:
             raise
         self.token_budget(worker_id)
         return worker_id
+
+    def over_budget(self, address: str) -> None:
+        if not self.failed.has(address):
+            raise ApiError(ErrorCode.rate_limited, "too many refused credentials from this address", retry_after_s=10.0)
 
     def token_budget(self, worker_id: str) -> None:
         token_id = self.orch.workers.token_of(worker_id)

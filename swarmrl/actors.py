@@ -65,9 +65,11 @@ def build_orchestrator(
     """The orchestrator of a run, over the run's SQLite file; prompts from the config unless given."""
     if prompts is None:
         prompts = PromptSet.from_config(cfg.data, model_dir(cfg), cfg.seed)
+    data = cfg.data
     return Orchestrator(
-        cfg.orchestrator, Database(db_path(cfg)), prompts, verifier, shape=cfg.step_shape(), task_name=cfg.data.task,
-        task_params=cfg.data.task_params, run_name=cfg.name, relay_urls=relay_urls, manifest_public_key=manifest_public_key, **kwargs,
+        cfg.orchestrator, Database(db_path(cfg)), prompts, verifier, shape=cfg.step_shape(), task_name=data.reward or data.task,
+        task_params=data.reward_params if data.reward else data.task_params, run_name=cfg.name, relay_urls=relay_urls,
+        manifest_public_key=manifest_public_key, **kwargs,
     )
 
 
