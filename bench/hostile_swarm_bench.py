@@ -1,0 +1,161 @@
+"""Honest throughput with and without a hostile swarm, side by side in one invocation.
+
+Each run is the demo loop (`swarmrl run`, small model, one honest local vLLM worker, real verifier and
+trainer), measured over the same window after the same warm-up. "attacked" runs add the four adversaries
+of tools/adversaries.py (hoarder, flooder, slow-reward, cheater) for the whole window. Runs alternate
+clean / attacked, so slow drift of the machine hits both alike. Both modes use the same settings: the
+soak reward plug-in and deep checks off for new workers (see tests/e2e/test_hostile_swarm.py for why).
+
+Reported per run: honest accepted submissions per minute (the local worker's, from the run's SQLite),
+trainer steps per minute (metrics.jsonl), the orchestrator process's peak RSS; and the attacked / clean
+ratios. Goal: >= 0.8 of the attack-free throughput.
+
+    python bench/hostile_swarm_bench.py --repeats 2 --window-s 120
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+ADMIN = "demo-admin-token"
+
+
+def start(out: Path, port: int) -> subprocess.Popen:
+    args = [
+        sys.executable, "-m", "swarmrl", "run", "--config", str(REPO / "configs" / "demo.toml"), "--output_dir", str(out), "--name", "bench",
+        "--stop_reward", "null", "--max_minutes", "0", "--trainer.max_steps", "100000", "--orchestrator.port", str(port),
+        "--data.reward", "soak_reward:reward", "--verifier.rewards.import_paths", json.dumps([str(REPO / "tests" / "e2e")]),
+        "--verifier.spot_check_rate", '{"new": 0.0, "trusted": 1.0}',
+    ]
+    log = (out / "driver.log").open("ab")
+    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def steps(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def listener_pid(port: int) -> int | None:
+    import psutil
+
+    for c in psutil.net_connections("tcp"):
+        if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN:
+            return c.pid
+    return None
+
+
+def one_run(mode: str, warmup_steps: int, window_s: float, port: int) -> dict:
+    import httpx
+    import psutil
+
+    from tools.adversaries import Cheater, Flooder, Hoarder, SlowReward, db
+    from protocol import limits
+    from swarmrl.config import load_run_config
+
+    out = Path(tempfile.mkdtemp(prefix=f"swarmrl-hostile-{mode}-"))
+    proc = start(out, port)
+    run_dir = out / "bench"
+    url = f"http://127.0.0.1:{port}"
+    stop = threading.Event()
+    adversaries = []
+    try:
+        deadline = time.time() + 600
+        while len(steps(run_dir)) < warmup_steps:
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"{mode}: the run did not warm up; see {out / 'driver.log'}")
+            time.sleep(1)
+        pid = listener_pid(port)
+        cfg = load_run_config(REPO / "configs" / "demo.toml", environ={}).orchestrator
+        Flooder.cap = limits.submission_bytes_cap(cfg.prompts_per_lease * cfg.samples_per_prompt, cfg.sampling.max_tokens)
+        if mode == "attacked":
+            adversaries = [kind(name, url, run_dir, stop, ADMIN) for kind, name in
+                           ((Hoarder, "hoarder"), (Flooder, "flooder"), (SlowReward, "slow"), (Cheater, "cheater"))]
+        with db(run_dir) as con:
+            honest = con.execute("SELECT worker_id FROM workers WHERE name='local-0'").fetchone()[0]
+        t0, steps0 = time.time(), len(steps(run_dir))
+        for a in adversaries:
+            a.start()
+        peak_rss, status_ms = 0, []
+        watch = httpx.Client(base_url=url, timeout=30)
+        while time.time() < t0 + window_s:
+            if pid is not None:
+                try:
+                    peak_rss = max(peak_rss, psutil.Process(pid).memory_info().rss)
+                except psutil.Error:
+                    pass
+            s = time.perf_counter()
+            watch.get("/v1/status", headers={"Authorization": f"Bearer {ADMIN}"})
+            status_ms.append(1e3 * (time.perf_counter() - s))
+            time.sleep(1)
+        t1, steps1 = time.time(), len(steps(run_dir))
+        stop.set()
+        with db(run_dir) as con:
+            accepted = con.execute("SELECT COUNT(*) FROM submissions WHERE worker_id=? AND status='accepted' AND received_at BETWEEN ? AND ?",
+                                   (honest, t0, t1)).fetchone()[0]
+        five_xx = sum(n for a in adversaries for code, n in a.statuses.items() if code >= 500)
+        minutes = (t1 - t0) / 60
+        return {
+            "mode": mode, "window_s": round(t1 - t0, 1), "honest_accepted_per_min": round(accepted / minutes, 1),
+            "trainer_steps_per_min": round((steps1 - steps0) / minutes, 1), "orchestrator_peak_rss_mib": round(peak_rss / 2**20, 1),
+            "status_p50_ms": round(statistics.median(status_ms), 1), "status_max_ms": round(max(status_ms), 1), "adversary_5xx": five_xx,
+            "adversary_requests": {a.name: sum(a.statuses.values()) for a in adversaries},
+        }
+    finally:
+        stop.set()
+        for a in adversaries:
+            a.join(timeout=30)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--window-s", type=float, default=120.0)
+    ap.add_argument("--warmup-steps", type=int, default=3)
+    ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    args = ap.parse_args()
+    runs = []
+    for r in range(args.repeats):
+        for mode in ("clean", "attacked"):
+            result = one_run(mode, args.warmup_steps, args.window_s, args.port)
+            result["repeat"] = r
+            print(json.dumps(result), flush=True)
+            runs.append(result)
+    pairs = [(a, b) for a, b in zip(runs[::2], runs[1::2])]
+    ratio = {k: [round(b[k] / a[k], 3) if a[k] else None for a, b in pairs] for k in ("honest_accepted_per_min", "trainer_steps_per_min")}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "hostile_swarm_bench.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs, "ratio": ratio}, indent=1))
+    print(json.dumps({"ratio_attacked_over_clean": ratio}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
