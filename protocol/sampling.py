@@ -1,0 +1,309 @@
+"""Seeded sampling: the draw that makes a completion's tokens evidence (worker and verifier share it).
+
+Every sampled token is the winner of an exponential race (Gumbel-max) whose noise is a function of
+(sample seed, position, token id) only, so the verifier can replay each draw on its own logits.
+
+PRF. u(s, t, v) for sample seed s (< 2**63), completion position t (< 2**32) and token id v (< 2**32)
+is built from h = MurmurHash3_x86_32 (Austin Appleby's MurmurHash3.cpp, public domain, SMHasher) with
+hash seed 0 over the 16-byte little-endian message
+
+    s mod 2**32 | s div 2**32 | t | v          (four uint32 words)
+
+and u = (2 * (h >> 9) + 1) / 2**24, an odd multiple of 2**-24 in (0, 1), exact in float32. It is
+counter-based (no state, nothing to rewind after a discarded draw) and integer-only, so its bits do not
+depend on the device, the thread count or the batch. In torch every uint32 value lives in an int64 and
+every product stays below 2**63 (see `_mul32`), so signed overflow never happens. `prf_bits_np` is an
+independent numpy (uint32) implementation; the two must agree bit for bit.
+
+Draw (vLLM's order of operations, see verifier/checks.py): z = logits / temperature in float32; the
+support keeps the top-k values of z (ties at the k-th value kept), then the smallest set of most
+probable tokens reaching top-p: sorted descending, token i stays iff the tempered, top-k-renormalized
+probability mass before it is below top-p (ties with the last kept value stay). Then
+
+    score_v = z_v - log E_v,  E_v = -log u_v  (E ~ Exp(1), so -log E is Gumbel(0, 1))
+    winner  = argmax over the support of score_v  (lowest token id on an exact tie)
+
+P(winner = v) is softmax(z) renormalized over the support. The log-normalizer is the same for every
+token of a row, so z ranks exactly as the tempered logprob would, with one rounding fewer. Temperature
+0 is plain argmax of the logits (no noise). A replay gives, per position, the seed's winner under the
+replaying side's logits and the margin score_winner - score_claimed (score units, i.e. logits divided
+by the temperature; logits at temperature 0), which is 0 when the claimed token wins and small when an
+honest worker's logits differ from the verifier's only by numerical noise.
+
+Only pydantic and numpy are imported at module level (protocol's rule); torch inside the functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+MASK32 = 0xFFFFFFFF
+# MurmurHash3_x86_32 constants (MurmurHash3.cpp, github.com/aappleby/smhasher).
+_C1, _C2 = 0xCC9E2D51, 0x1B873593
+_ROUND_ADD = 0xE6546B64
+_FMIX1, _FMIX2 = 0x85EBCA6B, 0xC2B2AE35
+_MESSAGE_BYTES = 16
+_U_SCALE = 2.0**-24
+
+
+# --------------------------------------------------------------------------------------------------
+# PRF in torch: uint32 values held in int64
+
+
+def _mul32(x: "torch.Tensor", c: int) -> "torch.Tensor":
+    """x * c mod 2**32 for x in [0, 2**32). A constant c >= 2**31 is split as c' + 2**31: x * c' stays
+    below 2**63, and x * 2**31 mod 2**32 is just x's lowest bit moved to bit 31 (added = XORed there)."""
+    if c < 2**31:
+        return (x * c) & MASK32
+    top = (x & 1) << 31
+    return ((x * (c - 2**31)) & MASK32) ^ top
+
+
+def _rotl32(x: "torch.Tensor", r: int) -> "torch.Tensor":
+    return ((x << r) & MASK32) | (x >> (32 - r))
+
+
+def _mix_word(k: "torch.Tensor") -> "torch.Tensor":
+    """MurmurHash3's per-block scramble of one message word (k *= c1; k = rotl(k, 15); k *= c2)."""
+    return _mul32(_rotl32(_mul32(k, _C1), 15), _C2)
+
+
+def _absorb(h: "torch.Tensor", k_mixed: "torch.Tensor") -> "torch.Tensor":
+    """h ^= k; h = rotl(h, 13); h = h * 5 + 0xe6546b64 (h * 5 < 2**35: no overflow)."""
+    h = _rotl32(h ^ k_mixed, 13)
+    return (h * 5 + _ROUND_ADD) & MASK32
+
+
+def _fmix32(h: "torch.Tensor") -> "torch.Tensor":
+    h = h ^ (h >> 16)
+    h = _mul32(h, _FMIX1)
+    h = h ^ (h >> 13)
+    h = _mul32(h, _FMIX2)
+    return h ^ (h >> 16)
+
+
+def seed_state(seeds: "torch.Tensor") -> "torch.Tensor":
+    """The hash state after the two seed words, [N] int64 (cache it per request: it never changes)."""
+    import torch
+
+    s = seeds.to(torch.int64)
+    h = _absorb(torch.zeros_like(s), _mix_word(s & MASK32))
+    return _absorb(h, _mix_word(s >> 32))
+
+
+def row_state(seed_states: "torch.Tensor", positions: "torch.Tensor") -> "torch.Tensor":
+    """The hash state after the position word, [N] int64."""
+    import torch
+
+    return _absorb(seed_states, _mix_word(positions.to(device=seed_states.device, dtype=torch.int64) & MASK32))
+
+
+def token_words(token_ids: "torch.Tensor") -> "torch.Tensor":
+    """The scrambled token word; for a vocabulary, cache `token_words(arange(V))`."""
+    import torch
+
+    return _mix_word(token_ids.to(torch.int64) & MASK32)
+
+
+def bits_from_states(rows: "torch.Tensor", tokens: "torch.Tensor") -> "torch.Tensor":
+    """h for row states [N] and token words [V] or [N, V]: [N, V] int64 holding uint32."""
+    h = _absorb(rows.unsqueeze(-1), tokens)
+    return _fmix32(h ^ _MESSAGE_BYTES)
+
+
+def prf_bits(seeds: "torch.Tensor", positions: "torch.Tensor", token_ids: "torch.Tensor") -> "torch.Tensor":
+    """MurmurHash3_x86_32 of (seed, position, token) for seeds [N], positions [N], token_ids [V] or
+    [N, V]; [N, V] int64 holding uint32."""
+    return bits_from_states(row_state(seed_state(seeds), positions), token_words(token_ids.to(seeds.device)))
+
+
+def uniform_from_bits(h: "torch.Tensor") -> "torch.Tensor":
+    """The top 23 bits as an odd multiple of 2**-24: float32 in (0, 1), exact."""
+    import torch
+
+    return ((h >> 9) * 2 + 1).to(torch.float32) * _U_SCALE
+
+
+def prf_uniform(seeds: "torch.Tensor", positions: "torch.Tensor", token_ids: "torch.Tensor") -> "torch.Tensor":
+    return uniform_from_bits(prf_bits(seeds, positions, token_ids))
+
+
+# --------------------------------------------------------------------------------------------------
+# PRF in numpy (reference): uint32 arithmetic wraps modulo 2**32 by definition
+
+
+def prf_bits_np(seeds, positions, token_ids) -> np.ndarray:
+    """The numpy reference of `prf_bits`: uint32 [N, V]."""
+    seeds = np.atleast_1d(np.asarray(seeds, dtype=np.uint64))
+    words = [
+        (seeds & np.uint64(MASK32)).astype(np.uint32)[:, None],
+        (seeds >> np.uint64(32)).astype(np.uint32)[:, None],
+        np.atleast_1d(np.asarray(positions, dtype=np.uint64)).astype(np.uint32)[:, None],
+        np.asarray(token_ids, dtype=np.uint64).astype(np.uint32),
+    ]
+    shape = np.broadcast_shapes(*(w.shape for w in words))
+    h = np.zeros(shape, dtype=np.uint32)
+    with np.errstate(over="ignore"):
+        for k in words:
+            k = k * np.uint32(_C1)
+            k = (k << np.uint32(15)) | (k >> np.uint32(17))
+            k = k * np.uint32(_C2)
+            h = h ^ k
+            h = (h << np.uint32(13)) | (h >> np.uint32(19))
+            h = h * np.uint32(5) + np.uint32(_ROUND_ADD)
+        h = h ^ np.uint32(_MESSAGE_BYTES)
+        h = h ^ (h >> np.uint32(16))
+        h = h * np.uint32(_FMIX1)
+        h = h ^ (h >> np.uint32(13))
+        h = h * np.uint32(_FMIX2)
+        h = h ^ (h >> np.uint32(16))
+    return h
+
+
+def prf_uniform_np(seeds, positions, token_ids) -> np.ndarray:
+    h = prf_bits_np(seeds, positions, token_ids)
+    return ((h >> np.uint32(9)).astype(np.float32) * np.float32(2) + np.float32(1)) * np.float32(_U_SCALE)
+
+
+# --------------------------------------------------------------------------------------------------
+# The draw
+
+
+@dataclass(frozen=True)
+class DrawParams:
+    """Per-row sampling settings as device tensors [N, 1], with host-side flags that spare device syncs."""
+
+    temperature: "torch.Tensor"  # float32; 1 on greedy rows (their logits are used as they are)
+    greedy: "torch.Tensor | None"  # bool; None when no row is greedy
+    all_greedy: bool
+    k_index: "torch.Tensor | None"  # int64 k - 1 into the top-k_max values; None when no row uses top-k
+    k_off: "torch.Tensor | None"  # bool: rows without top-k (when others use it); None if none
+    k_max: int
+    top_p: "torch.Tensor | None"  # float32; 2 where top-p is off (so that every token passes); None if unused
+
+    @staticmethod
+    def build(temperatures: Sequence[float], top_ks: Sequence[int], top_ps: Sequence[float], vocab_size: int, device=None) -> "DrawParams":
+        """From per-row (temperature, top_k, top_p) as on the wire: top_k <= 0 or >= V and top_p >= 1 are off."""
+        import torch
+
+        temps = [float(t) for t in temperatures]
+        greedy = [t <= 0.0 for t in temps]
+        ks = [int(k) if 0 < int(k) < vocab_size else 0 for k in top_ks]
+        ps = [float(p) if float(p) < 1.0 else 2.0 for p in top_ps]
+
+        def col(values, dtype):
+            return torch.tensor(values, dtype=dtype).view(-1, 1).to(device)
+
+        k_max = max(ks)
+        return DrawParams(
+            temperature=col([1.0 if g else t for g, t in zip(greedy, temps)], torch.float32),
+            greedy=col(greedy, torch.bool) if any(greedy) else None,
+            all_greedy=all(greedy),
+            k_index=col([(k or k_max) - 1 for k in ks], torch.int64) if k_max else None,
+            k_off=col([k == 0 for k in ks], torch.bool) if k_max and not all(ks) else None,
+            k_max=k_max,
+            top_p=col(ps, torch.float32) if any(p < 1.0 for p in ps) else None,
+        )
+
+
+def tempered(logits: "torch.Tensor", params: DrawParams) -> "torch.Tensor":
+    """z = logits / temperature in float32 (greedy rows: the logits)."""
+    import torch
+
+    z = logits.to(torch.float32)
+    return z if params.all_greedy else z / params.temperature
+
+
+def support_threshold(z: "torch.Tensor", params: DrawParams) -> "torch.Tensor | None":
+    """Per row, the smallest tempered logit inside the support ([N, 1]); None when every token is inside."""
+    import torch
+
+    thr = None
+    if params.k_index is not None:
+        thr = torch.topk(z, params.k_max, dim=-1).values.gather(-1, params.k_index)
+        if params.k_off is not None:
+            thr = thr.masked_fill(params.k_off, float("-inf"))
+    if params.top_p is not None:
+        zk = z if thr is None else z.masked_fill(z < thr, float("-inf"))
+        zs = torch.sort(zk, dim=-1, descending=True).values
+        cum = torch.softmax(zs, dim=-1).cumsum(-1)
+        # Sorted position i stays iff the mass before it (cum[i - 1]) is below top_p; a prefix.
+        kept = (cum[:, :-1] < params.top_p).sum(-1, keepdim=True) + 1
+        thr_p = zs.gather(-1, kept - 1)
+        # The prefix can run into the -inf tail (top-p off, or rounding leaves the mass just below top_p):
+        # the top-k threshold still holds there.
+        thr = thr_p if thr is None else torch.maximum(thr, thr_p)
+    return thr
+
+
+def log_exponentials(states: "torch.Tensor", tokens: "torch.Tensor") -> "torch.Tensor":
+    """log E for row states [N] and token words [V]: float32 [N, V]."""
+    import torch
+
+    return torch.log(-torch.log(uniform_from_bits(bits_from_states(states, tokens))))
+
+
+def winners(score: "torch.Tensor", z_threshold: "torch.Tensor | None", z: "torch.Tensor") -> "torch.Tensor":
+    """argmax of the score over the support, [N] int64; torch.argmax returns the first (lowest id)
+    maximum on ties."""
+    if z_threshold is not None:
+        score = score.masked_fill(z < z_threshold, float("-inf"))
+    return score.argmax(-1)
+
+
+def scores(logits: "torch.Tensor", states: "torch.Tensor", tokens: "torch.Tensor", params: DrawParams) -> tuple["torch.Tensor", "torch.Tensor | None", "torch.Tensor"]:
+    """(z, support threshold, score = z - log E) for logits [N, V], row states [N] (`row_state`) and
+    token words [V]; the score is not masked to the support."""
+    z = tempered(logits, params)
+    thr = support_threshold(z, params)
+    if params.all_greedy:
+        return z, thr, z
+    log_e = log_exponentials(states, tokens)
+    if params.greedy is not None:
+        log_e = log_e.masked_fill(params.greedy, 0.0)
+    return z, thr, z - log_e
+
+
+def draw(logits: "torch.Tensor", states: "torch.Tensor", tokens: "torch.Tensor", params: DrawParams) -> "torch.Tensor":
+    """The seeded winner of each row, [N] int64."""
+    z, thr, score = scores(logits, states, tokens, params)
+    return winners(score, thr, z)
+
+
+@dataclass
+class Replay:
+    """Per position of a replayed completion (all [T], on the logits' device)."""
+
+    winner: "torch.Tensor"  # int64: the seed's winner under the replaying side's logits
+    margin: "torch.Tensor"  # float32: score(winner) - score(claimed), 0 when the claimed token wins.
+    # The claimed token's score is taken even outside the support: a token just outside, whose score
+    # beats the winner's, has a negative margin.
+    inside: "torch.Tensor"  # bool: the claimed token is inside the support under these logits
+
+
+def replay(logits: "torch.Tensor", seeds, positions, tokens: "torch.Tensor", sampling) -> Replay:
+    """Replay the draws of claimed `tokens` [T] under `logits` [T, V] (row t produced token t).
+
+    `seeds`: one int (a completion) or [T]; `positions`: [T] (usually arange(T), or an offset slice of
+    it); `sampling`: anything with temperature, top_k, top_p (protocol.models.SamplingParams).
+    """
+    import torch
+
+    n, vocab = logits.shape
+    device = logits.device
+    params = DrawParams.build([sampling.temperature] * n, [sampling.top_k] * n, [sampling.top_p] * n, vocab, device)
+    seeds = torch.as_tensor(seeds, dtype=torch.int64, device=device).expand(n).contiguous()
+    positions = torch.as_tensor(positions, dtype=torch.int64, device=device)
+    tokens = torch.as_tensor(tokens, dtype=torch.int64, device=device).view(-1, 1)
+    states = row_state(seed_state(seeds), positions)
+    z, thr, score = scores(logits, states, token_words(torch.arange(vocab, device=device)), params)
+    win = winners(score, thr, z)
+    margin = score.gather(1, win.view(-1, 1)) - score.gather(1, tokens)
+    inside = torch.ones(n, dtype=torch.bool, device=device) if thr is None else (z.gather(1, tokens) >= thr).view(-1)
+    return Replay(winner=win, margin=margin.view(-1), inside=inside)
