@@ -220,21 +220,27 @@ def tempered(logits: "torch.Tensor", params: DrawParams) -> "torch.Tensor":
     return z if params.all_greedy else z / params.temperature
 
 
-def support_threshold(z: "torch.Tensor", params: DrawParams) -> "torch.Tensor | None":
-    """Per row, the smallest tempered logit inside the support ([N, 1]); None when every token is inside."""
+def support_threshold(z: "torch.Tensor", params: DrawParams, top_p_shift: float = 0.0, z_shift: float = 0.0) -> "torch.Tensor | None":
+    """Per row, the smallest tempered logit inside the support ([N, 1]); None when every token is inside.
+
+    The shifts move the boundary for a replay on logits that differ slightly from the drawing side's:
+    top-p by `top_p_shift` of probability mass, the top-k value by `z_shift` (tempered logit units)."""
     import torch
 
-    thr = None
+    thr = thr_k = None
     if params.k_index is not None:
-        thr = torch.topk(z, params.k_max, dim=-1).values.gather(-1, params.k_index)
+        thr_k = torch.topk(z, params.k_max, dim=-1).values.gather(-1, params.k_index)
         if params.k_off is not None:
-            thr = thr.masked_fill(params.k_off, float("-inf"))
+            thr_k = thr_k.masked_fill(params.k_off, float("-inf"))
+        thr = thr_k + z_shift
+        if z_shift > 0:  # raised past the top value, the top-k would keep nothing: the top token stays
+            thr = torch.minimum(thr, z.max(-1, keepdim=True).values)
     if params.top_p is not None:
-        zk = z if thr is None else z.masked_fill(z < thr, float("-inf"))
+        zk = z if thr_k is None else z.masked_fill(z < thr_k, float("-inf"))
         zs = torch.sort(zk, dim=-1, descending=True).values
         cum = torch.softmax(zs, dim=-1).cumsum(-1)
         # Sorted position i stays iff the mass before it (cum[i - 1]) is below top_p; a prefix.
-        kept = (cum[:, :-1] < params.top_p).sum(-1, keepdim=True) + 1
+        kept = (cum[:, :-1] < params.top_p + top_p_shift).sum(-1, keepdim=True) + 1
         thr_p = zs.gather(-1, kept - 1)
         # The prefix can run into the -inf tail (top-p off, or rounding leaves the mass just below top_p):
         # the top-k threshold still holds there.
@@ -280,18 +286,24 @@ def draw(logits: "torch.Tensor", states: "torch.Tensor", tokens: "torch.Tensor",
 class Replay:
     """Per position of a replayed completion (all [T], on the logits' device)."""
 
-    winner: "torch.Tensor"  # int64: the seed's winner under the replaying side's logits
+    winner: "torch.Tensor"  # int64: the seed's winner under the replaying side's logits (tightened support)
     margin: "torch.Tensor"  # float32: score(winner) - score(claimed), 0 when the claimed token wins.
-    # The claimed token's score is taken even outside the support: a token just outside, whose score
-    # beats the winner's, has a negative margin.
-    inside: "torch.Tensor"  # bool: the claimed token is inside the support under these logits
+    # The claimed token's score is taken even outside the support: a claimed token whose score beats
+    # every token of the tightened support has a negative margin.
+    inside: "torch.Tensor"  # bool: the claimed token is inside the (widened) support under these logits
 
 
-def replay(logits: "torch.Tensor", seeds, positions, tokens: "torch.Tensor", sampling) -> Replay:
+def replay(logits: "torch.Tensor", seeds, positions, tokens: "torch.Tensor", sampling, top_p_slack: float = 0.0, logit_slack: float = 0.0) -> Replay:
     """Replay the draws of claimed `tokens` [T] under `logits` [T, V] (row t produced token t).
 
     `seeds`: one int (a completion) or [T]; `positions`: [T] (usually arange(T), or an offset slice of
     it); `sampling`: anything with temperature, top_k, top_p (protocol.models.SamplingParams).
+
+    The drawing side's logits differ from these by numerical noise, so a token near the support's
+    boundary may be inside on one side and outside on the other. With slacks, only tokens inside even
+    with top-p lowered by `top_p_slack` and the top-k value raised by `logit_slack` (raw logit units)
+    compete for `winner`, and `inside` accepts the claimed token if it is inside with both moved the
+    other way. With both 0 (the default) the support is this side's own.
     """
     import torch
 
@@ -301,9 +313,17 @@ def replay(logits: "torch.Tensor", seeds, positions, tokens: "torch.Tensor", sam
     seeds = torch.as_tensor(seeds, dtype=torch.int64, device=device).expand(n).contiguous()
     positions = torch.as_tensor(positions, dtype=torch.int64, device=device)
     tokens = torch.as_tensor(tokens, dtype=torch.int64, device=device).view(-1, 1)
-    states = row_state(seed_state(seeds), positions)
-    z, thr, score = scores(logits, states, token_words(torch.arange(vocab, device=device)), params)
+    z = tempered(logits, params)
+    z_slack = logit_slack / (sampling.temperature if sampling.temperature > 0 else 1.0)
+    if top_p_slack or logit_slack:
+        thr = support_threshold(z, params, -top_p_slack, z_slack)
+        wide = support_threshold(z, params, top_p_slack, -z_slack)
+    else:
+        thr = wide = support_threshold(z, params)
+    score = z
+    if not params.all_greedy:
+        score = z - log_exponentials(row_state(seed_state(seeds), positions), token_words(torch.arange(vocab, device=device)))
     win = winners(score, thr, z)
     margin = score.gather(1, win.view(-1, 1)) - score.gather(1, tokens)
-    inside = torch.ones(n, dtype=torch.bool, device=device) if thr is None else (z.gather(1, tokens) >= thr).view(-1)
+    inside = torch.ones(n, dtype=torch.bool, device=device) if wide is None else (z.gather(1, tokens) >= wide).view(-1)
     return Replay(winner=win, margin=margin.view(-1), inside=inside)

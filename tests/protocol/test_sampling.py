@@ -291,3 +291,42 @@ def test_replay_at_temperature_zero_is_argmax_in_logit_units():
     r = S.replay(logits, 5, torch.arange(2), torch.tensor([2, 1]), SamplingParams(temperature=0.0))
     assert r.winner.tolist() == [1, 0]
     assert r.margin.tolist() == [1.0, 0.0]  # a tie with a higher id: margin 0, the verifier's call
+
+
+def test_replay_slack_tells_a_support_boundary_flip_from_another_draw():
+    """A token whose more probable tokens hold top_p - 1e-5 of the mass on the drawing side and
+    top_p + 1e-5 on the replaying side: strictly, the replay's winner differs by a wide margin; with a
+    slack above the noise, the boundary token does not compete and the claimed token is accepted."""
+
+    def logits_with(a: float) -> torch.Tensor:
+        return torch.tensor([0.4, 0.3, 0.2 - a, 0.05, 0.03, 0.02 + a]).log()
+
+    drawn_side, replay_side = logits_with(1e-5), logits_with(-1e-5)
+    sampling = SamplingParams(temperature=1.0, top_p=0.9)
+    params = S.DrawParams.build([1.0], [-1], [0.9], 6)
+    words = S.token_words(torch.arange(6))
+    seed = next(s for s in range(1000) if int(S.draw(drawn_side[None], S.row_state(S.seed_state(torch.tensor([s])), torch.tensor([0])), words, params)[0]) == 3)
+    claimed = torch.tensor([3])
+    strict = S.replay(replay_side[None], seed, torch.tensor([0]), claimed, sampling)
+    assert not bool(strict.inside[0]) and int(strict.winner[0]) != 3
+    loose = S.replay(replay_side[None], seed, torch.tensor([0]), claimed, sampling, top_p_slack=1e-4)
+    assert bool(loose.inside[0]) and float(loose.margin[0]) <= 0.0
+    # A token clearly outside stays outside, and a wrong token clearly inside keeps a positive margin.
+    assert not bool(S.replay(replay_side[None], seed, torch.tensor([0]), torch.tensor([5]), sampling, top_p_slack=1e-4).inside[0])
+    other = next(t for t in range(3) if t != int(loose.winner[0]))
+    assert float(S.replay(replay_side[None], seed, torch.tensor([0]), torch.tensor([other]), sampling, top_p_slack=1e-4).margin[0]) > 0
+
+
+def test_replay_logit_slack_on_top_k():
+    # Tokens 1 and 2 are 1e-6 apart at the top-k=2 boundary; noise can swap them.
+    logits = torch.tensor([[2.0, 1.0, 1.0 - 1e-6, -1.0]])
+    sampling = SamplingParams(temperature=1.0, top_k=2)
+    for token in range(3):
+        r = S.replay(logits, 1, torch.tensor([0]), torch.tensor([token]), sampling, logit_slack=1e-3)
+        assert bool(r.inside[0])
+        assert int(r.winner[0]) == 0  # only token 0 is inside for sure
+        assert (float(r.margin[0]) == 0.0) == (token == 0)
+    assert not bool(S.replay(logits, 1, torch.tensor([0]), torch.tensor([3]), sampling, logit_slack=1e-3).inside[0])
+    # top_k=1 raised by the slack still lets the top token compete.
+    r = S.replay(logits, 1, torch.tensor([0]), torch.tensor([0]), SamplingParams(temperature=1.0, top_k=1), logit_slack=1e-3)
+    assert int(r.winner[0]) == 0 and float(r.margin[0]) == 0.0
