@@ -76,6 +76,10 @@ def _vllm_process_mode(multiprocess: bool) -> Iterator[None]:
 
     if hasattr(envs, "disable_envs_cache"):
         envs.disable_envs_cache()
+    # For the life of the process (vLLM reads it again after construction): the seeded sampler has
+    # vLLM's V1 logits-processor interface, which Model Runner V2 (vLLM's default on CUDA with Triton;
+    # the CPU build runs V1) refuses to load.
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     key = "VLLM_ENABLE_V1_MULTIPROCESSING"
     old = os.environ.get(key)
     os.environ[key] = "1" if multiprocess else "0"
