@@ -235,7 +235,9 @@ def support_threshold(z: "torch.Tensor", params: DrawParams, top_p_shift: float 
     """Per row, the smallest tempered logit inside the support ([N, 1]); None when every token is inside.
 
     The shifts move the boundary for a replay on logits that differ slightly from the drawing side's:
-    top-p by `top_p_shift` of probability mass, the top-k value by `z_shift` (tempered logit units)."""
+    top-p by `top_p_shift` of probability mass, and the threshold itself by `z_shift` (tempered logit
+    units), which also covers near-tied tokens at the boundary swapping places (and with them the mass
+    that counts as "before" each)."""
     import torch
 
     thr = thr_k = None
@@ -243,9 +245,7 @@ def support_threshold(z: "torch.Tensor", params: DrawParams, top_p_shift: float 
         thr_k = torch.topk(z, params.k_max, dim=-1).values.gather(-1, params.k_index)
         if params.k_off is not None:
             thr_k = thr_k.masked_fill(params.k_off, float("-inf"))
-        thr = thr_k + z_shift
-        if z_shift > 0:  # raised past the top value, the top-k would keep nothing: the top token stays
-            thr = torch.minimum(thr, z.max(-1, keepdim=True).values)
+        thr = thr_k
     if params.top_p is not None:
         zk = z if thr_k is None else z.masked_fill(z < thr_k, float("-inf"))
         zs = torch.sort(zk, dim=-1, descending=True).values
@@ -256,6 +256,10 @@ def support_threshold(z: "torch.Tensor", params: DrawParams, top_p_shift: float 
         # The prefix can run into the -inf tail (top-p off, or rounding leaves the mass just below top_p):
         # the top-k threshold still holds there.
         thr = thr_p if thr is None else torch.maximum(thr, thr_p)
+    if thr is not None and z_shift:
+        thr = thr + z_shift
+        if z_shift > 0:  # raised past the top value the support would be empty: the top token stays
+            thr = torch.minimum(thr, z.max(-1, keepdim=True).values)
     return thr
 
 
@@ -310,9 +314,9 @@ def replay(logits: "torch.Tensor", seeds, positions, tokens: "torch.Tensor", sam
 
     The drawing side's logits differ from these by numerical noise, so a token near the support's
     boundary may be inside on one side and outside on the other. With slacks, only tokens inside even
-    with top-p lowered by `top_p_slack` and the top-k value raised by `logit_slack` (raw logit units)
-    compete for `winner`, and `inside` accepts the claimed token if it is inside with both moved the
-    other way. With both 0 (the default) the support is this side's own.
+    with top-p lowered by `top_p_slack` and the support's threshold raised by `logit_slack` (raw logit
+    units) compete for `winner`, and `inside` accepts the claimed token if it is inside with both moved
+    the other way. With both 0 (the default) the support is this side's own.
     """
     import torch
 

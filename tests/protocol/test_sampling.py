@@ -330,3 +330,29 @@ def test_replay_logit_slack_on_top_k():
     # top_k=1 raised by the slack still lets the top token compete.
     r = S.replay(logits, 1, torch.tensor([0]), torch.tensor([0]), SamplingParams(temperature=1.0, top_k=1), logit_slack=1e-3)
     assert int(r.winner[0]) == 0 and float(r.margin[0]) == 0.0
+
+
+def test_replay_logit_slack_covers_near_tied_tokens_swapping_at_the_top_p_boundary():
+    # Tokens 2 and 3 are near-tied third place; only the third place fits in top_p = 0.85. Noise swaps
+    # them, so each side keeps a different one although the masses barely move.
+    def logits_with(a: float) -> torch.Tensor:
+        return torch.tensor([0.5, 0.3, 0.1 + a, 0.1 - a]).log()
+
+    drawn_side, replay_side = logits_with(1e-6), logits_with(-1e-6)
+    sampling = SamplingParams(temperature=1.0, top_p=0.85)
+    params = S.DrawParams.build([1.0], [-1], [0.85], 4)
+    words = S.token_words(torch.arange(4))
+
+    def state(seed):
+        return S.row_state(S.seed_state(torch.tensor([seed])), torch.tensor([0]))
+
+    def score(seed, token):
+        return float(S.log_exponentials(state(seed), words)[0, token].neg() + replay_side[token])
+
+    # A seed whose draw is token 2 while token 3 would beat it on the replaying side.
+    seed = next(s for s in range(5000) if int(S.draw(drawn_side[None], state(s), words, params)[0]) == 2 and score(s, 3) > score(s, 2))
+    claimed = torch.tensor([2])
+    mass_only = S.replay(replay_side[None], seed, torch.tensor([0]), claimed, sampling, top_p_slack=0.01)
+    assert int(mass_only.winner[0]) == 3 and float(mass_only.margin[0]) > 0
+    both = S.replay(replay_side[None], seed, torch.tensor([0]), claimed, sampling, top_p_slack=0.01, logit_slack=1e-3)
+    assert bool(both.inside[0]) and float(both.margin[0]) <= 0.0
