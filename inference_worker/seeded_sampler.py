@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
@@ -68,8 +69,7 @@ class _Layout:
         self.indices = sorted(rows)
         self.rows = [rows[i] for i in self.indices]
         self.index_tensor = torch.tensor(self.indices, dtype=torch.int64, device=device)
-        seeds = torch.tensor([r.seed for r in self.rows], dtype=torch.int64, device=device)
-        self.seed_states = sampling.seed_state(seeds)
+        self.seed_states = sampling.seed_state_np([r.seed for r in self.rows])
         self.params = sampling.DrawParams.build(
             [r.temperature for r in self.rows], [r.top_k for r in self.rows], [r.top_p for r in self.rows], vocab_size, device
         )
@@ -131,8 +131,9 @@ class SeededSampler(LogitsProcessor):
             layout = self.layout = _Layout(self.rows, vocab, self.device)
         # Indices are sorted and distinct: they cover the batch iff there are `batch` of them ending at batch - 1.
         whole_batch = len(layout.indices) == batch and layout.indices[-1] == batch - 1
-        positions = torch.tensor([len(r.output_ids) for r in layout.rows], dtype=torch.int64).to(self.device, non_blocking=True)
-        states = sampling.row_state(layout.seed_states, positions)
+        # Row states on the host, where the positions are (tokens generated so far): a few numpy ops.
+        positions = np.fromiter((len(r.output_ids) for r in layout.rows), dtype=np.uint32, count=len(layout.rows))
+        states = torch.from_numpy(sampling.row_state_np(layout.seed_states, positions).astype(np.int64)).to(self.device, non_blocking=True)
         rows = logits if whole_batch else logits.index_select(0, layout.index_tensor)
         winners = sampling.draw(rows, states, self.token_words, layout.params).view(-1, 1)
         if whole_batch:

@@ -57,12 +57,10 @@ _U_SCALE = 2.0**-24
 
 
 def _mul32(x: "torch.Tensor", c: int) -> "torch.Tensor":
-    """x * c mod 2**32 for x in [0, 2**32). A constant c >= 2**31 is split as c' + 2**31: x * c' stays
-    below 2**63, and x * 2**31 mod 2**32 is just x's lowest bit moved to bit 31 (added = XORed there)."""
-    if c < 2**31:
-        return (x * c) & MASK32
-    top = (x & 1) << 31
-    return ((x * (c - 2**31)) & MASK32) ^ top
+    """x * c mod 2**32 for x in [0, 2**32). A constant c >= 2**31 is used as c - 2**32 (same residue
+    mod 2**32, |c - 2**32| <= 2**31), so |x * c| < 2**63 either way: int64 never overflows, and & keeps
+    the two's-complement residue."""
+    return (x * (c - 2**32 if c >= 2**31 else c)) & MASK32
 
 
 def _rotl32(x: "torch.Tensor", r: int) -> "torch.Tensor":
@@ -89,8 +87,7 @@ def _fmix32_(h: "torch.Tensor") -> "torch.Tensor":
     tmp = torch.empty_like(h)
     for shift, c in ((16, _FMIX1), (13, _FMIX2)):  # both constants are >= 2**31: see _mul32
         h ^= torch.bitwise_right_shift(h, shift, out=tmp)
-        torch.bitwise_and(h, 1, out=tmp).bitwise_left_shift_(31)
-        h.mul_(c - 2**31).bitwise_and_(MASK32).bitwise_xor_(tmp)
+        h.mul_(c - 2**32).bitwise_and_(MASK32)
     h ^= torch.bitwise_right_shift(h, 16, out=tmp)
     return h
 
@@ -149,32 +146,42 @@ def prf_uniform(seeds: "torch.Tensor", positions: "torch.Tensor", token_ids: "to
 # PRF in numpy (reference): uint32 arithmetic wraps modulo 2**32 by definition
 
 
+def _absorb_np(h: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """One MurmurHash3 block: scramble the word k, fold it into the state h."""
+    k = k * np.uint32(_C1)
+    k = (k << np.uint32(15)) | (k >> np.uint32(17))
+    k = k * np.uint32(_C2)
+    h = h ^ k
+    h = (h << np.uint32(13)) | (h >> np.uint32(19))
+    return h * np.uint32(5) + np.uint32(_ROUND_ADD)
+
+
+def seed_state_np(seeds) -> np.ndarray:
+    """`seed_state` in numpy: uint32 [N]."""
+    seeds = np.atleast_1d(np.asarray(seeds, dtype=np.uint64))
+    with np.errstate(over="ignore"):
+        h = _absorb_np(np.zeros(seeds.shape, dtype=np.uint32), (seeds & np.uint64(MASK32)).astype(np.uint32))
+        return _absorb_np(h, (seeds >> np.uint64(32)).astype(np.uint32))
+
+
+def row_state_np(seed_states: np.ndarray, positions) -> np.ndarray:
+    """`row_state` in numpy: uint32 [N]. The worker computes row states on the host, where the
+    positions are, in a few microseconds (about 20 tiny torch ops otherwise, per step)."""
+    with np.errstate(over="ignore"):
+        return _absorb_np(seed_states, np.atleast_1d(np.asarray(positions, dtype=np.uint64)).astype(np.uint32))
+
+
 def prf_bits_np(seeds, positions, token_ids) -> np.ndarray:
     """The numpy reference of `prf_bits`: uint32 [N, V]."""
-    seeds = np.atleast_1d(np.asarray(seeds, dtype=np.uint64))
-    words = [
-        (seeds & np.uint64(MASK32)).astype(np.uint32)[:, None],
-        (seeds >> np.uint64(32)).astype(np.uint32)[:, None],
-        np.atleast_1d(np.asarray(positions, dtype=np.uint64)).astype(np.uint32)[:, None],
-        np.asarray(token_ids, dtype=np.uint64).astype(np.uint32),
-    ]
-    shape = np.broadcast_shapes(*(w.shape for w in words))
-    h = np.zeros(shape, dtype=np.uint32)
+    h = row_state_np(seed_state_np(seeds), positions)[:, None]
     with np.errstate(over="ignore"):
-        for k in words:
-            k = k * np.uint32(_C1)
-            k = (k << np.uint32(15)) | (k >> np.uint32(17))
-            k = k * np.uint32(_C2)
-            h = h ^ k
-            h = (h << np.uint32(13)) | (h >> np.uint32(19))
-            h = h * np.uint32(5) + np.uint32(_ROUND_ADD)
+        h = _absorb_np(h, np.asarray(token_ids, dtype=np.uint64).astype(np.uint32))
         h = h ^ np.uint32(_MESSAGE_BYTES)
         h = h ^ (h >> np.uint32(16))
         h = h * np.uint32(_FMIX1)
         h = h ^ (h >> np.uint32(13))
         h = h * np.uint32(_FMIX2)
-        h = h ^ (h >> np.uint32(16))
-    return h
+        return h ^ (h >> np.uint32(16))
 
 
 def prf_uniform_np(seeds, positions, token_ids) -> np.ndarray:

@@ -81,6 +81,11 @@ def test_numpy_and_torch_agree_bit_for_bit():
     bits_t = S.prf_bits(torch.from_numpy(seeds), torch.from_numpy(positions), torch.from_numpy(tokens))
     bits_n = S.prf_bits_np(seeds.astype(np.uint64), positions, tokens)
     np.testing.assert_array_equal(bits_t.numpy().astype(np.uint32), bits_n)
+    # The row states alone (the worker computes them on the host with numpy).
+    rows_t = S.row_state(S.seed_state(torch.from_numpy(seeds)), torch.from_numpy(positions))
+    rows_n = S.row_state_np(S.seed_state_np(seeds.astype(np.uint64)), positions)
+    assert rows_n.dtype == np.uint32
+    np.testing.assert_array_equal(rows_t.numpy().astype(np.uint32), rows_n)
     u_t = S.prf_uniform(torch.from_numpy(seeds), torch.from_numpy(positions), torch.from_numpy(tokens))
     u_n = S.prf_uniform_np(seeds.astype(np.uint64), positions, tokens)
     assert u_t.dtype == torch.float32 and u_n.dtype == np.float32
