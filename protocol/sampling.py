@@ -200,6 +200,7 @@ class DrawParams:
     temperature: "torch.Tensor"  # float32; 1 on greedy rows (their logits are used as they are)
     greedy: "torch.Tensor | None"  # bool; None when no row is greedy
     all_greedy: bool
+    unit_temperature: bool  # every row at temperature 1 or greedy: no division
     k_index: "torch.Tensor | None"  # int64 k - 1 into the top-k_max values; None when no row uses top-k
     k_off: "torch.Tensor | None"  # bool: rows without top-k (when others use it); None if none
     k_max: int
@@ -223,6 +224,7 @@ class DrawParams:
             temperature=col([1.0 if g else t for g, t in zip(greedy, temps)], torch.float32),
             greedy=col(greedy, torch.bool) if any(greedy) else None,
             all_greedy=all(greedy),
+            unit_temperature=all(g or t == 1.0 for g, t in zip(greedy, temps)),
             k_index=col([(k or k_max) - 1 for k in ks], torch.int64) if k_max else None,
             k_off=col([k == 0 for k in ks], torch.bool) if k_max and not all(ks) else None,
             k_max=k_max,
@@ -235,7 +237,7 @@ def tempered(logits: "torch.Tensor", params: DrawParams) -> "torch.Tensor":
     import torch
 
     z = logits.to(torch.float32)
-    return z if params.all_greedy else z / params.temperature
+    return z if params.unit_temperature else z / params.temperature
 
 
 def support_threshold(z: "torch.Tensor", params: DrawParams, top_p_shift: float = 0.0, z_shift: float = 0.0) -> "torch.Tensor | None":
@@ -292,8 +294,8 @@ def scores(logits: "torch.Tensor", states: "torch.Tensor", tokens: "torch.Tensor
         return z, thr, z
     log_e = log_exponentials(states, tokens)
     if params.greedy is not None:
-        log_e = log_e.masked_fill(params.greedy, 0.0)
-    return z, thr, z - log_e
+        log_e.masked_fill_(params.greedy, 0.0)
+    return z, thr, log_e.neg_().add_(z)  # z - log E, in the fresh buffer (same bits: a - b is a + (-b))
 
 
 def draw(logits: "torch.Tensor", states: "torch.Tensor", tokens: "torch.Tensor", params: DrawParams) -> "torch.Tensor":
@@ -342,7 +344,7 @@ def replay(logits: "torch.Tensor", seeds, positions, tokens: "torch.Tensor", sam
         thr = wide = support_threshold(z, params)
     score = z
     if not params.all_greedy:
-        score = z - log_exponentials(row_state(seed_state(seeds), positions), token_words(torch.arange(vocab, device=device)))
+        score = log_exponentials(row_state(seed_state(seeds), positions), token_words(torch.arange(vocab, device=device))).neg_().add_(z)
     win = winners(score, thr, z)
     margin = score.gather(1, win.view(-1, 1)) - score.gather(1, tokens)
     inside = torch.ones(n, dtype=torch.bool, device=device) if wide is None else (z.gather(1, tokens) >= wide).view(-1)
