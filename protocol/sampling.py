@@ -204,7 +204,8 @@ class DrawParams:
     k_index: "torch.Tensor | None"  # int64 k - 1 into the top-k_max values; None when no row uses top-k
     k_off: "torch.Tensor | None"  # bool: rows without top-k (when others use it); None if none
     k_max: int
-    top_p: "torch.Tensor | None"  # float32; 2 where top-p is off (so that every token passes); None if unused
+    top_p: "torch.Tensor | None"  # float32 (0 on rows without top-p: masked by p_off); None if unused
+    p_off: "torch.Tensor | None"  # bool: rows without top-p (when others use it); None if none
 
     @staticmethod
     def build(temperatures: Sequence[float], top_ks: Sequence[int], top_ps: Sequence[float], vocab_size: int, device=None) -> "DrawParams":
@@ -214,7 +215,7 @@ class DrawParams:
         temps = [float(t) for t in temperatures]
         greedy = [t <= 0.0 for t in temps]
         ks = [int(k) if 0 < int(k) < vocab_size else 0 for k in top_ks]
-        ps = [float(p) if float(p) < 1.0 else 2.0 for p in top_ps]
+        ps = [min(float(p), 1.0) for p in top_ps]
 
         def col(values, dtype):
             return torch.tensor(values, dtype=dtype).view(-1, 1).to(device)
@@ -228,7 +229,8 @@ class DrawParams:
             k_index=col([(k or k_max) - 1 for k in ks], torch.int64) if k_max else None,
             k_off=col([k == 0 for k in ks], torch.bool) if k_max and not all(ks) else None,
             k_max=k_max,
-            top_p=col(ps, torch.float32) if any(p < 1.0 for p in ps) else None,
+            top_p=col([p if p < 1.0 else 0.0 for p in ps], torch.float32) if any(p < 1.0 for p in ps) else None,
+            p_off=col([p >= 1.0 for p in ps], torch.bool) if any(p < 1.0 for p in ps) and any(p >= 1.0 for p in ps) else None,
         )
 
 
@@ -256,19 +258,44 @@ def support_threshold(z: "torch.Tensor", params: DrawParams, top_p_shift: float 
             thr_k = thr_k.masked_fill(params.k_off, float("-inf"))
         thr = thr_k
     if params.top_p is not None:
-        zk = z if thr_k is None else z.masked_fill(z < thr_k, float("-inf"))
-        zs = torch.sort(zk, dim=-1, descending=True).values
-        cum = torch.softmax(zs, dim=-1).cumsum(-1)
-        # Sorted position i stays iff the mass before it (cum[i - 1]) is below top_p; a prefix.
-        kept = (cum[:, :-1] < params.top_p + top_p_shift).sum(-1, keepdim=True) + 1
-        thr_p = zs.gather(-1, kept - 1)
-        # The prefix can run into the -inf tail (top-p off, or rounding leaves the mass just below top_p):
-        # the top-k threshold still holds there.
+        thr_p = _top_p_threshold(z if thr_k is None else z.masked_fill(z < thr_k, float("-inf")), params.top_p + top_p_shift)
+        if params.p_off is not None:
+            thr_p = thr_p.masked_fill(params.p_off, float("-inf"))
         thr = thr_p if thr is None else torch.maximum(thr, thr_p)
     if thr is not None and z_shift:
         thr = thr + z_shift
         if z_shift > 0:  # raised past the top value the support would be empty: the top token stays
             thr = torch.minimum(thr, z.max(-1, keepdim=True).values)
+    return thr
+
+
+# Top-p looks at the most probable tokens first and sorts a whole row only when these hold less than
+# top_p: at vocabulary 151,936 the full sort was most of a top-p replay (CPU, about 5x the LM head).
+TOP_P_PREFIX = 1024
+
+
+def _top_p_threshold(zk: "torch.Tensor", top_p: "torch.Tensor") -> "torch.Tensor":
+    """The smallest kept value of the tempered (top-k masked) logits zk [N, V] under top-p [N, 1].
+
+    Sorted descending, position i stays iff the mass before it (cum[i - 1]) is below top_p, so the kept
+    tokens are a prefix; probabilities are exp(z - logsumexp(z)) of the whole row. When the first
+    TOP_P_PREFIX sorted tokens already hold top_p, the rest is never kept and need not be sorted."""
+    import torch
+
+    n, vocab = zk.shape
+    lse = torch.logsumexp(zk, dim=-1, keepdim=True)
+    k = min(vocab, TOP_P_PREFIX)
+    zs = torch.topk(zk, k, dim=-1).values  # sorted, descending
+    cum = (zs - lse).exp_().cumsum(-1)
+    thr = zs.gather(-1, (cum[:, :-1] < top_p).sum(-1, keepdim=True))  # index kept - 1
+    if k < vocab:
+        short = (cum[:, -1:] < top_p).view(-1).nonzero().view(-1)  # rows whose prefix holds too little
+        if short.numel():
+            zf = torch.sort(zk.index_select(0, short), dim=-1, descending=True).values
+            cf = (zf - lse.index_select(0, short)).exp_().cumsum(-1)
+            thr = thr.index_copy(0, short, zf.gather(-1, (cf[:, :-1] < top_p.index_select(0, short)).sum(-1, keepdim=True)))
+    # The kept prefix can end in the -inf tail (rounding leaves the mass just below top_p): every
+    # finite token is then kept, and a top-k threshold (the caller's maximum) still holds.
     return thr
 
 

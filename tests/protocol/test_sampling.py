@@ -361,3 +361,20 @@ def test_replay_logit_slack_covers_near_tied_tokens_swapping_at_the_top_p_bounda
     assert int(mass_only.winner[0]) == 3 and float(mass_only.margin[0]) > 0
     both = S.replay(replay_side[None], seed, torch.tensor([0]), claimed, sampling, top_p_slack=0.01, logit_slack=1e-3)
     assert bool(both.inside[0]) and float(both.margin[0]) <= 0.0
+
+
+def test_top_p_prefix_equals_the_full_sort(monkeypatch):
+    """Top-p sorts only the first TOP_P_PREFIX tokens unless they hold less than top_p; both paths give
+    the same threshold, row by row (peaked rows stay in the prefix, flat ones need the full sort)."""
+    gen = torch.Generator().manual_seed(3)
+    v = 5000
+    logits = torch.randn(60, v, generator=gen) * torch.tensor([6.0, 0.1, 2.0]).repeat(20)[:, None]
+    settings = [(float(t), int(k), float(p)) for t, k, p in zip([1.0, 0.7, 1.3] * 20, [-1] * 50 + [2000] * 10, [0.5, 0.9, 0.99, 1.0] * 15)]
+    params = S.DrawParams.build(*zip(*settings), v)
+    z = S.tempered(logits, params)
+    fast = S.support_threshold(z, params)
+    zk = z.masked_fill(z < torch.topk(z, 2000, dim=-1).values[:, -1:], float("-inf"))
+    short = S.TOP_P_PREFIX < v and bool((torch.softmax(zk, -1).topk(S.TOP_P_PREFIX).values.sum(-1) < 0.9).any())
+    assert short, "the test needs rows that go past the prefix"
+    monkeypatch.setattr(S, "TOP_P_PREFIX", v)
+    assert torch.equal(S.support_threshold(z, params), fast)
