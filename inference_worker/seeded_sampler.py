@@ -63,7 +63,8 @@ class _Row:
 
 
 class _Layout:
-    """Device tensors for the current set of seeded rows; rebuilt only when the batch changes."""
+    """Per-row state of the current seeded rows (device tensors, host seed states); rebuilt only when
+    the batch changes."""
 
     def __init__(self, rows: dict[int, _Row], vocab_size: int, device: torch.device):
         self.indices = sorted(rows)
@@ -76,6 +77,8 @@ class _Layout:
 
 
 class SeededSampler(LogitsProcessor):
+    """vLLM (V1 interface) logits processor: each seeded row becomes -inf except its seed's winner."""
+
     @classmethod
     def validate_params(cls, params: "VllmSamplingParams") -> None:
         """Refuse a malformed request before it reaches the engine core (vLLM calls this per request)."""

@@ -18,7 +18,8 @@ independent numpy (uint32) implementation; the two must agree bit for bit.
 Draw (vLLM's order of operations, see verifier/checks.py): z = logits / temperature in float32; the
 support keeps the top-k values of z (ties at the k-th value kept), then the smallest set of most
 probable tokens reaching top-p: sorted descending, token i stays iff the tempered, top-k-renormalized
-probability mass before it is below top-p (ties with the last kept value stay). Then
+probability mass before it (exp(z - logsumexp z), summed in sorted order) is below top-p (ties with
+the last kept value stay). Then
 
     score_v = z_v - log E_v,  E_v = -log u_v  (E ~ Exp(1), so -log E is Gumbel(0, 1))
     winner  = argmax over the support of score_v  (lowest token id on an exact tie)
@@ -28,7 +29,9 @@ token of a row, so z ranks exactly as the tempered logprob would, with one round
 0 is plain argmax of the logits (no noise). A replay gives, per position, the seed's winner under the
 replaying side's logits and the margin score_winner - score_claimed (score units, i.e. logits divided
 by the temperature; logits at temperature 0), which is 0 when the claimed token wins and small when an
-honest worker's logits differ from the verifier's only by numerical noise.
+honest worker's logits differ from the verifier's only by numerical noise. (The PRF's bits are exact
+everywhere; log E goes through the device's float32 log, which may differ by an ulp across devices:
+about 1e-7 in score units, far below the logits' own noise.)
 
 Only pydantic and numpy are imported at module level (protocol's rule); torch inside the functions.
 """
