@@ -129,25 +129,31 @@ def bench_margins(model_dir: Path, args) -> list[dict]:
     return rows
 
 
-def matched_medians(steps: dict[str, list[tuple[int, float]]]) -> dict[int, tuple[int, dict[str, float]]]:
-    """Per batch size seen in both modes: (number of steps, median time per mode). The forward pass
-    costs the same at the same size, so only the sampler differs; medians shrug off other jobs' bursts."""
+def quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def matched_stats(steps: dict[str, list[tuple[int, float]]], q: float) -> dict[int, tuple[int, dict[str, float]]]:
+    """Per batch size seen in both modes: (number of steps, q-quantile of the time per mode). The
+    forward pass costs the same at the same size, so only the sampler differs; a median or a low
+    quantile shrugs off other jobs' bursts (the low quantile is the undisturbed cost)."""
     sizes = sorted(set(b for b, _ in steps["seeded"]) & set(b for b, _ in steps["vllm"]))
-    return {b: (sum(1 for m in steps for bb, _ in steps[m] if bb == b), {m: statistics.median(t for bb, t in steps[m] if bb == b) for m in steps}) for b in sizes}
+    return {b: (sum(1 for m in steps for bb, _ in steps[m] if bb == b), {m: quantile([t for bb, t in steps[m] if bb == b], q) for m in steps}) for b in sizes}
 
 
-def matched(steps: dict[str, list[tuple[int, float]]]) -> dict:
-    """seeded / vLLM of the per-size medians, weighted by how many steps each size had."""
-    med = matched_medians(steps)
-    num = sum(n * m["seeded"] for n, m in med.values())
-    den = sum(n * m["vllm"] for n, m in med.values())
-    return {"ratio": num / den, "sizes": len(med), "steps": {m: len(v) for m, v in steps.items()}}
+def matched(steps: dict[str, list[tuple[int, float]]], q: float = 0.5) -> dict:
+    """seeded / vLLM of the per-size quantiles, weighted by how many steps each size had."""
+    st = matched_stats(steps, q)
+    num = sum(n * m["seeded"] for n, m in st.values())
+    den = sum(n * m["vllm"] for n, m in st.values())
+    return {"ratio": num / den, "sizes": len(st), "steps": {m: len(v) for m, v in steps.items()}}
 
 
-def component_ratio(steps: dict) -> float:
-    """1 + (the sampler's extra time per step) / (the step's time with vLLM's sampler), both from
-    per-size medians: the sampler is the only thing the modes change, and it is timed on its own."""
-    sampler, step = matched_medians(steps["sampler"]), matched_medians(steps["step"])
+def component_ratio(steps: dict, q: float = 0.5) -> float:
+    """1 + (the sampler's extra time per step) / (the step's time with vLLM's sampler), from per-size
+    quantiles: the sampler is the only thing the modes change, and it is timed on its own."""
+    sampler, step = matched_stats(steps["sampler"], q), matched_stats(steps["step"], q)
     extra = sum(n * (m["seeded"] - m["vllm"]) for n, m in sampler.values())
     return 1 + extra / sum(n * m["vllm"] for n, m in step.values())
 
@@ -161,25 +167,30 @@ def bench_overhead(model_dir: Path, args) -> tuple[dict, list]:
     from inference_worker.seeded_sampler import SeededSampler
 
     # Per engine step: its batch size (rows the sampler saw), its time, and the sampler's time (our
-    # processor runs inside vLLM's Sampler.forward), per mode.
-    mode, last = ["seeded"], {"batch": None, "sampler": 0.0, "apply": 0.0}
-    steps = {k: {"seeded": [], "vllm": []} for k in ("step", "sampler")}
+    # processor runs inside vLLM's Sampler.forward), per mode; wall time and this thread's CPU time.
+    # In-process vLLM on CPU runs the whole step in this thread (it sets torch to 1 thread for
+    # serving), so the thread's CPU time is the step's work without other jobs' time slices.
+    mode, last = ["seeded"], {"batch": None, "sampler": 0.0, "sampler_cpu": 0.0}
+    steps = {k: {"seeded": [], "vllm": []} for k in ("step", "sampler", "step_cpu", "sampler_cpu")}
     applies: list[float] = []
     originals = (Sampler.forward, LLMEngine.step, SeededSampler.apply)
 
     def sampler_forward(self, logits, *a, **kw):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = originals[0](self, logits, *a, **kw)
-        last["batch"], last["sampler"] = logits.shape[0], time.perf_counter() - t0
+        last["batch"], last["sampler"], last["sampler_cpu"] = logits.shape[0], time.perf_counter() - t0, time.thread_time() - c0
         return out
 
     def engine_step(self):
         last["batch"] = None
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = originals[1](self)
         if last["batch"] is not None:
-            steps["step"][mode[0]].append((last["batch"], time.perf_counter() - t0))
-            steps["sampler"][mode[0]].append((last["batch"], last["sampler"]))
+            b, m = last["batch"], mode[0]
+            steps["step"][m].append((b, time.perf_counter() - t0))
+            steps["step_cpu"][m].append((b, time.thread_time() - c0))
+            steps["sampler"][m].append((b, last["sampler"]))
+            steps["sampler_cpu"][m].append((b, last["sampler_cpu"]))
         return out
 
     def processor_apply(self, logits):
@@ -227,6 +238,11 @@ def bench_overhead(model_dir: Path, args) -> tuple[dict, list]:
         "step_time_ratio_matched": matched(steps["step"]),
         "sampler_time_ratio_matched": matched(steps["sampler"]),
         "component_ratio": component_ratio(steps),
+        "step_time_ratio_matched_p10": matched(steps["step"], 0.1),
+        "component_ratio_p10": component_ratio(steps, 0.1),
+        "step_cpu_ratio_matched": matched(steps["step_cpu"]),
+        "component_ratio_cpu": component_ratio({"sampler": steps["sampler_cpu"], "step": steps["step_cpu"]}),
+        "torch_threads_in_engine": torch.get_num_threads(),
         "step_ms_median": {m: 1e3 * v for m, v in step_med.items()},
         "sampler_ms_median": {m: 1e3 * statistics.median(t for _, t in steps["sampler"][m]) for m in secs},
         "apply_ms_median": 1e3 * statistics.median(applies),
@@ -263,26 +279,30 @@ def bench_replay_cost(model_dir: Path, kept: list, args, label: str) -> dict:
 
 
 def bench_large_vocab(args) -> dict:
-    """Replay over a Qwen-sized vocabulary against the LM-head matmul alone (hidden 896, as Qwen2-0.5B)."""
+    """Replay over a Qwen-sized vocabulary against the LM-head matmul alone (hidden 896, as Qwen2-0.5B).
+    Synthetic logits, flat (std ~0.6: the top 1,024 tokens hold little mass, so top-p sorts whole
+    rows) and peaked (std ~3, closer to a trained model's: the top 1,024 usually hold top_p)."""
     vocab, hidden, n = 151936, 896, args.large_vocab_rows
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(vocab, hidden, generator=gen) * 0.02
     h = torch.randn(n, hidden, generator=gen)
     tokens = torch.randint(0, vocab, (n,), generator=gen)
     out = {}
-    for name, kw in SETTINGS.items():
-        sp = SamplingParams(**kw)
-        head, rep = [], []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            logits = h @ weight.t()
-            t1 = time.perf_counter()
-            S.replay(logits, 7, torch.arange(n), tokens, sp)
-            t2 = time.perf_counter()
-            head.append(1e3 * (t1 - t0) / n)
-            rep.append(1e3 * (t2 - t1) / n)
-        out[name] = {"lm_head_ms_per_token": spread(head), "replay_ms_per_token": spread(rep), "replay_over_lm_head": statistics.median(rep) / statistics.median(head)}
-        print(name, json.dumps(out[name]), flush=True)
+    for shape, scale in (("flat", 0.02), ("peaked", 0.1)):
+        weight = torch.randn(vocab, hidden, generator=gen) * scale
+        for name, kw in SETTINGS.items():
+            sp = SamplingParams(**kw)
+            head, rep = [], []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                logits = h @ weight.t()
+                t1 = time.perf_counter()
+                S.replay(logits, 7, torch.arange(n), tokens, sp)
+                t2 = time.perf_counter()
+                head.append(1e3 * (t1 - t0) / n)
+                rep.append(1e3 * (t2 - t1) / n)
+            key = f"{shape}, {name}"
+            out[key] = {"logits_std": float(logits.std()), "lm_head_ms_per_token": spread(head), "replay_ms_per_token": spread(rep), "replay_over_lm_head": statistics.median(rep) / statistics.median(head)}
+            print(key, json.dumps(out[key]), flush=True)
     return {"vocab": vocab, "hidden": hidden, "rows": n, "torch_threads": torch.get_num_threads(), "settings": out}
 
 
@@ -329,6 +349,9 @@ def write_markdown(res: dict, args, out: Path) -> None:
         "  other jobs' bursts; weighted by the number of steps at each size.",
         f"- **from the sampler's own time: 1 + (extra Sampler.forward time per step) / (step time with vLLM's sampler) = {o['component_ratio']:.3f}**,",
         "  per-size medians as above: the sampler is timed on its own, so this is the least noisy estimate.",
+        f"- the same two from the 10th percentile per batch size (the undisturbed cost): step time **{o['step_time_ratio_matched_p10']['ratio']:.3f}**, from the sampler's own time **{o['component_ratio_p10']:.3f}**",
+        f"- the same two on this thread's CPU time (in-process vLLM runs the step in this thread, torch threads {o['torch_threads_in_engine']}),",
+        f"  which leaves out other jobs' time slices: step time matched by batch size **{o['step_cpu_ratio_matched']['ratio']:.3f}**, from the sampler's own time **{o['component_ratio_cpu']:.3f}**",
         f"- sampler time (Sampler.forward, processor included), seeded / vLLM, matched the same way: {sm['ratio']:.3f}",
         f"- end to end, time per token (the two modes draw different samples, so lengths and batch shapes differ):",
         f"  {o['time_per_token_ratio']:.3f}; per round median {rr['median']:.3f}, min {rr['min']:.3f}, max {rr['max']:.3f}; CPU time per token {o['cpu_per_token_ratio']:.3f}",
@@ -346,11 +369,11 @@ def write_markdown(res: dict, args, out: Path) -> None:
         "",
         f"Qwen-sized vocabulary ({lv['vocab']:,}), {lv['rows']} rows, eager torch on this CPU ({lv['torch_threads']} torch thread(s)), against the LM-head matmul alone (hidden {lv['hidden']}):",
         "",
-        "| sampling | LM head ms per token | replay ms per token, median [min, max] | replay / LM head |",
-        "|---|---|---|---|",
+        "| synthetic logits, sampling | logits std | LM head ms per token | replay ms per token, median [min, max] | replay / LM head |",
+        "|---|---|---|---|---|",
     ]
     for name, r in lv["settings"].items():
-        lines.append(f"| {name} | {r['lm_head_ms_per_token']['median']:.2f} | {r['replay_ms_per_token']['median']:.2f} [{r['replay_ms_per_token']['min']:.2f}, {r['replay_ms_per_token']['max']:.2f}] | {r['replay_over_lm_head']:.1f} |")
+        lines.append(f"| {name} | {r.get('logits_std', float('nan')):.2f} | {r['lm_head_ms_per_token']['median']:.2f} | {r['replay_ms_per_token']['median']:.2f} [{r['replay_ms_per_token']['min']:.2f}, {r['replay_ms_per_token']['max']:.2f}] | {r['replay_over_lm_head']:.1f} |")
     lines += ["", *res.get("notes", [])]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -367,6 +390,7 @@ def main() -> None:
     ap.add_argument("--top-p-slack", type=float, default=0.01)
     ap.add_argument("--logit-slack", type=float, default=0.05)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "seeded_sampler"))
+    ap.add_argument("--parts", default="margins,overhead,large-vocab", help="a subset reruns those parts into the existing .json")
     ap.add_argument("--markdown-only", action="store_true", help="rewrite the .md from the existing .json")
     args = ap.parse_args()
     out = Path(args.out)
@@ -382,10 +406,16 @@ def main() -> None:
     res: dict = {"args": vars(args), "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "vllm": vllm.__version__, "load_avg_start": os.getloadavg()}}
     tiny = init_model(tmp / "tiny", "tiny", seed=0)
     small = init_model(tmp / "small", "small", seed=0)
-    res["margins"] = bench_margins(tiny, args)
-    res["overhead"], kept_small = bench_overhead(small, args)
-    res["replay_cost"] = [bench_replay_cost(small, kept_small, args, "small")]
-    res["large_vocab"] = bench_large_vocab(args)
+    parts = set(args.parts.split(","))
+    if parts != {"margins", "overhead", "large-vocab"} and out.with_suffix(".json").exists():
+        res = {**json.loads(out.with_suffix(".json").read_text()), "args": vars(args), "machine": res["machine"]}  # rerun some parts
+    if "margins" in parts:
+        res["margins"] = bench_margins(tiny, args)
+    if "overhead" in parts:
+        res["overhead"], kept_small = bench_overhead(small, args)
+        res["replay_cost"] = [bench_replay_cost(small, kept_small, args, "small")]
+    if "large-vocab" in parts:
+        res["large_vocab"] = bench_large_vocab(args)
     res["machine"]["load_avg_end"] = os.getloadavg()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(res, indent=2))
