@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -404,22 +405,27 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="seeded-bench-"))
     res: dict = {"args": vars(args), "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "vllm": vllm.__version__, "load_avg_start": os.getloadavg()}}
-    tiny = init_model(tmp / "tiny", "tiny", seed=0)
-    small = init_model(tmp / "small", "small", seed=0)
     parts = set(args.parts.split(","))
     if parts != {"margins", "overhead", "large-vocab"} and out.with_suffix(".json").exists():
         res = {**json.loads(out.with_suffix(".json").read_text()), "args": vars(args), "machine": res["machine"]}  # rerun some parts
-    if "margins" in parts:
-        res["margins"] = bench_margins(tiny, args)
-    if "overhead" in parts:
-        res["overhead"], kept_small = bench_overhead(small, args)
-        res["replay_cost"] = [bench_replay_cost(small, kept_small, args, "small")]
-    if "large-vocab" in parts:
-        res["large_vocab"] = bench_large_vocab(args)
+    try:
+        if "margins" in parts:
+            res["margins"] = bench_margins(init_model(tmp / "tiny", "tiny", seed=0), args)
+        if "overhead" in parts:
+            small = init_model(tmp / "small", "small", seed=0)
+            res["overhead"], kept_small = bench_overhead(small, args)
+            res["replay_cost"] = [bench_replay_cost(small, kept_small, args, "small")]
+        if "large-vocab" in parts:
+            res["large_vocab"] = bench_large_vocab(args)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     res["machine"]["load_avg_end"] = os.getloadavg()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(res, indent=2))
-    write_markdown(res, args, out)
+    if all(k in res for k in ("margins", "overhead", "replay_cost", "large_vocab")):
+        write_markdown(res, args, out)
+    else:
+        print(f"not every part in {out.with_suffix('.json')} yet: no markdown")
 
 
 if __name__ == "__main__":
