@@ -15,6 +15,7 @@ class EngineConfig(BaseModel):
     multiprocess: bool = Field(False, description="vLLM's multiprocess engine; in-process starts faster")
     enforce_eager: bool = True
     proofs: bool = Field(True, description="build TOPLOC-style proofs during generation")
+    seeded_sampler: bool = Field(True, description="draw tokens with the seeded sampler; off (vLLM's own sampling) is for benchmarks only: verifiers reject it")
 
 
 class WorkerConfig(BaseModel):

@@ -13,8 +13,10 @@ What a completion carries, and what the verifier checks it against:
   (`inference_worker.capture`), inside vLLM's worker process; there is no second forward pass. Each
   full 32-token chunk is proven in a background thread while generation continues.
 
-Seeds: every sample is its own vLLM request with `SamplingParams(seed=lease seed)`. (vLLM's `n>1`
-derives the seeds of samples 1.. from the first one, so it cannot honour per-sample seeds.)
+Seeds: every sample is its own vLLM request (vLLM's `n>1` cannot carry per-sample seeds). Its tokens
+are drawn by the seeded sampler (`inference_worker.seeded_sampler`, the draw of `protocol.sampling`):
+the request reaches vLLM as greedy and carries the lease's seed, temperature, top-k and top-p in
+`extra_args`; the sampler leaves only the seed's winner in each row, which the verifier can replay.
 
 The engine runs vLLM in-process (`EngineConfig.multiprocess=False`, for tests and single-machine runs)
 or in vLLM's multiprocess mode; `collective_rpc` calls reach the capture in either case, and only
@@ -74,6 +76,10 @@ def _vllm_process_mode(multiprocess: bool) -> Iterator[None]:
 
     if hasattr(envs, "disable_envs_cache"):
         envs.disable_envs_cache()
+    # For the life of the process (vLLM reads it again after construction): the seeded sampler has
+    # vLLM's V1 logits-processor interface, which Model Runner V2 (vLLM's default on CUDA with Triton;
+    # the CPU build runs V1) refuses to load.
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     key = "VLLM_ENABLE_V1_MULTIPROCESSING"
     old = os.environ.get(key)
     os.environ[key] = "1" if multiprocess else "0"
@@ -95,6 +101,8 @@ class RolloutEngine:
         from vllm import LLM
         from vllm.platforms import current_platform
 
+        from inference_worker.seeded_sampler import SEEDED_SAMPLER
+
         self.config = config or EngineConfig()
         self.model_dir = Path(model_dir) if os.path.exists(str(model_dir)) else model_dir
         self.policy_version = policy_version
@@ -107,6 +115,7 @@ class RolloutEngine:
             enforce_eager=self.config.enforce_eager,
             distributed_executor_backend="uni",
             worker_extension_cls=CAPTURE_EXTENSION,
+            logits_processors=[SEEDED_SAMPLER] if self.config.seeded_sampler else None,
             seed=seed,
             enable_prefix_caching=True,
         )
@@ -128,14 +137,18 @@ class RolloutEngine:
     def _sampling_params(self, lease: TaskLease, seed: int):
         from vllm import SamplingParams
 
+        from inference_worker.seeded_sampler import extra_args
+
         s = lease.sampling
+        if self.config.seeded_sampler:
+            # Greedy over the row the seeded sampler leaves: it alone applies temperature / top-k / top-p.
+            how = dict(temperature=0.0, extra_args=extra_args(seed, s.temperature, s.top_k, s.top_p))
+        else:  # vLLM's own sampling (benchmarks only)
+            how = dict(temperature=s.temperature, top_p=s.top_p, top_k=0 if s.top_k == -1 else s.top_k, seed=int(seed))
         return SamplingParams(
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=0 if s.top_k == -1 else s.top_k,  # vLLM: 0 disables top-k
+            **how,
             max_tokens=s.max_tokens,
             stop_token_ids=list(s.stop_token_ids),
-            seed=int(seed),
             logprobs=0,  # the sampled token's own logprob, raw (before temperature / top-k / top-p)
             detokenize=False,
         )

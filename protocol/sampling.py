@@ -1,0 +1,381 @@
+"""Seeded sampling: the draw that makes a completion's tokens evidence (worker and verifier share it).
+
+Every sampled token is the winner of an exponential race (Gumbel-max) whose noise is a function of
+(sample seed, position, token id) only, so the verifier can replay each draw on its own logits.
+
+PRF. u(s, t, v) for sample seed s (< 2**63), completion position t (< 2**32) and token id v (< 2**32)
+is built from h = MurmurHash3_x86_32 (Austin Appleby's MurmurHash3.cpp, public domain, SMHasher) with
+hash seed 0 over the 16-byte little-endian message
+
+    s mod 2**32 | s div 2**32 | t | v          (four uint32 words)
+
+and u = (2 * (h >> 9) + 1) / 2**24, an odd multiple of 2**-24 in (0, 1), exact in float32. It is
+counter-based (no state, nothing to rewind after a discarded draw) and integer-only, so its bits do not
+depend on the device, the thread count or the batch. In torch every uint32 value lives in an int64 and
+every product stays below 2**63 (see `_mul32`), so signed overflow never happens. `prf_bits_np` is an
+independent numpy (uint32) implementation; the two must agree bit for bit.
+
+Draw (vLLM's order of operations, see verifier/checks.py): z = logits / temperature in float32; the
+support keeps the top-k values of z (ties at the k-th value kept), then the smallest set of most
+probable tokens reaching top-p: sorted descending, token i stays iff the tempered, top-k-renormalized
+probability mass before it (exp(z - logsumexp z), summed in sorted order) is below top-p (ties with
+the last kept value stay). Then
+
+    score_v = z_v - log E_v,  E_v = -log u_v  (E ~ Exp(1), so -log E is Gumbel(0, 1))
+    winner  = argmax over the support of score_v  (lowest token id on an exact tie)
+
+P(winner = v) is softmax(z) renormalized over the support. The log-normalizer is the same for every
+token of a row, so z ranks exactly as the tempered logprob would, with one rounding fewer. Temperature
+0 is plain argmax of the logits (no noise). A replay gives, per position, the seed's winner under the
+replaying side's logits and the margin score_winner - score_claimed (score units, i.e. logits divided
+by the temperature; logits at temperature 0), which is 0 when the claimed token wins and small when an
+honest worker's logits differ from the verifier's only by numerical noise. (The PRF's bits are exact
+everywhere; log E goes through the device's float32 log, which may differ by an ulp across devices:
+about 1e-7 in score units, far below the logits' own noise.)
+
+Only pydantic and numpy are imported at module level (protocol's rule); torch inside the functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+MASK32 = 0xFFFFFFFF
+# MurmurHash3_x86_32 constants (MurmurHash3.cpp, github.com/aappleby/smhasher).
+_C1, _C2 = 0xCC9E2D51, 0x1B873593
+_ROUND_ADD = 0xE6546B64
+_FMIX1, _FMIX2 = 0x85EBCA6B, 0xC2B2AE35
+_MESSAGE_BYTES = 16
+_U_SCALE = 2.0**-24
+
+
+# --------------------------------------------------------------------------------------------------
+# PRF in torch: uint32 values held in int64
+
+
+def _mul32(x: "torch.Tensor", c: int) -> "torch.Tensor":
+    """x * c mod 2**32 for x in [0, 2**32). A constant c >= 2**31 is used as c - 2**32 (same residue
+    mod 2**32, |c - 2**32| <= 2**31), so |x * c| < 2**63 either way: int64 never overflows, and & keeps
+    the two's-complement residue."""
+    return (x * (c - 2**32 if c >= 2**31 else c)) & MASK32
+
+
+def _rotl32(x: "torch.Tensor", r: int) -> "torch.Tensor":
+    return ((x << r) & MASK32) | (x >> (32 - r))
+
+
+def _mix_word(k: "torch.Tensor") -> "torch.Tensor":
+    """MurmurHash3's per-block scramble of one message word (k *= c1; k = rotl(k, 15); k *= c2)."""
+    return _mul32(_rotl32(_mul32(k, _C1), 15), _C2)
+
+
+def _absorb(h: "torch.Tensor", k_mixed: "torch.Tensor") -> "torch.Tensor":
+    """h ^= k; h = rotl(h, 13); h = h * 5 + 0xe6546b64 (h * 5 < 2**35: no overflow)."""
+    h = _rotl32(h ^ k_mixed, 13)
+    return (h * 5 + _ROUND_ADD) & MASK32
+
+
+def _fmix32_(h: "torch.Tensor") -> "torch.Tensor":
+    """MurmurHash3's finalizer, in place on a fresh [N, V] buffer with one scratch buffer. At a large
+    vocabulary the elementwise passes are what the draw costs, and fresh allocations dominated them:
+    bits of 256 x 151,936 took 41 ms per row with a new tensor per op, 4 ms in place (2-core CPU)."""
+    import torch
+
+    tmp = torch.empty_like(h)
+    for shift, c in ((16, _FMIX1), (13, _FMIX2)):  # both constants are >= 2**31: see _mul32
+        h ^= torch.bitwise_right_shift(h, shift, out=tmp)
+        h.mul_(c - 2**32).bitwise_and_(MASK32)
+    h ^= torch.bitwise_right_shift(h, 16, out=tmp)
+    return h
+
+
+def seed_state(seeds: "torch.Tensor") -> "torch.Tensor":
+    """The hash state after the two seed words, [N] int64 (cache it per request: it never changes)."""
+    import torch
+
+    s = seeds.to(torch.int64)
+    h = _absorb(torch.zeros_like(s), _mix_word(s & MASK32))
+    return _absorb(h, _mix_word(s >> 32))
+
+
+def row_state(seed_states: "torch.Tensor", positions: "torch.Tensor") -> "torch.Tensor":
+    """The hash state after the position word, [N] int64."""
+    import torch
+
+    return _absorb(seed_states, _mix_word(positions.to(device=seed_states.device, dtype=torch.int64) & MASK32))
+
+
+def token_words(token_ids: "torch.Tensor") -> "torch.Tensor":
+    """The token word scrambled and rotated by 13 (rotation distributes over XOR, so the last block's
+    rotl(h ^ k, 13) is rotl(h, 13) ^ rotl(k, 13): the token side is rotated once per vocabulary).
+    For a vocabulary, cache `token_words(arange(V))`."""
+    import torch
+
+    return _rotl32(_mix_word(token_ids.to(torch.int64) & MASK32), 13)
+
+
+def bits_from_states(rows: "torch.Tensor", tokens: "torch.Tensor") -> "torch.Tensor":
+    """h for row states [N] (`row_state`) and token words [V] or [N, V] (`token_words`): [N, V] int64
+    holding uint32. The last block (h * 5 + 0xe6546b64), the length and the finalizer."""
+    h = _rotl32(rows, 13).unsqueeze(-1) ^ tokens
+    h.mul_(5).add_(_ROUND_ADD).bitwise_and_(MASK32).bitwise_xor_(_MESSAGE_BYTES)
+    return _fmix32_(h)
+
+
+def prf_bits(seeds: "torch.Tensor", positions: "torch.Tensor", token_ids: "torch.Tensor") -> "torch.Tensor":
+    """MurmurHash3_x86_32 of (seed, position, token) for seeds [N], positions [N], token_ids [V] or
+    [N, V]; [N, V] int64 holding uint32."""
+    return bits_from_states(row_state(seed_state(seeds), positions), token_words(token_ids.to(seeds.device)))
+
+
+def uniform_from_bits(h: "torch.Tensor") -> "torch.Tensor":
+    """The top 23 bits k as (2k + 1) * 2**-24 = k * 2**-23 + 2**-24: float32 in (0, 1), exact."""
+    import torch
+
+    return (h >> 9).to(torch.float32).mul_(2.0**-23).add_(_U_SCALE)
+
+
+def prf_uniform(seeds: "torch.Tensor", positions: "torch.Tensor", token_ids: "torch.Tensor") -> "torch.Tensor":
+    return uniform_from_bits(prf_bits(seeds, positions, token_ids))
+
+
+# --------------------------------------------------------------------------------------------------
+# PRF in numpy (reference): uint32 arithmetic wraps modulo 2**32 by definition
+
+
+def _absorb_np(h: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """One MurmurHash3 block: scramble the word k, fold it into the state h."""
+    k = k * np.uint32(_C1)
+    k = (k << np.uint32(15)) | (k >> np.uint32(17))
+    k = k * np.uint32(_C2)
+    h = h ^ k
+    h = (h << np.uint32(13)) | (h >> np.uint32(19))
+    return h * np.uint32(5) + np.uint32(_ROUND_ADD)
+
+
+def seed_state_np(seeds) -> np.ndarray:
+    """`seed_state` in numpy: uint32 [N]."""
+    seeds = np.atleast_1d(np.asarray(seeds, dtype=np.uint64))
+    with np.errstate(over="ignore"):
+        h = _absorb_np(np.zeros(seeds.shape, dtype=np.uint32), (seeds & np.uint64(MASK32)).astype(np.uint32))
+        return _absorb_np(h, (seeds >> np.uint64(32)).astype(np.uint32))
+
+
+def row_state_np(seed_states: np.ndarray, positions) -> np.ndarray:
+    """`row_state` in numpy: uint32 [N]. The worker computes row states on the host, where the
+    positions are, in a few microseconds (about 20 tiny torch ops otherwise, per step)."""
+    with np.errstate(over="ignore"):
+        return _absorb_np(seed_states, np.atleast_1d(np.asarray(positions, dtype=np.uint64)).astype(np.uint32))
+
+
+def prf_bits_np(seeds, positions, token_ids) -> np.ndarray:
+    """The numpy reference of `prf_bits`: uint32 [N, V]."""
+    h = row_state_np(seed_state_np(seeds), positions)[:, None]
+    with np.errstate(over="ignore"):
+        h = _absorb_np(h, np.asarray(token_ids, dtype=np.uint64).astype(np.uint32))
+        h = h ^ np.uint32(_MESSAGE_BYTES)
+        h = h ^ (h >> np.uint32(16))
+        h = h * np.uint32(_FMIX1)
+        h = h ^ (h >> np.uint32(13))
+        h = h * np.uint32(_FMIX2)
+        return h ^ (h >> np.uint32(16))
+
+
+def prf_uniform_np(seeds, positions, token_ids) -> np.ndarray:
+    h = prf_bits_np(seeds, positions, token_ids)
+    return ((h >> np.uint32(9)).astype(np.float32) * np.float32(2) + np.float32(1)) * np.float32(_U_SCALE)
+
+
+# --------------------------------------------------------------------------------------------------
+# The draw
+
+
+@dataclass(frozen=True)
+class DrawParams:
+    """Per-row sampling settings as device tensors [N, 1], with host-side flags that spare device syncs."""
+
+    temperature: "torch.Tensor"  # float32; 1 on greedy rows (their logits are used as they are)
+    greedy: "torch.Tensor | None"  # bool; None when no row is greedy
+    all_greedy: bool
+    unit_temperature: bool  # every row at temperature 1 or greedy: no division
+    k_index: "torch.Tensor | None"  # int64 k - 1 into the top-k_max values; None when no row uses top-k
+    k_off: "torch.Tensor | None"  # bool: rows without top-k (when others use it); None if none
+    k_max: int
+    top_p: "torch.Tensor | None"  # float32 (0 on rows without top-p: masked by p_off); None if unused
+    p_off: "torch.Tensor | None"  # bool: rows without top-p (when others use it); None if none
+
+    @staticmethod
+    def build(temperatures: Sequence[float], top_ks: Sequence[int], top_ps: Sequence[float], vocab_size: int, device=None) -> "DrawParams":
+        """From per-row (temperature, top_k, top_p) as on the wire: top_k <= 0 or >= V and top_p >= 1 are off."""
+        import torch
+
+        temps = [float(t) for t in temperatures]
+        greedy = [t <= 0.0 for t in temps]
+        ks = [int(k) if 0 < int(k) < vocab_size else 0 for k in top_ks]
+        ps = [min(float(p), 1.0) for p in top_ps]
+
+        def col(values, dtype):
+            return torch.tensor(values, dtype=dtype).view(-1, 1).to(device)
+
+        k_max = max(ks)
+        return DrawParams(
+            temperature=col([1.0 if g else t for g, t in zip(greedy, temps)], torch.float32),
+            greedy=col(greedy, torch.bool) if any(greedy) else None,
+            all_greedy=all(greedy),
+            unit_temperature=all(g or t == 1.0 for g, t in zip(greedy, temps)),
+            k_index=col([(k or k_max) - 1 for k in ks], torch.int64) if k_max else None,
+            k_off=col([k == 0 for k in ks], torch.bool) if k_max and not all(ks) else None,
+            k_max=k_max,
+            top_p=col([p if p < 1.0 else 0.0 for p in ps], torch.float32) if any(p < 1.0 for p in ps) else None,
+            p_off=col([p >= 1.0 for p in ps], torch.bool) if any(p < 1.0 for p in ps) and any(p >= 1.0 for p in ps) else None,
+        )
+
+
+def tempered(logits: "torch.Tensor", params: DrawParams) -> "torch.Tensor":
+    """z = logits / temperature in float32 (greedy rows: the logits)."""
+    import torch
+
+    z = logits.to(torch.float32)
+    return z if params.unit_temperature else z / params.temperature
+
+
+def support_threshold(z: "torch.Tensor", params: DrawParams, top_p_shift: float = 0.0, z_shift: float = 0.0) -> "torch.Tensor | None":
+    """Per row, the smallest tempered logit inside the support ([N, 1]); None when every token is inside.
+
+    The shifts move the boundary for a replay on logits that differ slightly from the drawing side's:
+    top-p by `top_p_shift` of probability mass, and the threshold itself by `z_shift` (tempered logit
+    units), which also covers near-tied tokens at the boundary swapping places (and with them the mass
+    that counts as "before" each)."""
+    import torch
+
+    thr = thr_k = None
+    if params.k_index is not None:
+        thr_k = torch.topk(z, params.k_max, dim=-1).values.gather(-1, params.k_index)
+        if params.k_off is not None:
+            thr_k = thr_k.masked_fill(params.k_off, float("-inf"))
+        thr = thr_k
+    if params.top_p is not None:
+        thr_p = _top_p_threshold(z if thr_k is None else z.masked_fill(z < thr_k, float("-inf")), params.top_p + top_p_shift)
+        if params.p_off is not None:
+            thr_p = thr_p.masked_fill(params.p_off, float("-inf"))
+        thr = thr_p if thr is None else torch.maximum(thr, thr_p)
+    if thr is not None and z_shift:
+        thr = thr + z_shift
+        if z_shift > 0:  # raised past the top value the support would be empty: the top token stays
+            thr = torch.minimum(thr, z.max(-1, keepdim=True).values)
+    return thr
+
+
+# Top-p looks at the most probable tokens first and sorts a whole row only when these hold less than
+# top_p: at vocabulary 151,936 the full sort was most of a top-p replay (CPU, about 5x the LM head).
+TOP_P_PREFIX = 1024
+
+
+def _top_p_threshold(zk: "torch.Tensor", top_p: "torch.Tensor") -> "torch.Tensor":
+    """The smallest kept value of the tempered (top-k masked) logits zk [N, V] under top-p [N, 1].
+
+    Sorted descending, position i stays iff the mass before it (cum[i - 1]) is below top_p, so the kept
+    tokens are a prefix; probabilities are exp(z - logsumexp(z)) of the whole row. When the first
+    TOP_P_PREFIX sorted tokens already hold top_p, the rest is never kept and need not be sorted."""
+    import torch
+
+    n, vocab = zk.shape
+    lse = torch.logsumexp(zk, dim=-1, keepdim=True)
+    k = min(vocab, TOP_P_PREFIX)
+    zs = torch.topk(zk, k, dim=-1).values  # sorted, descending
+    cum = (zs - lse).exp_().cumsum(-1)
+    thr = zs.gather(-1, (cum[:, :-1] < top_p).sum(-1, keepdim=True))  # index kept - 1
+    if k < vocab:
+        short = (cum[:, -1:] < top_p).view(-1).nonzero().view(-1)  # rows whose prefix holds too little
+        if short.numel():
+            zf = torch.sort(zk.index_select(0, short), dim=-1, descending=True).values
+            cf = (zf - lse.index_select(0, short)).exp_().cumsum(-1)
+            thr = thr.index_copy(0, short, zf.gather(-1, (cf[:, :-1] < top_p.index_select(0, short)).sum(-1, keepdim=True)))
+    # The kept prefix can end in the -inf tail (rounding leaves the mass just below top_p): every
+    # finite token is then kept, and a top-k threshold (the caller's maximum) still holds.
+    return thr
+
+
+def log_exponentials(states: "torch.Tensor", tokens: "torch.Tensor") -> "torch.Tensor":
+    """log E = log(-log u) for row states [N] and token words [V]: float32 [N, V]."""
+    return uniform_from_bits(bits_from_states(states, tokens)).log_().neg_().log_()
+
+
+def winners(score: "torch.Tensor", z_threshold: "torch.Tensor | None", z: "torch.Tensor") -> "torch.Tensor":
+    """argmax of the score over the support, [N] int64; torch.argmax returns the first (lowest id)
+    maximum on ties."""
+    if z_threshold is not None:
+        score = score.masked_fill(z < z_threshold, float("-inf"))
+    return score.argmax(-1)
+
+
+def scores(logits: "torch.Tensor", states: "torch.Tensor", tokens: "torch.Tensor", params: DrawParams) -> tuple["torch.Tensor", "torch.Tensor | None", "torch.Tensor"]:
+    """(z, support threshold, score = z - log E) for logits [N, V], row states [N] (`row_state`) and
+    token words [V]; the score is not masked to the support."""
+    z = tempered(logits, params)
+    thr = support_threshold(z, params)
+    if params.all_greedy:
+        return z, thr, z
+    log_e = log_exponentials(states, tokens)
+    if params.greedy is not None:
+        log_e.masked_fill_(params.greedy, 0.0)
+    return z, thr, log_e.neg_().add_(z)  # z - log E, in the fresh buffer (same bits: a - b is a + (-b))
+
+
+def draw(logits: "torch.Tensor", states: "torch.Tensor", tokens: "torch.Tensor", params: DrawParams) -> "torch.Tensor":
+    """The seeded winner of each row, [N] int64."""
+    z, thr, score = scores(logits, states, tokens, params)
+    return winners(score, thr, z)
+
+
+@dataclass
+class Replay:
+    """Per position of a replayed completion (all [T], on the logits' device)."""
+
+    winner: "torch.Tensor"  # int64: the seed's winner under the replaying side's logits (tightened support)
+    margin: "torch.Tensor"  # float32: score(winner) - score(claimed), 0 when the claimed token wins.
+    # The claimed token's score is taken even outside the support: a claimed token whose score beats
+    # every token of the tightened support has a negative margin.
+    inside: "torch.Tensor"  # bool: the claimed token is inside the (widened) support under these logits
+
+
+def replay(logits: "torch.Tensor", seeds, positions, tokens: "torch.Tensor", sampling, top_p_slack: float = 0.0, logit_slack: float = 0.0) -> Replay:
+    """Replay the draws of claimed `tokens` [T] under `logits` [T, V] (row t produced token t).
+
+    `seeds`: one int (a completion) or [T]; `positions`: [T] (usually arange(T), or an offset slice of
+    it); `sampling`: anything with temperature, top_k, top_p (protocol.models.SamplingParams).
+
+    The drawing side's logits differ from these by numerical noise, so a token near the support's
+    boundary may be inside on one side and outside on the other. With slacks, only tokens inside even
+    with top-p lowered by `top_p_slack` and the support's threshold raised by `logit_slack` (raw logit
+    units) compete for `winner`, and `inside` accepts the claimed token if it is inside with both moved
+    the other way. With both 0 (the default) the support is this side's own.
+    """
+    import torch
+
+    n, vocab = logits.shape
+    device = logits.device
+    params = DrawParams.build([sampling.temperature] * n, [sampling.top_k] * n, [sampling.top_p] * n, vocab, device)
+    seeds = torch.as_tensor(seeds, dtype=torch.int64, device=device).expand(n).contiguous()
+    positions = torch.as_tensor(positions, dtype=torch.int64, device=device)
+    tokens = torch.as_tensor(tokens, dtype=torch.int64, device=device).view(-1, 1)
+    z = tempered(logits, params)
+    z_slack = logit_slack / (sampling.temperature if sampling.temperature > 0 else 1.0)
+    if top_p_slack or logit_slack:
+        thr = support_threshold(z, params, -top_p_slack, z_slack)
+        wide = support_threshold(z, params, top_p_slack, -z_slack)
+    else:
+        thr = wide = support_threshold(z, params)
+    score = z
+    if not params.all_greedy:
+        score = log_exponentials(row_state(seed_state(seeds), positions), token_words(torch.arange(vocab, device=device))).neg_().add_(z)
+    win = winners(score, thr, z)
+    margin = score.gather(1, win.view(-1, 1)) - score.gather(1, tokens)
+    inside = torch.ones(n, dtype=torch.bool, device=device) if wide is None else (z.gather(1, tokens) >= wide).view(-1)
+    return Replay(winner=win, margin=margin.view(-1), inside=inside)
