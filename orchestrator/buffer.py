@@ -77,8 +77,15 @@ class Groups:
         return sum(g.num_samples for g in self.rows)
 
 
-def build_groups(submission_id: str, sub: RolloutSubmission, lease: TaskLease, rewards: list[float], use_std: bool = True) -> Groups:
+def build_groups(
+    submission_id: str, sub: RolloutSubmission, lease: TaskLease, rewards: list[float], use_std: bool = True,
+    behaviour_logprobs: list[np.ndarray] | None = None,
+) -> Groups:
     """Every group with a learning signal, with its advantages, behaviour version and logprobs.
+
+    `behaviour_logprobs` (per completion, submission order) are the verifier's tempered logprobs: the
+    trusted behaviour logprobs. Without them (a submission that was not spot-checked) the worker's own
+    raw logprobs stand in; the config allows that only where the two agree (temperature 1).
 
     Each array kind is made for all groups at once (one numpy call for the submission, then byte
     slices per group): a submission has many small groups, so per-group numpy calls would dominate."""
@@ -101,7 +108,13 @@ def build_groups(submission_id: str, sub: RolloutSubmission, lease: TaskLease, r
     size = {name: np.dtype(dtype).itemsize for name, dtype in GROUP_ARRAYS.items()}
     ends = np.cumsum(lengths.reshape(len(prompts), k).sum(axis=1)).tolist()
     completion_ids = le_bytes(np.concatenate([c.token_ids for c in ordered]), GROUP_ARRAYS["completion_ids"])
-    logprobs = le_bytes(np.concatenate([c.logprobs for c in ordered]), GROUP_ARRAYS["logprobs"])
+    if behaviour_logprobs is not None:
+        if len(behaviour_logprobs) != len(comps) or any(lp is None or lp.size != c.token_ids.size for lp, c in zip(behaviour_logprobs, comps)):
+            raise ValueError("the verifier's behaviour logprobs do not match the completions")
+        mu = [behaviour_logprobs[i] for i in order]
+    else:
+        mu = [c.logprobs for c in ordered]
+    logprobs = le_bytes(np.concatenate(mu), GROUP_ARRAYS["logprobs"])
     rows: list[SampleGroup] = []
     for g, (p, start, end) in enumerate(zip(prompts, [0, *ends], ends)):
         if not signal[g]:

@@ -5,7 +5,6 @@ for each lease from a seeded order, so a worker cannot pick its prompts.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -159,10 +158,3 @@ class PromptSet:
             perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.prompts))
             self._epoch_orders = {epoch: perm}  # positions only move forward: keep one epoch
         return int(perm[i])
-
-    def sample_seeds(self, lease_seq: int, n: int) -> list[int]:
-        """Per-sample seeds of a lease: derived from the run seed and the lease's sequence number."""
-        # SHAKE-128 of (run seed, lease sequence) as the stream of 64-bit words, top bit dropped: stable
-        # across processes and versions, and ~3x cheaper than seeding a random.Random per lease.
-        words = hashlib.shake_128(f"swarmrl-seeds:{self.seed}:{lease_seq}".encode()).digest(8 * n)
-        return (np.frombuffer(words, dtype="<u8") >> np.uint64(1)).tolist()

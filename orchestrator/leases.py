@@ -12,6 +12,7 @@ that doubles, then strikes), so hoarding loses its slot; a worker that crashes l
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import secrets
@@ -48,6 +49,8 @@ CREATE INDEX IF NOT EXISTS leases_by_worker ON leases (worker_id, status);
 CREATE INDEX IF NOT EXISTS leases_by_deadline ON leases (status, deadline);
 -- prompts of expired, released or rejected leases, handed out again before new ones
 CREATE TABLE IF NOT EXISTS reissue (seq INTEGER PRIMARY KEY AUTOINCREMENT, prompt_index INTEGER NOT NULL);
+-- the run's secret behind every sampling seed (one row, made with the database)
+CREATE TABLE IF NOT EXISTS seed_key (id INTEGER PRIMARY KEY CHECK (id = 0), key BLOB NOT NULL);
 """
 # Prompts of open or submitted leases (kept in the same transactions as those rows; recounted at start).
 LEASED_PROMPTS = "untrained:leased_prompts"
@@ -109,6 +112,8 @@ class LeaseBook:
             "CREATE INDEX IF NOT EXISTS leases_by_token ON leases (token_id, status);"
         )
         with db.tx() as conn:
+            conn.execute("INSERT OR IGNORE INTO seed_key (id, key) VALUES (0, ?)", (secrets.token_bytes(32),))
+            self._seed_key = bytes(conn.execute("SELECT key FROM seed_key").fetchone()[0])
             leased = conn.execute(
                 "SELECT COALESCE(SUM(json_array_length(prompt_indices)), 0) FROM leases WHERE status IN ('open', 'submitted')"
             ).fetchone()[0]
@@ -131,6 +136,13 @@ class LeaseBook:
             self._checked_prompts[index] = (prompt.prompt_id, prompt.token_ids)
             return prompt
         return TaskPrompt.model_construct(prompt_id=checked[0], token_ids=checked[1], seeds=seeds)
+
+    def sample_seeds(self, lease_seq: int, n: int) -> list[int]:
+        """Per-sample seeds of a lease. Unpredictable before the lease is issued (a keyed hash of the lease
+        sequence under the run's secret), so that no worker can know a draw before it holds the lease;
+        reproducible from the database. SHAKE-128 with the key first is a PRF (no length extension)."""
+        words = hashlib.shake_128(self._seed_key + lease_seq.to_bytes(8, "little")).digest(8 * n)
+        return (np.frombuffer(words, dtype="<u8") >> np.uint64(1)).tolist()  # < 2**63, as the protocol wants
 
     def untrained_samples(self, db: sqlite3.Connection) -> int:
         """Samples generated or being generated that the trainer has not consumed: those of open and
@@ -175,12 +187,12 @@ class LeaseBook:
                     current_version, cfg.async_level, untrained_samples=untrained, new_samples=n * k,
                     samples_per_step=shape.samples_per_step, mini_batches=shape.mini_batches, max_staleness=shape.max_staleness,
                 )
-                if loaded_version is not None and loaded_version < min_version:
-                    raise ApiError(
-                        ErrorCode.version_too_old,
-                        f"loaded policy version {loaded_version} would be stale by the time these samples are trained; pull version {min_version}",
-                        min_policy_version=min_version,
-                    )
+            if loaded_version is not None and loaded_version < min_version:
+                raise ApiError(
+                    ErrorCode.version_too_old,
+                    f"loaded policy version {loaded_version} would be stale by the time these samples are trained; pull version {min_version}",
+                    min_policy_version=min_version,
+                )
             # Counted inside the transaction: two concurrent requests cannot both pass the cap.
             if self.open_leases(worker_id, now) >= cfg.max_open_leases_per_worker:
                 raise ApiError(
@@ -195,7 +207,7 @@ class LeaseBook:
                 start = Database.read_int(db, "prompt_cursor")
                 Database.set(db, "prompt_cursor", start + n - len(indices))
                 indices += [self.prompts.order(start + i) for i in range(n - len(indices))]
-            seeds = self.prompts.sample_seeds(seq, n * k)
+            seeds = self.sample_seeds(seq, n * k)
             # Built without re-validation: every field is ours (each prompt was validated by the first
             # lease that carried it; ids, seeds, versions and deadline are made right here).
             lease = TaskLease.model_construct(
@@ -206,6 +218,7 @@ class LeaseBook:
                 policy_version=current_version,
                 min_policy_version=min_version,
                 deadline=now + cfg.lease_timeout_s,
+                generation_version=loaded_version,
             )
             db.execute(
                 "INSERT INTO leases (lease_id, seq, worker_id, prompt_indices, body, issued_at, deadline, status, request_id, token_id) "

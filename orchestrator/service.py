@@ -232,6 +232,12 @@ class Orchestrator:
                 f"policy version {sub.policy_version} is below the lease's minimum {lease.min_policy_version}",
                 min_policy_version=max(lease.min_policy_version, staleness.min_policy_version(self._version, self.cfg.async_level)),
             )
+        if lease.generation_version is not None and sub.policy_version != lease.generation_version:
+            raise ApiError(
+                ErrorCode.lease_mismatch,
+                f"generated with policy version {sub.policy_version}; this lease was issued for version {lease.generation_version}, "
+                "the one the worker said it had loaded",
+            )
         admission.check_shape(sub, lease)
         submission_id = f"S{secrets.token_hex(8)}"
         stored = body if (content_encoding or "").strip().lower() == "zstd" else zstandard.ZstdCompressor(level=1).compress(raw)
@@ -304,6 +310,8 @@ class Orchestrator:
             submissions_rejected=rejected,
             groups_dropped_zero_signal=int(c.get("groups_dropped_zero_signal", 0)),
             samples_dropped_stale=int(c.get("samples_dropped_stale", 0)),
+            verified_tokens=int(c.get("verified_tokens", 0)),
+            near_tie_tokens=int(c.get("near_tie_tokens", 0)),
             rollout_tokens_per_s=rates["rollout_tokens_per_s"],
             trained_samples_per_s=rates["trained_samples_per_s"],
             mean_reward=rates["mean_reward"],

@@ -39,6 +39,13 @@ class Metrics:
         self.leases_expired = Counter("swarmrl_leases_expired", "Leases expired", registry=r)
         self.groups_dropped = Counter("swarmrl_groups_dropped_zero_signal", "Groups dropped for zero signal", registry=r)
         self.verified_tokens = Counter("swarmrl_verified_tokens", "Tokens in accepted submissions", registry=r)
+        self.near_tie_tokens = Counter(
+            "swarmrl_near_tie_tokens", "Accepted tokens that were not the seed's draw on the verifier's logits, within the near-tie margin", registry=r
+        )
+        self.draw_margin = Histogram(
+            "swarmrl_draw_margin_logits", "Largest near-tie margin of an accepted submission that had near ties (logits)",
+            buckets=(1e-6, 1e-5, 1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0), registry=r,
+        )
         self.bans = Counter("swarmrl_bans", "Workers banned for strikes", registry=r)
         self.buffer_depth = Gauge("swarmrl_buffer_depth", "Verified samples waiting for the trainer", registry=r)
         self.policy_version = Gauge("swarmrl_policy_version", "Current policy version", registry=r)

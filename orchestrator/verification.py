@@ -313,7 +313,7 @@ class Verification:
             return Applied(submission_id, p.worker_id, v, False, [], None)
         rewards = list(v.rewards or [])
         try:
-            groups = build_groups(submission_id, p.submission, p.lease, rewards, self.advantage_std)
+            groups = build_groups(submission_id, p.submission, p.lease, rewards, self.advantage_std, v.behaviour_logprobs)
         except ValueError as exc:  # no reward per completion, or one that is not finite: never pending forever
             log.error("accepted verdict with unusable rewards; recorded as rejected", extra={"submission_id": submission_id, "error": str(exc)})
             v = Verdict(submission_id=submission_id, status=VerdictStatus.rejected,
@@ -342,6 +342,8 @@ class Verification:
                 Database.add(db, "submissions_accepted", 1)
                 Database.add(db, "reward_sum", float(sum(a.rewards)))
                 Database.add(db, "reward_count", len(a.rewards))
+                Database.add(db, "verified_tokens", a.verdict.verified_tokens)
+                Database.add(db, "near_tie_tokens", a.verdict.near_ties)
                 if a.groups is not None:
                     self.buffer.add(db, a.groups)
             else:
@@ -356,6 +358,9 @@ class Verification:
         if a.accepted:
             self.windows.accepted(a.verdict.verified_tokens, float(sum(a.rewards)), len(a.rewards))
             self.metrics.verified_tokens.inc(a.verdict.verified_tokens)
+            self.metrics.near_tie_tokens.inc(a.verdict.near_ties)
+            if a.verdict.near_ties:
+                self.metrics.draw_margin.observe(a.verdict.max_draw_margin)
             self.metrics.groups_dropped.inc(a.groups.dropped_zero_signal if a.groups else 0)
         else:
             self.windows.rejected()

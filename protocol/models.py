@@ -158,11 +158,17 @@ class TaskLease(WireModel):
     policy_version: Version  # the orchestrator's current version when the lease was issued
     min_policy_version: Version  # generation must use at least this version
     deadline: Annotated[float, Field(gt=0, allow_inf_nan=False)]  # unix seconds
+    # The version the worker said it had loaded when it asked: generate with exactly this one. A worker
+    # that could pick the version after seeing the seeds could keep the best of several draws.
+    # None: a lease issued before versions were pinned (any version from min_policy_version on).
+    generation_version: Version | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> "TaskLease":
         if self.min_policy_version > self.policy_version:
             raise ValueError("min_policy_version is above policy_version")
+        if self.generation_version is not None and self.generation_version < self.min_policy_version:
+            raise ValueError("generation_version is below min_policy_version")
         for p in self.prompts:
             if len(p.seeds) != self.samples_per_prompt:
                 raise ValueError(f"prompt {p.prompt_id}: {len(p.seeds)} seeds for {self.samples_per_prompt} samples")
@@ -271,7 +277,8 @@ class RejectionCode(str, Enum):
     proof_malformed = "proof_malformed"
     logprob_mismatch = "logprob_mismatch"
     token_outside_support = "token_outside_support"  # not allowed by temperature / top-p / top-k
-    token_implausible = "token_implausible"
+    not_seeded_draw = "not_seeded_draw"  # a token that the leased seed does not draw (beyond a near tie)
+    token_implausible = "token_implausible"  # no longer given (the draw replay covers it); old verdicts keep it
     bad_termination = "bad_termination"  # finish_reason does not match the tokens
     wrong_model_hash = "wrong_model_hash"
     lease_mismatch = "lease_mismatch"
@@ -321,6 +328,14 @@ class Verdict(WireModel):
     # How each reward came out, in the same order; None: all ok (or a verdict from before reward statuses).
     reward_status: list[RewardStatus] | None = None
     verified_tokens: int = 0
+    # Tokens accepted as near ties (not the seed's winner on the verifier's logits, within the margin),
+    # and the largest such margin in logits: numerical noise, watched in case it grows.
+    near_ties: int = 0
+    max_draw_margin: float = 0.0
+    # Trusted side only (never serialized, so never sent or stored as JSON): per completion, the
+    # verifier's tempered logprobs of its tokens, the behaviour logprobs the trainer uses. None when the
+    # submission was not spot-checked.
+    behaviour_logprobs: list[np.ndarray] | None = Field(None, exclude=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -458,6 +473,8 @@ class RunStatus(WireModel):
     submissions_rejected: int
     groups_dropped_zero_signal: int
     samples_dropped_stale: int
+    verified_tokens: int = 0  # tokens of accepted submissions, over the run
+    near_tie_tokens: int = 0  # of those, accepted as near ties of the seeded draw (numerical noise)
     rollout_tokens_per_s: float
     trained_samples_per_s: float
     mean_reward: float | None = None

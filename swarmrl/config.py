@@ -80,6 +80,19 @@ class RunConfig(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _trusted_behaviour_logprobs(self) -> "RunConfig":
+        # A submission that is not spot-checked has no verifier logprobs: the worker's raw ones stand in
+        # for mu, and they are the tempered ones only at temperature 1 (or greedy, trained at 1).
+        temperature = self.orchestrator.sampling.temperature
+        partial = {level: rate for level, rate in self.verifier.spot_check_rate.items() if rate < 1.0}
+        if partial and temperature not in (0.0, 1.0):
+            raise ValueError(
+                f"verifier.spot_check_rate below 1 ({partial}) needs orchestrator.sampling.temperature 1 (or 0): unchecked "
+                f"submissions have only the worker's raw logprobs, which are not those of temperature {temperature}"
+            )
+        return self
+
     def step_shape(self) -> StepShape:
         """What the orchestrator needs to know of the trainer."""
         t = self.trainer

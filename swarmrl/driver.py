@@ -289,6 +289,7 @@ class Run:
                 f"- acceptance rate: {st.acceptance_rate:.3f}" if st else "- acceptance rate: n/a",
                 f"- submissions accepted / rejected: {st.submissions_accepted} / {st.submissions_rejected}" if st else "",
                 f"- groups dropped for zero signal: {st.groups_dropped_zero_signal}" if st else "",
+                f"- tokens accepted as near ties of the seeded draw: {st.near_tie_tokens} of {st.verified_tokens}" if st else "",
                 f"- staleness histogram (version gap: samples): {st.staleness_histogram}" if st else "",
                 f"- async_level: {self.cfg.orchestrator.async_level}, workers: {self.cfg.num_workers}",
                 *(f"- event: {e}" for e in p.events),

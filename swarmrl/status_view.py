@@ -41,6 +41,7 @@ def render_status(st: RunStatus, console: Any = None) -> None:
         ("trained samples/s", f"{st.trained_samples_per_s:.2f}"),
         ("zero-signal groups dropped", st.groups_dropped_zero_signal),
         ("stale samples dropped", st.samples_dropped_stale),
+        ("near-tie tokens", f"{st.near_tie_tokens} of {st.verified_tokens} verified"),
         ("staleness (gap: samples)", ", ".join(f"{k}: {v}" for k, v in st.staleness_histogram.items()) or "–"),
     ]
     if st.finished:

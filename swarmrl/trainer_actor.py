@@ -52,7 +52,8 @@ class TrainerActor:
         rd = RunDir(run_dir)
         self.origin = Origin.from_config(rd.origin_dir, load_or_generate_signing_key(Path(key_path)), config.shardcast)
         self.server = serve_origin(self.origin, config.shardcast.host, config.shardcast.origin_port)
-        self.trainer = Trainer(config.trainer, Path(model_dir), rd.root, publish=self._publish)
+        self.trainer = Trainer(config.trainer, Path(model_dir), rd.root, publish=self._publish,
+                               sampling_temperature=config.orchestrator.sampling.temperature)
         # After a crash the trainer resumes from its last checkpoint. Versions the origin published after
         # that checkpoint are withdrawn: they will be trained again and published under the same numbers,
         # so versions never skip. (With checkpoint_every = 1 there is at most one, from the step in flight.)

@@ -10,7 +10,7 @@ import typer
 app = typer.Typer(help="TOPLOC-style verifier: calibration, attack matrix, offline checks.", no_args_is_help=True)
 
 
-def _calibration_tools():
+def _tools_path() -> None:
     """Calibration is a developer tool (tools/ in a source checkout), not part of the installed package."""
     import sys
 
@@ -19,44 +19,73 @@ def _calibration_tools():
         raise typer.BadParameter("calibration needs a source checkout of swarmrl (its tools/ folder); install with `pip install -e .`")
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
-    from tools.verifier_calibration import run_matrix, table_markdown, write_results
 
-    return run_matrix, table_markdown, write_results
+
+# The models the draw calibration runs on, made locally: (size, pretraining steps). "small-pretrained"
+# is the demo's base model (peaked, short completions); the others are freshly initialised (flat
+# distributions, long completions: many ties at the top-k / top-p boundary).
+DRAW_MODELS = {"tiny": ("tiny", 0), "small": ("small", 0), "small-pretrained": ("small", 60)}
 
 
 @app.command()
 def calibrate(
-    out: Path = typer.Option(Path("bench/results"), help="where verifier_attacks_<tag>.{md,json} go"),
+    out: Path = typer.Option(Path("bench/results"), help="where the results (.md and .json) go"),
     workdir: Path = typer.Option(None, help="scratch folder for models (default: a temporary one)"),
-    base_model: Path = typer.Option(..., "--base-model", help="the model to calibrate on (e.g. made by `swarmrl init-model`)"),
-    trials: int = typer.Option(64, min=1, help="trials per attack"),
-    honest_scale: int = typer.Option(1, min=1, help="multiplies the honest completions per setting (104 per dtype at 1)"),
-    tag: str = typer.Option("calibration"),
+    part: str = typer.Option("all", help="attacks (the attack matrix), draws (seeded-draw tolerances), or all"),
+    base_model: Path = typer.Option(None, "--base-model", help="the attack matrix's model (default: a tiny one made here)"),
+    trials: int = typer.Option(100, min=1, help="trials per attack"),
+    honest_scale: int = typer.Option(1, min=1, help="multiplies the attack matrix's honest completions per setting (104 per dtype at 1)"),
+    tag: str = typer.Option("calibration", help="the attack matrix's results are verifier_attacks_<tag>.{md,json}"),
+    completions: int = typer.Option(2000, min=1, help="draws: honest completions per setting"),
+    max_tokens: int = typer.Option(48, min=1, help="draws: max_tokens of every completion"),
+    models: str = typer.Option(",".join(DRAW_MODELS), help=f"draws: which of {', '.join(DRAW_MODELS)}"),
 ) -> None:
-    """Run honest vLLM-vs-transformers rollouts (fp32, bf16) and every attack; write the table."""
+    """Honest vLLM output against the real verifier: the attack matrix (fp32, bf16; every attack must be
+    rejected, every honest rollout accepted) and the seeded-draw calibration (every setting of dtype,
+    batch size and sampling: false rejections, near ties, largest honest margin against the tolerance)."""
     import os
     import tempfile
 
     from rich.console import Console
 
     from swarmrl.logs import configure_logging
+    from trainer.tiny_model import init_model
 
+    if part not in ("attacks", "draws", "all"):
+        raise typer.BadParameter("--part is attacks, draws or all")
+    unknown = [m for m in models.split(",") if m not in DRAW_MODELS]
+    if unknown:
+        raise typer.BadParameter(f"unknown models {unknown}; choose from {list(DRAW_MODELS)}")
     configure_logging("WARNING")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    run_matrix, table_markdown, write_results = _calibration_tools()
-
-    counts = {"long_t1_b32": 32, "long_t0.7_p0.9_k20_b32": 32, "short_t1_b32": 32, "mixed_b1": 6, "greedy_b1": 2}
-    counts = {k: v * honest_scale for k, v in counts.items()}
-    with tempfile.TemporaryDirectory(prefix="swarmrl-calib-") as tmp:
-        os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(tmp) / "vllm-cache"))
-        result = run_matrix(workdir or Path(tmp), base_model, trials=trials, honest_counts=counts, stale_lrs=(1e-5, 1e-4, 1e-3))
-    path = write_results(result, out, tag, {"base_model": str(base_model), "trials": trials, "honest": counts})
+    _tools_path()
     console = Console()
-    console.print(table_markdown(result))
-    console.print(json.dumps(result.honest_stats, indent=1))
-    console.print(f"wrote {path}")
+    with tempfile.TemporaryDirectory(prefix="swarmrl-calib-") as tmp:
+        work = workdir or Path(tmp)
+        os.environ.setdefault("VLLM_CACHE_ROOT", str(work / "vllm-cache"))
+        if part in ("attacks", "all"):
+            from tools.verifier_calibration import run_matrix, table_markdown, write_results
+
+            counts = {"long_t1_b32": 32, "long_t0.7_p0.9_k20_b32": 32, "short_t1_b32": 32, "mixed_b1": 6, "greedy_b1": 2}
+            counts = {k: v * honest_scale for k, v in counts.items()}
+            base = base_model or init_model(work / "models" / "tiny", "tiny", seed=0)
+            result = run_matrix(work, base, trials=trials, honest_counts=counts, stale_lrs=(1e-5, 1e-4, 1e-3))
+            path = write_results(result, out, tag, {"base_model": str(base_model or "tiny, made here"), "trials": trials, "honest": counts})
+            console.print(table_markdown(result))
+            console.print(f"wrote {path}")
+        if part in ("draws", "all"):
+            from tools.draw_calibration import calibrate_draws, table_markdown as draw_table, write_results as write_draws
+
+            made = {name: init_model(work / "models" / f"draw-{name}", DRAW_MODELS[name][0], seed=0, pretrain_steps=DRAW_MODELS[name][1])
+                    for name in models.split(",")}
+            rows = calibrate_draws(made, completions=completions, max_tokens=max_tokens, progress=console.print)
+            path = write_draws(rows, out, {"models": {k: {"size": DRAW_MODELS[k][0], "pretrain_steps": DRAW_MODELS[k][1]} for k in made},
+                                           "completions_per_setting": completions, "max_tokens": max_tokens,
+                                           "command": f"swarmrl verifier calibrate --part draws --completions {completions} --max-tokens {max_tokens} --models {models}"})
+            console.print(draw_table(rows))
+            console.print(f"wrote {path}")
 
 
 @app.command()

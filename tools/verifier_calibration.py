@@ -129,6 +129,7 @@ class Trial:
     logprobs: np.ndarray | None = None  # override the rollout's (forgery)
     proofs: list[bytes] | None = None  # override (copied proofs)
     finish_reason: FinishReason | None = None
+    sample_index: int = 0  # which of the lease's samples (and seeds) the completion claims to be
 
 
 def encode_prompts(tokenizer_dir: Path, items: list[TaskItem]) -> list[np.ndarray]:
@@ -139,11 +140,12 @@ def encode_prompts(tokenizer_dir: Path, items: list[TaskItem]) -> list[np.ndarra
     return [np.asarray(([bos] if bos is not None else []) + tok.encode(i.prompt, add_special_tokens=False), dtype=np.int32) for i in items]
 
 
-def lease_for(prompt_ids: np.ndarray, sampling: SamplingParams, seed: int, lease_id: str, version: int = 0) -> TaskLease:
+def lease_for(prompt_ids: np.ndarray, sampling: SamplingParams, seed: int | list[int], lease_id: str, version: int = 0) -> TaskLease:
+    seeds = seed if isinstance(seed, list) else [seed]
     return TaskLease(
         lease_id=lease_id,
-        prompts=[TaskPrompt(prompt_id=f"p-{lease_id}", token_ids=prompt_ids, seeds=[seed])],
-        samples_per_prompt=1,
+        prompts=[TaskPrompt(prompt_id=f"p-{lease_id}", token_ids=prompt_ids, seeds=seeds)],
+        samples_per_prompt=len(seeds),
         sampling=sampling,
         policy_version=version,
         min_policy_version=0,
@@ -156,7 +158,7 @@ def to_job(trial: Trial, index: int) -> VerifyJob:
     proofs_ = trial.proofs if trial.proofs is not None else proofs.build_proofs(r.hidden)
     completion = Completion(
         prompt_index=0,
-        sample_index=0,
+        sample_index=trial.sample_index,
         token_ids=r.token_ids,
         logprobs=trial.logprobs if trial.logprobs is not None else r.logprobs,
         finish_reason=trial.finish_reason or r.finish_reason,
@@ -208,10 +210,10 @@ def run_matrix(
 
     engines: dict[str, RolloutEngine] = {}
 
-    def engine(key: str, model: Path, dtype: str) -> RolloutEngine:
+    def engine(key: str, model: Path, dtype: str, seeded_sampler: bool = True) -> RolloutEngine:
         if key not in engines:
             t = time.perf_counter()
-            engines[key] = make_engine(model, dtype)
+            engines[key] = make_engine(model, dtype, seeded_sampler=seeded_sampler)
             result.timings[f"engine_start_{key}"] = time.perf_counter() - t
         return engines[key]
 
@@ -353,6 +355,7 @@ def run_matrix(
         t.lease, t.item = o.lease, o.item
         t.rollout.prompt_ids = o.rollout.prompt_ids
     scenarios.append(named("replay for another prompt", replay))
+    scenarios.extend(_draw_attacks(trials, rng, base, base32, engine, fresh, named, task))
     if "bfloat16" in dtypes:
         scenarios.append(named("precision: bf16 claimed as fp32", fresh(trials, engine("base_bfloat16", base, "bfloat16"))))
     scenarios.append(named("precision: fp16 claimed as fp32", fresh(trials, engine("base_float16", base, "float16"))))
@@ -410,10 +413,143 @@ def run_matrix(
     return result
 
 
+
+# --------------------------------------------------------------------------------------------------
+# Attacks on the draw: tokens that the leased seeds did not draw, sent with honest proofs and logprobs
+
+
+def _draw_attacks(trials, rng, base: Path, base32: RolloutEngine, engine, fresh, named, task) -> list:
+    """Each trial's completion differs from what the leased seed draws; a trial whose attack happens to
+    give exactly the honest completion is not an attack and is regenerated."""
+    from transformers import AutoTokenizer
+
+    ref = load_reference_model(base, None, "float32")  # the attacker has the weights: its own honest prefill
+    tok = AutoTokenizer.from_pretrained(base)
+    samp = SamplingParams(temperature=1.0, max_tokens=32)
+
+    def with_honest_evidence(t: Trial, tokens: np.ndarray, finish: FinishReason) -> Trial:
+        """Proofs and logprobs computed honestly for tokens the worker chose."""
+        r = prefill(ref, [(t.rollout.prompt_ids, tokens)], [t.lease.sampling])[0]
+        t.rollout = Rollout(t.rollout.prompt_ids, tokens.astype(np.int32), r.stats.logprob.astype(np.float32), finish, r.hidden)
+        return t
+
+    def until(n: int, make: Callable[[int], list[Trial]]) -> list[Trial]:
+        out: list[Trial] = []
+        while len(out) < n:
+            out += make(n - len(out))
+        return out[:n]
+
+    # 1. The right answer written by the worker (the toy task's reward 1), with honest proofs and logprobs.
+    def written(n):
+        out = []
+        for t in fresh(n, base32, samp):
+            answer = np.asarray(tok.encode(t.item.answer, add_special_tokens=False) + [2], dtype=np.int32)
+            if not np.array_equal(answer, t.rollout.token_ids):
+                out.append(with_honest_evidence(t, answer, FinishReason.stop))
+        return out
+
+    # 2. One token of an honest rollout changed (not the final EOS), proofs and logprobs recomputed for it.
+    def one_changed(n):
+        out = []
+        for t in fresh(n, base32, samp):
+            ids = t.rollout.token_ids.copy()
+            i = rng.randrange(len(ids) - (1 if ids[-1] == 2 else 0) or 1)
+            ids[i] = _other_token(int(ids[i]), rng)
+            out.append(with_honest_evidence(t, ids, t.rollout.finish_reason))
+        return out
+
+    # 3. (ours) Stopped early: EOS written in at a position the worker chose.
+    def stopped_early(n):
+        out = []
+        for t in fresh(n, base32, samp):
+            ids = t.rollout.token_ids
+            if ids.size >= 2:
+                k = rng.randrange(ids.size - 1)
+                out.append(with_honest_evidence(t, np.append(ids[:k], np.int32(2)), FinishReason.stop))
+        return out
+
+    # 4. Greedy decoding under a temperature-1 lease.
+    def greedy(n):
+        honest = fresh(n, base32, samp)
+        items_prompts = [t.rollout.prompt_ids for t in honest]
+        rolls = generate(base32, items_prompts, SamplingParams(temperature=0.0, max_tokens=samp.max_tokens), [0] * n, 32)
+        out = []
+        for t, r in zip(honest, rolls):
+            if not np.array_equal(r.token_ids, t.rollout.token_ids):
+                t.rollout = r
+                out.append(t)
+        return out
+
+    # 5. Best of 4 samples drawn with the worker's own seeds (highest reward, then longest).
+    def best_of_n(n, k=4):
+        honest = fresh(n, base32, samp)
+        prompts = [t.rollout.prompt_ids for t in honest for _ in range(k)]
+        rolls = generate(base32, prompts, samp, [rng.randrange(1 << 62) for _ in prompts], 32)
+        out = []
+        for j, t in enumerate(honest):
+            cands = rolls[j * k : (j + 1) * k]
+            best = max(cands, key=lambda r: (task.reward(t.item, tok.decode([int(x) for x in r.token_ids if 2 < x < len(tok)])), r.token_ids.size))
+            if not np.array_equal(best.token_ids, t.rollout.token_ids):
+                t.rollout = best
+                out.append(t)
+        return out
+
+    # 6. The lease's own seeds, but each completion claims the other sample's index (indices permuted).
+    def permuted(n):
+        out = []
+        pairs = fresh(n, base32, samp)
+        for t in pairs:
+            other_seed = rng.randrange(1 << 62)
+            r = generate(base32, [t.rollout.prompt_ids], samp, [other_seed], 1)[0]
+            if np.array_equal(r.token_ids, t.rollout.token_ids):
+                continue
+            # Lease seeds [other, own]: the completion of seed `other` claims to be sample 1 (seed `own`).
+            own = t.lease.prompts[0].seeds[0]
+            t.lease = lease_for(t.rollout.prompt_ids, samp, [other_seed, own], t.lease.lease_id)
+            t.rollout, t.sample_index = r, 1
+            out.append(t)
+        return out
+
+    # 7. A rollout accepted under one lease, submitted again under a later lease of the same prompt.
+    def replayed(n):
+        out = []
+        for t in fresh(n, base32, samp):
+            later = lease_for(t.rollout.prompt_ids, samp, rng.randrange(1 << 62), f"later{rng.randrange(1 << 40):x}")
+            if not np.array_equal(generate(base32, [t.rollout.prompt_ids], samp, [later.prompts[0].seeds[0]], 1)[0].token_ids, t.rollout.token_ids):
+                t.lease = later
+                out.append(t)
+        return out
+
+    # 8. Top-k / top-p honoured, but drawn by vLLM's own sampler, not from the seed.
+    bounded = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_tokens=32)
+    own_sampler = engine("own_sampler_float32", base, "float32", seeded_sampler=False)
+
+    def unseeded(n):
+        honest = fresh(n, base32, bounded)
+        rolls = generate(own_sampler, [t.rollout.prompt_ids for t in honest], bounded, [t.lease.prompts[0].seeds[0] for t in honest], 32)
+        out = []
+        for t, r in zip(honest, rolls):
+            if not np.array_equal(r.token_ids, t.rollout.token_ids):
+                t.rollout = r
+                out.append(t)
+        return out
+
+    return [
+        named("draw: right answer written, honest proofs and logprobs", until(trials, written)),
+        named("draw: one token changed, honest proofs and logprobs", until(trials, one_changed)),
+        named("draw: EOS written in early, honest proofs and logprobs", until(trials, stopped_early)),
+        named("draw: greedy under a temperature-1 lease", until(trials, greedy)),
+        named("draw: best of 4 with the worker's own seeds", until(trials, best_of_n)),
+        named("draw: another sample's seed (indices permuted)", until(trials, permuted)),
+        named("draw: accepted rollout replayed under a later lease", until(trials, replayed)),
+        named("draw: top-k/top-p honoured, vLLM's own sampler", until(trials, unseeded)),
+    ]
+
+
 def honest_noise(model_dir: Path, rollouts: list[Rollout], dtype: str) -> dict[str, float]:
     """The largest proof and logprob deviations of honest rollouts against the reference."""
     model = load_reference_model(model_dir, None, dtype)
-    refs = prefill(model, [(r.prompt_ids, r.token_ids) for r in rollouts], [SamplingParams()] * len(rollouts), 0.0)
+    refs = prefill(model, [(r.prompt_ids, r.token_ids) for r in rollouts], [SamplingParams()] * len(rollouts))
     worst = {"exponent_mismatches": 0.0, "mantissa_mean": 0.0, "mantissa_median": 0.0, "logprob_max_abs_diff": 0.0,
              "logprob_mean_abs_diff": 0.0, "hidden_max_abs_diff": 0.0, "chunks": 0.0, "completions": float(len(rollouts))}
     for r, ref in zip(rollouts, refs):

@@ -16,7 +16,7 @@ import torch
 
 from inference_worker.config import EngineConfig
 from inference_worker.engine import RolloutEngine
-from protocol.models import FinishReason, SamplingParams, TaskLease, TaskPrompt
+from protocol.models import Completion, FinishReason, SamplingParams, TaskLease, TaskPrompt
 
 
 @dataclass
@@ -28,9 +28,11 @@ class Rollout:
     hidden: torch.Tensor  # [T, H]
 
 
-def make_engine(model_dir: Path, dtype: str = "float32", max_model_len: int = 512) -> RolloutEngine:
-    """An in-process engine that returns hidden states (proofs are left to the caller)."""
-    return RolloutEngine(model_dir, EngineConfig(dtype=dtype, max_model_len=max_model_len, kv_cache_bytes=64 << 20, proofs=False))
+def make_engine(model_dir: Path, dtype: str = "float32", max_model_len: int = 512, seeded_sampler: bool = True) -> RolloutEngine:
+    """An in-process engine that returns hidden states (proofs are left to the caller). Without the
+    seeded sampler it draws with vLLM's own sampling: what a worker that ignores the seeds sends."""
+    return RolloutEngine(model_dir, EngineConfig(dtype=dtype, max_model_len=max_model_len, kv_cache_bytes=64 << 20, proofs=False,
+                                                 seeded_sampler=seeded_sampler))
 
 
 def batch_lease(prompts: list[np.ndarray], sampling: SamplingParams, seeds: list[int], lease_id: str = "tool", version: int = 0) -> TaskLease:
@@ -55,3 +57,13 @@ def generate(engine: RolloutEngine, prompts: list[np.ndarray], sampling: Samplin
             prompt = np.asarray(part[c.prompt_index], dtype=np.int32)
             out.append(Rollout(prompt, np.asarray(c.token_ids).copy(), np.asarray(c.logprobs).copy(), c.finish_reason, h))
     return out
+
+
+def honest_completions(model_dir: Path, lease: TaskLease, dtype: str = "float32") -> list[Completion]:
+    """Exactly what an unmodified worker submits for `lease`: a fresh in-process engine with proofs
+    built during generation, closed afterwards (2-4 s to start on the tiny model)."""
+    engine = RolloutEngine(model_dir, EngineConfig(dtype=dtype, max_model_len=512, kv_cache_bytes=64 << 20))
+    try:
+        return engine.generate(lease)
+    finally:
+        engine.close()

@@ -1,8 +1,9 @@
 """The staleness-aware decoupled PPO objective (ARCHITECTURE.md, "The objective").
 
-Per completion token t of a sample with advantage A, behaviour logprob (the worker's, version v_b)
-log mu, proximal logprob log pi_prox (trainer weights at the start of the step, no grad) and current
-logprob log pi_theta:
+Per completion token t of a sample with advantage A, behaviour logprob log mu (the policy version v_b
+that generated it, recomputed by the verifier: the worker's own numbers are checked, never used),
+proximal logprob log pi_prox (trainer weights at the start of the step, no grad) and current logprob
+log pi_theta:
 
     u_t   = pi_theta / pi_prox                                  (the PPO ratio, AReaL's decoupled form)
     w_t   = min(pi_prox / mu, c)                                (truncated importance weight, no grad)
@@ -16,6 +17,13 @@ k3_t = exp(r) - r - 1 with r = log pi_ref - log pi_theta (Schulman's k3 estimato
 H_t is the entropy of pi_theta's next-token distribution. weight_t carries the normalizer (see
 `sequence_weights`), so that a micro-batch's loss is its exact share of the step's loss and packing,
 padding and gradient accumulation leave the total unchanged.
+
+All of pi_theta, pi_prox, pi_ref and mu are the *tempered* distribution the workers sampled from,
+softmax(logits / T) with the lease's temperature T (T = 0, greedy, counts as 1), untruncated. Top-k and
+top-p only restrict which tokens can be drawn: a drawn token is always inside the support, where the
+sampling probability is mu / Z with Z the support's tempered mass (Z >= top_p). Comparing untruncated
+with untruncated keeps w_t exactly 1 on fresh samples (v_b = prox), as on-policy data should have;
+against the truncated mu / Z it would be Z < 1 on every token even then.
 """
 
 from __future__ import annotations

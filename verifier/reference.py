@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from protocol.models import SamplingParams
-from verifier.checks import TokenStats, token_stats
+from protocol.sampling import replay
+from verifier.checks import Draw, TokenStats, token_stats
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class Prefill:
     hidden: torch.Tensor  # [T, H], model dtype: final-norm hidden states that produced each token
     stats: TokenStats  # per token logprob / support statistics
+    draw: Draw | None = None  # with seeds: every draw replayed
 
 
 def load_reference_model(config_dir: Path, weights_dir: Path | None, dtype: str = "float32"):
@@ -85,11 +87,14 @@ def prefill(
     model,
     sequences: Sequence[tuple[np.ndarray, np.ndarray]],
     sampling: Sequence[SamplingParams],
-    logit_slack: float,
     max_batch_tokens: int = 16384,
     pad_id: int = 0,
+    seeds: Sequence[int] | None = None,
+    draw_slack: tuple[float, float] = (0.0, 0.0),
 ) -> list[Prefill]:
-    """Hidden states and token statistics for each (prompt_ids, completion_ids), batched by length."""
+    """Hidden states and token statistics for each (prompt_ids, completion_ids), batched by length; with
+    `seeds` (one per sequence) also the replay of every seeded draw (protocol.sampling.replay with
+    `draw_slack` = (top_p_slack, logit_slack)), its margins in logit units."""
     lengths = [len(p) + len(c) - 1 for p, c in sequences]
     order = sorted(range(len(sequences)), key=lambda i: lengths[i])
     results: list[Prefill | None] = [None] * len(sequences)
@@ -104,23 +109,36 @@ def prefill(
             ids[row, : len(seq)] = torch.from_numpy(seq)
         hidden = model.model(input_ids=ids).last_hidden_state  # final norm applied
         rows = {i: hidden[row, len(sequences[i][0]) - 1 : len(sequences[i][0]) - 1 + len(sequences[i][1])] for row, i in enumerate(batch)}
-        # Token statistics of every completion that shares (temperature, top_k) at once, in slices of
-        # rows so that the logits of long completions over a large vocabulary stay small.
-        groups: dict[tuple[float, int], list[int]] = {}
+        # Token statistics and draws of every completion that shares its sampling settings at once, in
+        # slices of rows so that the logits of long completions over a large vocabulary stay small.
+        groups: dict[tuple[float, int, float], list[int]] = {}
         for i in batch:
-            groups.setdefault((sampling[i].temperature, sampling[i].top_k), []).append(i)
+            groups.setdefault((sampling[i].temperature, sampling[i].top_k, sampling[i].top_p), []).append(i)
         for members in groups.values():
             h = torch.cat([rows[i] for i in members])
             tokens = torch.from_numpy(np.concatenate([np.asarray(sequences[i][1], dtype=np.int64) for i in members]))
-            parts = [
-                token_stats(model.lm_head(h[s : s + _STATS_ROWS]), tokens[s : s + _STATS_ROWS], sampling[members[0]], logit_slack)
-                for s in range(0, h.shape[0], _STATS_ROWS)
-            ]
+            row_seeds = row_positions = None
+            if seeds is not None:
+                row_seeds = np.concatenate([np.full(len(sequences[i][1]), seeds[i], dtype=np.int64) for i in members])
+                row_positions = np.concatenate([np.arange(len(sequences[i][1]), dtype=np.int64) for i in members])
+            params = sampling[members[0]]
+            to_logits = params.temperature if params.temperature > 0 else 1.0  # score units -> logits
+            parts, draws = [], []
+            for s in range(0, h.shape[0], _STATS_ROWS):
+                logits = model.lm_head(h[s : s + _STATS_ROWS]).float()
+                part_tokens = tokens[s : s + _STATS_ROWS]
+                parts.append(token_stats(logits, part_tokens, params))
+                if row_seeds is not None:
+                    r = replay(logits, row_seeds[s : s + _STATS_ROWS], row_positions[s : s + _STATS_ROWS], part_tokens, params, *draw_slack)
+                    scale = torch.maximum(logits.gather(1, r.winner.view(-1, 1)).abs(), logits.gather(1, part_tokens.view(-1, 1)).abs()).view(-1)
+                    draws.append(Draw(r.winner.numpy(), r.margin.double().numpy() * to_logits, r.inside.numpy(), scale.double().numpy()))
             stats = TokenStats.concat(parts)
+            draw = Draw.concat(draws) if draws else None
             offset = 0
             for i in members:
                 n = len(sequences[i][1])
-                results[i] = Prefill(hidden=rows[i].clone(), stats=stats.slice(offset, offset + n))
+                results[i] = Prefill(hidden=rows[i].clone(), stats=stats.slice(offset, offset + n),
+                                     draw=draw.slice(offset, offset + n) if draw is not None else None)
                 offset += n
 
     for i in order:

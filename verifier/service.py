@@ -6,9 +6,11 @@ Pure Python (no Ray): the orchestrator wraps `Verifier` in Ray actors. For each 
 2. spot check: a submission from a worker of trust level L is verified with probability
    `spot_check_rate[L]` (default 1: everything); the draw is seeded by the submission id;
 3. one batched transformers prefill per policy version over every completion of every job;
-4. per completion: termination, TOPLOC-style proofs, reported logprobs, sampling support;
+4. per completion: termination, TOPLOC-style proofs, reported logprobs, and the replay of every seeded
+   draw (each token must be what the leased seed draws on our logits, up to a calibrated near tie);
 5. accepted submissions get trusted rewards from the decoded completion text, computed in a pool of
-   sandboxed processes with a time limit per completion (verifier/reward_pool.py).
+   sandboxed processes with a time limit per completion (verifier/reward_pool.py), and the trusted
+   behaviour logprobs (ours, tempered) that the trainer learns from.
 
 Every rejection names its reason and carries the statistics behind it.
 """
@@ -58,6 +60,16 @@ class VerifyJob:
     expected_model_hash: str
     task_params: dict[str, Any] = field(default_factory=dict)
     trust_level: str = "new"
+
+
+@dataclass
+class Replayed:
+    """A spot-checked submission's trusted numbers: per completion (submission order) our tempered
+    logprobs of its tokens, and its near ties."""
+
+    logprobs: list[np.ndarray | None]
+    near_ties: int = 0
+    max_margin: float = 0.0
 
 
 class Verifier:
@@ -112,6 +124,7 @@ class Verifier:
 
     def verify_many(self, jobs: Sequence[VerifyJob]) -> list[Verdict]:
         rejections: list[list[Rejection]] = [self._structural(job) for job in jobs]
+        replayed: list[Replayed | None] = [None] * len(jobs)
         deep = [i for i, job in enumerate(jobs) if not rejections[i] and self._spot_checked(job)]
         for i in set(range(len(jobs))) - set(deep):
             if not rejections[i]:  # not spot-checked: only the checks that need no model
@@ -126,8 +139,9 @@ class Verifier:
                 for i in idx:
                     rejections[i].append(Rejection(code=RejectionCode.lease_mismatch, message=f"policy version {version} unavailable: {exc}"[: limits.MAX_MESSAGE_CHARS]))
                 continue
-            self._deep_check(model, [jobs[i] for i in idx], [rejections[i] for i in idx])
-        return self._verdicts(jobs, rejections)
+            for i, r in zip(idx, self._deep_check(model, [jobs[i] for i in idx], [rejections[i] for i in idx])):
+                replayed[i] = r
+        return self._verdicts(jobs, rejections, replayed)
 
     # ------------------------------------------------------------------------------------------
     def _structural(self, job: VerifyJob) -> list[Rejection]:
@@ -139,6 +153,9 @@ class Verifier:
             out.append(Rejection(code=RejectionCode.lease_mismatch, message=f"{len(job.items)} task items for {len(lease.prompts)} lease prompts"))
         if sub.policy_version < lease.min_policy_version:
             out.append(Rejection(code=RejectionCode.lease_mismatch, message=f"policy version {sub.policy_version} is below the lease minimum {lease.min_policy_version}"))
+        if lease.generation_version is not None and sub.policy_version != lease.generation_version:
+            out.append(Rejection(code=RejectionCode.lease_mismatch,
+                                 message=f"generated with version {sub.policy_version}; the lease was issued for version {lease.generation_version}"))
         if sub.model_hash != job.expected_model_hash:
             out.append(Rejection(code=RejectionCode.wrong_model_hash, message=f"model hash {sub.model_hash[:12]}... is not the hash of version {sub.policy_version}"))
         for ci, c in enumerate(sub.completions):
@@ -162,36 +179,45 @@ class Verifier:
         seed = int.from_bytes(hashlib.sha256(job.submission_id.encode()).digest()[:8], "little")
         return random.Random(seed).random() < rate
 
-    def _deep_check(self, model, jobs: list[VerifyJob], rejections: list[list[Rejection]]) -> None:
+    def _deep_check(self, model, jobs: list[VerifyJob], rejections: list[list[Rejection]]) -> list["Replayed"]:
         tol = self.tolerances
-        sequences, sampling, where = [], [], []
+        sequences, sampling, seeds, where = [], [], [], []
         for j, job in enumerate(jobs):
             for ci, c in enumerate(job.submission.completions):
                 if c.token_ids.size and int(c.token_ids.max()) >= self.vocab_size:
                     rejections[j].append(Rejection(code=RejectionCode.lease_mismatch, completion_index=ci,
                                                    message=f"token id {int(c.token_ids.max())} outside the vocabulary of {self.vocab_size}"))
                     continue
-                sequences.append((job.lease.prompts[c.prompt_index].token_ids, c.token_ids))
+                prompt = job.lease.prompts[c.prompt_index]
+                sequences.append((prompt.token_ids, c.token_ids))
                 sampling.append(job.lease.sampling)
+                seeds.append(prompt.seeds[c.sample_index])
                 where.append((j, ci))
-        results = prefill(model, sequences, sampling, tol.support_logit_slack, self.config.max_batch_tokens, self.pad_id)
+        results = prefill(model, sequences, sampling, self.config.max_batch_tokens, self.pad_id,
+                          seeds=seeds, draw_slack=(tol.draw_top_p_slack, tol.draw_logit_slack))
+        out = [Replayed([None] * len(job.submission.completions)) for job in jobs]
         diff_sums, diff_tokens = [0.0] * len(jobs), [0] * len(jobs)
         for (j, ci), ref in zip(where, results):
             c = jobs[j].submission.completions[ci]
-            found, diff = self._check_completion(c, ref, jobs[j].lease.sampling)
+            found, diff, drawn = self._check_completion(c, ref, jobs[j].lease.sampling)
             for r in found[:MAX_REJECTIONS_PER_COMPLETION]:
                 rejections[j].append(r.model_copy(update={"completion_index": ci}))
             if diff is not None:
                 diff_sums[j] += float(diff.sum())
                 diff_tokens[j] += int(diff.size)
+            out[j].near_ties += drawn.near_ties
+            out[j].max_margin = max(out[j].max_margin, drawn.max_margin)
+            out[j].logprobs[ci] = ref.stats.tempered_logprob.astype(np.float32)
         for j in range(len(jobs)):
             if diff_tokens[j]:
                 f = checks.check_logprob_mean(diff_sums[j], diff_tokens[j], tol.logprob_max_mean_diff)
                 if f:
                     rejections[j].append(Rejection(code=RejectionCode(f.code), message=f.message, stats=f.stats))
+        return out
 
-    def _check_completion(self, c, ref, sampling) -> tuple[list[Rejection], np.ndarray | None]:
-        """The completion's own findings, and its per-token |logprob diff| for the submission's mean."""
+    def _check_completion(self, c, ref, sampling) -> tuple[list[Rejection], np.ndarray | None, checks.DrawReport]:
+        """The completion's own findings, its per-token |logprob diff| for the submission's mean, and
+        what the replay of its draws found."""
         tol = self.tolerances
         out: list[Rejection] = []
         term = checks.check_termination(c.token_ids, c.finish_reason, sampling, self.eos_ids)
@@ -207,13 +233,15 @@ class Verifier:
         lp = diff if isinstance(diff, checks.Finding) else checks.check_logprob_max(diff, tol.logprob_max_abs_diff)
         if lp:
             out.append(Rejection(code=RejectionCode(lp.code), message=lp.message, stats=lp.stats))
-        for f in checks.check_support(ref.stats, sampling, self.config.min_token_logprob):
-            out.append(Rejection(code=RejectionCode(f.code), message=f.message, stats=f.stats))
-        return out, None if isinstance(diff, checks.Finding) else diff
+        drawn = checks.check_draws(ref.draw, c.token_ids, tol.draw_margin, tol.draw_margin_rel)
+        if drawn.finding:
+            out.append(Rejection(code=RejectionCode(drawn.finding.code), message=drawn.finding.message, stats=drawn.finding.stats))
+        return out, None if isinstance(diff, checks.Finding) else diff, drawn
 
-    def _verdicts(self, jobs: Sequence[VerifyJob], rejections: list[list[Rejection]]) -> list[Verdict]:
+    def _verdicts(self, jobs: Sequence[VerifyJob], rejections: list[list[Rejection]], replayed: list["Replayed | None"]) -> list[Verdict]:
         """Rejected jobs keep their reasons; the others get trusted rewards, every completion of every
-        job scored in one call to the sandboxed reward pool (a time limit per completion)."""
+        job scored in one call to the sandboxed reward pool (a time limit per completion), and, when
+        spot-checked, our behaviour logprobs and near ties."""
         requests, owners = [], []
         for j, job in enumerate(jobs):
             if rejections[j]:
@@ -232,9 +260,12 @@ class Verifier:
                 continue
             scored = per_job.get(j, [])
             status = [RewardStatus(r.status.value) for r in scored]
+            rep = replayed[j]
             out.append(Verdict(
                 submission_id=job.submission_id, status=VerdictStatus.accepted, rewards=[r.reward for r in scored],
                 reward_status=None if all(s is RewardStatus.ok for s in status) else status, verified_tokens=job.submission.num_tokens,
+                near_ties=rep.near_ties if rep else 0, max_draw_margin=rep.max_margin if rep else 0.0,
+                behaviour_logprobs=rep.logprobs if rep else None,
             ))
         return out
 

@@ -68,9 +68,15 @@ class FakeVerifier:
                 continue
             rewards = [self.task.reward(job.items[c.prompt_index], self.tok.decode(c.token_ids.tolist(), skip_special_tokens=True))
                        for c in sub.completions]
+            # The trusted behaviour logprobs: distinguishable from the worker's, to show which ones are kept.
             out.append(Verdict(submission_id=job.submission_id, status=VerdictStatus.accepted, rewards=rewards,
-                               verified_tokens=sub.num_tokens))
+                               verified_tokens=sub.num_tokens, behaviour_logprobs=[trusted_logprobs(c) for c in sub.completions]))
         return out
+
+
+def trusted_logprobs(c) -> np.ndarray:
+    """What FakeVerifier reports as its own recomputation of a completion's behaviour logprobs."""
+    return (c.logprobs - np.float32(0.25)).astype(np.float32)
 
 
 def make_submission(lease: TaskLease, rng: np.random.Generator, *, policy_version: int | None = None,
@@ -78,6 +84,8 @@ def make_submission(lease: TaskLease, rng: np.random.Generator, *, policy_versio
                     lease_id: str | None = None) -> RolloutSubmission:
     """A submission covering the lease: random digit/letter tokens (so rewards vary within a group),
     or the same tokens for every sample when `same_tokens` (a zero-signal group)."""
+    if policy_version is None:  # the version the lease was issued for
+        policy_version = lease.policy_version if lease.generation_version is None else lease.generation_version
     comps = []
     fixed = rng.integers(3, 13, size=4)
     for p in range(len(lease.prompts)):
@@ -90,7 +98,7 @@ def make_submission(lease: TaskLease, rng: np.random.Generator, *, policy_versio
                                     logprobs=-rng.random(n).astype(np.float32), finish_reason=FinishReason.length,
                                     proofs=proofs))
     return RolloutSubmission(lease_id=lease_id or lease.lease_id,
-                             policy_version=lease.policy_version if policy_version is None else policy_version,
+                             policy_version=policy_version,
                              model_hash=model_hash, completions=comps)
 
 

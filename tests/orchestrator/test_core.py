@@ -13,6 +13,7 @@ from orch_fakes import (
     make_orchestrator,
     make_submission,
     run_config,
+    trusted_logprobs,
 )
 
 from orchestrator.buffer import RolloutBuffer
@@ -63,14 +64,15 @@ def code_of(excinfo) -> ErrorCode:
     return excinfo.value.code
 
 
-def test_seeded_leases_are_reproducible_and_cover_groups(tmp_path):
+def test_seeded_prompt_order_is_reproducible_and_leases_cover_groups(tmp_path):
     a = make_orchestrator(run_config(tmp_path / "a"))
     b = make_orchestrator(run_config(tmp_path / "b"))
     wa, _ = register(a)
     wb, _ = register(b)
     la, lb = lease(a, wa), lease(b, wb)
     assert [p.prompt_id for p in la.prompts] == [p.prompt_id for p in lb.prompts]
-    assert [p.seeds for p in la.prompts] == [p.seeds for p in lb.prompts]
+    # The order is the config's; the sampling seeds are each run's secret (test_leases.py).
+    assert [p.seeds for p in la.prompts] != [p.seeds for p in lb.prompts]
     assert len(la.prompts) == 2 and all(len(p.seeds) == 4 for p in la.prompts)
     # A worker asking for fewer prompts gets fewer, never a choice of which.
     la2 = lease(a, wa, max_prompts=1)
@@ -152,6 +154,19 @@ def test_async_level_zero_is_synchronous(tmp_path):
     with pytest.raises(ApiError) as e:
         submit(orch, wid, make_submission(l, np.random.default_rng(0)))
     assert code_of(e) == ErrorCode.version_too_old and e.value.min_policy_version == 1
+
+
+def test_a_lease_is_generated_with_the_version_the_worker_declared(tmp_path):
+    """A worker holding two versions may not pick, after seeing the seeds, the one whose draws it likes."""
+    orch = make_orchestrator(run_config(tmp_path, async_level=2))
+    wid, _ = register(orch)
+    orch.publish_version(1, HASH1)
+    l = lease(orch, wid, version=0)
+    assert l.generation_version == 0
+    with pytest.raises(ApiError) as e:
+        submit(orch, wid, make_submission(l, np.random.default_rng(0), policy_version=1, model_hash=HASH1))
+    assert code_of(e) == ErrorCode.lease_mismatch and e.value.status < 500 and "issued for version 0" in str(e.value)
+    submit(orch, wid, make_submission(l, np.random.default_rng(0), policy_version=0))
 
 
 def test_future_version_is_refused(orch):
@@ -630,7 +645,7 @@ def test_buffer_samples_carry_the_submitted_arrays_exactly(orch):
         assert s.prompt_ids.dtype == np.int64 and s.completion_ids.dtype == np.int64 and s.behaviour_logprobs.dtype == np.float32
         assert s.prompt_ids.tolist() == l.prompts[int(p)].token_ids.tolist()
         assert s.completion_ids.tolist() == c.token_ids.tolist()
-        assert np.array_equal(s.behaviour_logprobs, c.logprobs)
+        assert np.array_equal(s.behaviour_logprobs, trusted_logprobs(c))  # the verifier's, never the worker's
         TrainSample(s.prompt_ids, s.completion_ids, s.behaviour_logprobs, s.advantage, s.reward, s.behaviour_version, s.sample_id)
 
 

@@ -55,3 +55,29 @@ def test_prompt_refused_by_the_wire_contract_is_still_refused(tmp_path):
             with pytest.raises(ValidationError):
                 book.issue("w1", 1, 0, time.time())
         db.close()
+
+
+def test_seeds_are_secret_per_run_and_survive_a_restart(tmp_path):
+    """Seeds come from the run's own secret: another run with the same config and the same lease
+    sequence gets other seeds (so nobody can precompute a draw from our source and config), while a
+    restart of the same run keeps issuing from the same stream (its database holds the key)."""
+    cfg = run_config(tmp_path, max_open_leases_per_worker=100)
+    prompts = make_prompts(cfg)
+    db = Database(tmp_path / "a.sqlite")
+    a = LeaseBook(db, prompts, cfg.orchestrator)
+    first = a.sample_seeds(7, 16)
+    assert first == a.sample_seeds(7, 16) and first != a.sample_seeds(8, 16)
+    assert len(set(first)) == 16 and all(0 <= s < 2**63 for s in first)
+    db.close()
+    db = Database(tmp_path / "a.sqlite")
+    assert LeaseBook(db, prompts, cfg.orchestrator).sample_seeds(7, 16) == first
+    db.close()
+    other = Database(tmp_path / "b.sqlite")
+    assert LeaseBook(other, prompts, cfg.orchestrator).sample_seeds(7, 16) != first
+    other.close()
+
+
+def test_lease_pins_the_version_the_worker_declared(book):
+    lease = book.issue("w1", 1, 5, time.time(), loaded_version=4)
+    assert lease.generation_version == 4 and lease.min_policy_version <= 4 <= lease.policy_version
+    assert TaskLease.model_validate_json(book.get(lease.lease_id).body).generation_version == 4

@@ -1,6 +1,7 @@
 """The real path: the orchestrator in a Ray actor, verification by a Ray actor wrapping the real
-`verifier.service.Verifier`, an honest worker (transformers sampling + TOPLOC proofs) talking HTTP, and
-the trainer pulling and committing batches through the actor."""
+`verifier.service.Verifier`, an honest worker's submissions (the product's vLLM engine: seeded draws,
+proofs built while generating) sent over HTTP, and the trainer pulling and committing batches through
+the actor."""
 
 from __future__ import annotations
 
@@ -9,42 +10,21 @@ import time
 import httpx
 import numpy as np
 import pytest
-import torch
 import zstandard
 from orch_fakes import run_config
 
 from protocol import api
 from protocol.models import (
-    Completion,
-    FinishReason,
     LeaseResponse,
     RolloutSubmission,
     SubmissionReceipt,
     Verdict,
     WorkerRegistered,
 )
+from tools.vllm_rollouts import honest_completions
 from trainer.samples import samples_from_groups
 
 HASH0, HASH1 = "a" * 64, "b" * 64
-
-
-def honest_completions(model_dir, lease, seed=0):
-    """What an honest worker sends: sampled tokens, their logprobs and proofs from the final hidden states."""
-    from verifier import proofs
-    from verifier.reference import load_reference_model, prefill
-
-    model = load_reference_model(model_dir, None, "float32")
-    torch.manual_seed(seed)
-    out = []
-    for pi, p in enumerate(lease.prompts):
-        for si in range(lease.samples_per_prompt):
-            ids = model.generate(torch.tensor([p.token_ids.tolist()]), do_sample=True, max_new_tokens=lease.sampling.max_tokens,
-                                 pad_token_id=0, eos_token_id=2, top_k=None, top_p=None)[0, len(p.token_ids):].numpy().astype(np.int32)
-            ref = prefill(model, [(p.token_ids, ids)], [lease.sampling], 0.0)[0]
-            reason = FinishReason.stop if ids[-1] == 2 else FinishReason.length
-            out.append(Completion(prompt_index=pi, sample_index=si, token_ids=ids, logprobs=ref.stats.logprob.astype(np.float32),
-                                  finish_reason=reason, proofs=proofs.build_proofs(ref.hidden)))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -93,14 +73,14 @@ def test_orchestrator_and_verifier_actors(ray_cluster, tiny_model_dir, tmp_path)
                 raise AssertionError("no verdict")
 
             l1 = lease()
-            good = RolloutSubmission(lease_id=l1.lease_id, policy_version=0, model_hash=HASH0, completions=honest_completions(model_dir, l1))
+            good = RolloutSubmission(lease_id=l1.lease_id, policy_version=0, model_hash=HASH0, completions=honest_completions(model_dir, l1))  # the real engine's output
             v = submit(good)
             assert v.status.value == "accepted", v.rejections
             assert len(v.rewards) == len(good.completions) and v.verified_tokens == good.num_tokens
 
             # A worker that lies about its logprobs is rejected and gets a strike.
             l2 = lease()
-            comps = honest_completions(model_dir, l2, seed=1)
+            comps = honest_completions(model_dir, l2)
             comps[0] = comps[0].model_copy(update={"logprobs": np.zeros_like(comps[0].logprobs)})
             bad = RolloutSubmission(lease_id=l2.lease_id, policy_version=0, model_hash=HASH0, completions=comps)
             v2 = submit(bad)

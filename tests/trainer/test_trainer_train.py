@@ -214,6 +214,26 @@ def test_single_step_proximal_shortcut_equals_a_no_grad_pass(tiny_model_dir, tmp
         assert torch.equal(forward_logprobs(trainer.model, mb, bf16=False)[0].detach(), separate)
 
 
+def test_every_logprob_is_of_the_sampling_temperature(tiny_model_dir, tmp_path):
+    """Workers sample from logits / T and the verifier reports mu at T: the trainer's pi_theta (and so
+    pi_prox and the reference) must be of the same distribution, or the importance weights are wrong."""
+    from trainer.train import forward_logprobs
+
+    samples = random_samples(4, seed=90)
+    trainer = Trainer(TrainerConfig(micro_batch_tokens=4096), tiny_model_dir, tmp_path, sampling_temperature=0.7)
+    with torch.no_grad():
+        got = torch.cat([forward_logprobs(trainer.model, mb, bf16=False, temperature=trainer.temperature)[0] for s in samples for mb in trainer._plan([s])])
+        want = torch.cat([plain_logprobs(trainer.model, s, temperature=0.7) for s in samples])
+        at_one = torch.cat([plain_logprobs(trainer.model, s) for s in samples])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, at_one, atol=1e-3)
+    # On-policy samples at T = 0.7 (mu = pi at 0.7): every importance weight is exactly where it should be.
+    on = with_behaviour(samples, list(want.split([s.num_completion_tokens for s in samples])))
+    stats = trainer.step(on)
+    assert stats["importance_weight/mean"] == pytest.approx(1.0, abs=1e-4) and stats["importance_weight/max"] == pytest.approx(1.0, abs=1e-3)
+    assert Trainer(TrainerConfig(), tiny_model_dir, tmp_path / "greedy", sampling_temperature=0.0).temperature == 1.0
+
+
 def test_prometheus_export_of_step_metrics(tiny_model_dir, tmp_path):
     from prometheus_client import CollectorRegistry, generate_latest
 

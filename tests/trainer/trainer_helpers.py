@@ -35,12 +35,13 @@ def with_behaviour(samples: list[TrainSample], logprobs: list[torch.Tensor]) -> 
     ]
 
 
-def plain_logprobs(model, sample: TrainSample) -> torch.Tensor:
-    """Completion logprobs of one sample, computed the obvious way: a batch of one, full logits."""
+def plain_logprobs(model, sample: TrainSample, temperature: float = 1.0) -> torch.Tensor:
+    """Completion logprobs of one sample (of logits / temperature), computed the obvious way: a batch of
+    one, full logits."""
     tokens = torch.tensor(np.concatenate([sample.prompt_ids, sample.completion_ids]))[None]
     logits = model(input_ids=tokens, use_cache=False).logits[0].float()
     p = sample.prompt_ids.size
-    logp = torch.log_softmax(logits[p - 1 : -1], dim=-1)
+    logp = torch.log_softmax(logits[p - 1 : -1] / temperature, dim=-1)
     return logp.gather(-1, torch.tensor(sample.completion_ids)[:, None])[:, 0]
 
 

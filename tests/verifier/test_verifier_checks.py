@@ -1,14 +1,13 @@
-"""Unit tests of the sampling-support, logprob and termination checks on constructed distributions."""
+"""Unit tests of the draw, logprob and termination checks on constructed distributions."""
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import pytest
 import torch
 
 from protocol.models import FinishReason, SamplingParams
+from protocol.sampling import replay
 from verifier import checks
 
 # Three positions over a vocabulary of 5 with known probabilities.
@@ -16,49 +15,90 @@ PROBS = torch.tensor([[0.5, 0.3, 0.1, 0.07, 0.03]] * 3)
 LOGITS = PROBS.log()
 
 
-def stats(tokens, sampling, slack=1e-4):
-    return checks.token_stats(LOGITS, torch.tensor(tokens), sampling, slack)
+def stats(tokens, sampling):
+    return checks.token_stats(LOGITS, torch.tensor(tokens), sampling)
 
 
-def test_token_stats_raw_logprobs_ranks_and_mass():
+def test_token_stats_raw_and_tempered_logprobs():
     s = stats([0, 2, 4], SamplingParams(temperature=2.0))
     np.testing.assert_allclose(s.logprob, np.log([0.5, 0.1, 0.03]), rtol=1e-6)
-    assert s.rank_above.tolist() == [0, 2, 4]
     tempered = (LOGITS[0] / 2).softmax(0)
-    np.testing.assert_allclose(s.mass_above[1], float(tempered[:2].sum()), rtol=1e-5)
-    np.testing.assert_allclose(s.tempered_logprob[2], math.log(float(tempered[4])), rtol=1e-5)
+    np.testing.assert_allclose(s.tempered_logprob, np.log(tempered[[0, 2, 4]].numpy()), rtol=1e-5)
+    greedy = stats([0, 2, 4], SamplingParams(temperature=0.0))  # greedy is trained at temperature 1
+    np.testing.assert_array_equal(greedy.tempered_logprob, greedy.logprob)
 
 
-@pytest.mark.parametrize("sampling,tokens,outside", [
-    (SamplingParams(top_k=2), [0, 1, 1], False),
-    (SamplingParams(top_k=2), [0, 1, 2], True),
-    (SamplingParams(top_p=0.75), [0, 1, 0], False),  # mass above token 1 is 0.5 < 0.75
-    (SamplingParams(top_p=0.75), [2, 0, 0], True),  # mass above token 2 is 0.8
-    (SamplingParams(top_p=0.85), [2, 0, 0], False),
-    (SamplingParams(temperature=0.0), [0, 0, 0], False),
-    (SamplingParams(temperature=0.0), [0, 1, 0], True),
-    (SamplingParams(top_k=3, top_p=0.9), [2, 2, 2], False),  # top-3 renormalized: mass above 2 is 0.8/0.9
-    (SamplingParams(top_k=3, top_p=0.85), [2, 2, 2], True),
-])
-def test_support(sampling, tokens, outside):
-    found = checks.check_support(stats(tokens, sampling), sampling, min_token_logprob=-20)
-    assert any(f.code == "token_outside_support" for f in found) == outside
+def draw_of(logits, seed, tokens, sampling, slack=(0.0, 0.0)):
+    r = replay(logits, seed, torch.arange(len(tokens)), torch.tensor(tokens), sampling, *slack)
+    t = sampling.temperature if sampling.temperature > 0 else 1.0
+    scale = torch.maximum(logits.gather(1, r.winner[:, None]).abs(), logits.gather(1, torch.tensor(tokens)[:, None]).abs())[:, 0]
+    return checks.Draw(r.winner.numpy(), r.margin.double().numpy() * t, r.inside.numpy(), scale.double().numpy())
 
 
-def test_slack_accepts_near_ties_at_the_boundary():
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(top_k=2), SamplingParams(temperature=0.0)])
+def test_the_seeds_own_draws_pass_and_any_other_token_fails(sampling):
+    logits = torch.randn(40, 50, generator=torch.Generator().manual_seed(1)) * 2
+    winners = draw_of(logits, 12345, [0] * 40, sampling).winner
+    ok = checks.check_draws(draw_of(logits, 12345, winners.tolist(), sampling), winners, 1e-3)
+    assert ok.finding is None and ok.near_ties == 0 and ok.max_margin == 0.0
+    # Another seed's draws (a sample generated under another sample's seed): caught, with the position.
+    other = draw_of(logits, 999, [0] * 40, sampling).winner
+    if sampling.temperature > 0:
+        bad = checks.check_draws(draw_of(logits, 12345, other.tolist(), sampling), other, 1e-3)
+        assert bad.finding is not None and bad.finding.code in ("not_seeded_draw", "token_outside_support")
+        first = int(np.argmax(other != winners))
+        assert bad.finding.stats["token_index"] <= first
+    # One token changed to the runner-up: caught at that position.
+    edited = winners.copy()
+    edited[7] = int(torch.topk(logits[7], 2).indices[1]) if winners[7] == int(logits[7].argmax()) else int(logits[7].argmax())
+    bad = checks.check_draws(draw_of(logits, 12345, edited.tolist(), sampling), edited, 1e-3)
+    assert bad.finding is not None and bad.finding.stats["token_index"] == 7
+
+
+def test_a_near_tie_within_the_margin_passes_and_is_counted():
+    """Worker and verifier logits differ by noise: a token that wins on the worker's logits may lose on ours
+    by a hair. Within the margin it passes (counted as a near tie); beyond it, it is rejected."""
+    logits = torch.zeros(1, 4)
+    logits[0, 1] = 1.0
+    seed = 7
+    r = replay(logits, seed, torch.tensor([0]), torch.tensor([0]), SamplingParams())
+    winner = int(r.winner)
+    runner_up = next(t for t in range(4) if t != winner)
+    # Move the runner-up's logit so that it loses to the winner by exactly 1e-4 in score.
+    gap = float(replay(logits, seed, torch.tensor([0]), torch.tensor([runner_up]), SamplingParams()).margin)
+    logits[0, runner_up] += gap - 1e-4
+    d = draw_of(logits, seed, [runner_up], SamplingParams())
+    assert d.winner[0] == winner and 0 < d.margin[0] < 2e-4
+    near = checks.check_draws(d, np.array([runner_up]), 1e-3)
+    assert near.finding is None and near.near_ties == 1 and 0 < near.max_margin < 2e-4
+    far = checks.check_draws(d, np.array([runner_up]), 1e-5)
+    assert far.finding is not None and far.finding.code == "not_seeded_draw" and far.finding.stats["margin"] > 1e-5
+    assert f"the seed draws {winner}, not {runner_up}" in far.finding.message
+
+
+def test_the_tolerance_grows_with_the_size_of_the_logits():
+    """bf16 rounds a logit of 20 in steps of 0.06: the same small margin that fails at logits near 0 passes
+    near 20, but a real difference (a token that lost by 1 logit) fails at any size."""
+    small = checks.check_draws(checks.Draw(np.array([5]), np.array([0.05]), np.array([True]), np.array([0.5])), np.array([6]), 0.02, 2**-7)
+    assert small.finding is not None and small.finding.code == "not_seeded_draw"
+    large = checks.Draw(np.array([5]), np.array([0.05]), np.array([True]), np.array([20.0]))
+    assert checks.check_draws(large, np.array([6]), 0.02, 2**-7).finding is None
+    far = checks.Draw(np.array([5]), np.array([1.0]), np.array([True]), np.array([20.0]))
+    assert checks.check_draws(far, np.array([6]), 0.02, 2**-7).finding is not None
+
+
+def test_a_token_outside_the_support_is_named_as_such():
+    sampling = SamplingParams(top_k=2)
+    d = draw_of(LOGITS, 3, [4, 0, 0], sampling)
+    found = checks.check_draws(d, np.array([4, 0, 0]), 1e9)  # even an infinite margin never admits it
+    assert found.finding is not None and found.finding.code == "token_outside_support" and found.finding.stats["token_index"] == 0
+
+
+def test_slack_widens_the_support_for_tokens_at_its_boundary():
     logits = torch.tensor([[2.0, 1.0, 1.0 - 1e-5, 0.0]])
     sampling = SamplingParams(top_k=2)
-    tight = checks.token_stats(logits, torch.tensor([2]), sampling, 0.0)
-    loose = checks.token_stats(logits, torch.tensor([2]), sampling, 1e-3)
-    assert checks.check_support(tight, sampling, -20)
-    assert not checks.check_support(loose, sampling, -20)
-
-
-def test_implausible_token():
-    logits = torch.tensor([[0.0, 0.0, -40.0]])
-    s = checks.token_stats(logits, torch.tensor([2]), SamplingParams(), 1e-3)
-    found = checks.check_support(s, SamplingParams(), min_token_logprob=-20)
-    assert [f.code for f in found] == ["token_implausible"]
+    assert not draw_of(logits, 1, [2], sampling).inside[0]
+    assert draw_of(logits, 1, [2], sampling, (0.0, 1e-3)).inside[0]
 
 
 def test_logprob_check():
@@ -112,3 +152,15 @@ def test_termination(tokens, reason, max_tokens, stop_ids, ok):
     assert (found is None) == ok
     if found:
         assert found.code == "bad_termination" and found.message
+
+
+def test_a_short_submissions_mean_leaves_room_for_one_outlier():
+    """bf16, batch 1: honest one-token submissions had |diff| 0.015 against a mean limit of 0.01; their mean
+    is one token's noise. fp16 claimed as fp32 (mean >= 5e-5 per token) still fails from 7 tokens on."""
+    assert checks.check_logprob_mean(0.015, 1, 0.01) is None
+    assert checks.check_logprob_mean(3 * 0.0114, 3, 0.01) is None
+    assert checks.check_logprob_mean(1.08e-4, 1, 2e-5) is None  # the fp32 outlier, alone in a submission
+    assert checks.check_logprob_mean(0.12, 1, 0.01) is not None
+    assert checks.check_logprob_mean(3 * 0.05, 3, 0.01) is not None  # three tokens far off: not one outlier
+    assert checks.check_logprob_mean(7 * 5e-5, 7, 2e-5) is not None
+    assert checks.check_logprob_mean(1000 * 0.015, 1000, 0.01) is not None  # a long drift is still a drift

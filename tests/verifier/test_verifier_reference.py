@@ -14,9 +14,10 @@ def test_prefill_rows_batching_and_weights_dir(tiny_untied_model_dir):
     rng = np.random.default_rng(0)
     seqs = [(rng.integers(3, 54, n).astype(np.int32), rng.integers(3, 54, t).astype(np.int32)) for n, t in ((5, 1), (9, 40), (3, 17))]
     samplings = [SamplingParams(), SamplingParams(temperature=0.5, top_k=5), SamplingParams(top_p=0.5)]
-    batched = prefill(model, seqs, samplings, 1e-3)
-    for (p, c), s, got in zip(seqs, samplings, batched):
-        alone = prefill(model, [(p, c)], [s], 1e-3)[0]
+    seeds = [11, 22, 33]
+    batched = prefill(model, seqs, samplings, seeds=seeds)
+    for (p, c), s, seed, got in zip(seqs, samplings, seeds, batched):
+        alone = prefill(model, [(p, c)], [s], seeds=[seed])[0]
         full = torch.tensor(np.concatenate([p, c])[None].astype(np.int64))
         with torch.no_grad():
             out = model(full, output_hidden_states=True)
@@ -25,11 +26,13 @@ def test_prefill_rows_batching_and_weights_dir(tiny_untied_model_dir):
         assert got.hidden.shape == (len(c), model.config.hidden_size)
         torch.testing.assert_close(got.hidden, want_h, atol=1e-5, rtol=1e-5)
         np.testing.assert_allclose(got.stats.logprob, want_lp.numpy(), atol=1e-5)
-        np.testing.assert_allclose(got.stats.mass_above, alone.stats.mass_above, atol=1e-6)
-        np.testing.assert_array_equal(got.stats.rank_above, alone.stats.rank_above)
+        np.testing.assert_allclose(got.stats.tempered_logprob, alone.stats.tempered_logprob, atol=1e-6)
+        # The replay sees each sequence's own seed and positions however the batch is laid out.
+        np.testing.assert_array_equal(got.draw.winner, alone.draw.winner)
+        np.testing.assert_allclose(got.draw.margin, alone.draw.margin, atol=1e-5)
     # Loading from a weights folder (a shardcast version: safetensors only) gives the same model.
     same = load_reference_model(tiny_untied_model_dir, tiny_untied_model_dir, "float32")
-    again = prefill(same, seqs[:1], samplings[:1], 1e-3)[0]
+    again = prefill(same, seqs[:1], samplings[:1])[0]
     torch.testing.assert_close(again.hidden, batched[0].hidden)
     assert eos_token_ids(tiny_untied_model_dir) == {2}
 
@@ -38,7 +41,7 @@ def test_bf16_reference_and_bad_weights(tiny_model_dir, tmp_path):
     import pytest
 
     model = load_reference_model(tiny_model_dir, tiny_model_dir, "bfloat16")
-    out = prefill(model, [(np.array([1, 5, 6], dtype=np.int32), np.array([7, 8], dtype=np.int32))], [SamplingParams()], 0.1)[0]
+    out = prefill(model, [(np.array([1, 5, 6], dtype=np.int32), np.array([7, 8], dtype=np.int32))], [SamplingParams()])[0]
     assert out.hidden.dtype == torch.bfloat16 and out.stats.logprob.dtype == np.float64
     with pytest.raises(FileNotFoundError):
         load_reference_model(tiny_model_dir, tmp_path, "float32")
