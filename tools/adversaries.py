@@ -117,7 +117,7 @@ class SlowReward(Adversary):
             if lease is None:
                 self.stop.wait(0.5)
                 continue
-            n, version = lease.sampling.max_tokens, lease.policy_version
+            n, version = lease.sampling.max_tokens, lease.generation_version
             comps = [Completion(prompt_index=p, sample_index=s, token_ids=np.full(n, z, np.int32), logprobs=np.full(n, -1.0, np.float32),
                                 finish_reason=FinishReason.length, proofs=[b"\x01" * limits.MAX_PROOF_BYTES] * math.ceil(n / limits.PROOF_CHUNK_TOKENS))
                      for p in range(len(lease.prompts)) for s in range(lease.samples_per_prompt)]
@@ -140,7 +140,7 @@ class Cheater(Adversary):
             rng = np.random.default_rng(len(self.statuses) + self.statuses.total())  # distinct content: not a replay
             comps = [Completion(prompt_index=0, sample_index=s, token_ids=rng.integers(5, 30, size=1), logprobs=[-1.0],
                                 finish_reason=FinishReason.length, proofs=[rng.bytes(8)]) for s in range(lease.samples_per_prompt)]
-            sub = RolloutSubmission(lease_id=lease.lease_id, policy_version=lease.policy_version, model_hash="f" * 64, completions=comps)
+            sub = RolloutSubmission(lease_id=lease.lease_id, policy_version=lease.generation_version, model_hash="f" * 64, completions=comps)
             self.post(api.SUBMIT.path, None, self.reg.secret, content=sub.model_dump_json().encode())
             self.stop.wait(0.5)
         self.comeback = [self.post(api.REGISTER.path, {"name": f"{self.name}-{i}"}, self.token).status_code for i in range(3)]
