@@ -55,6 +55,14 @@ class BatchBook:
         self.db = db
         self.buffer = buffer
         db.create(SCHEMA, counters=COUNTERS)
+        with db.tx() as conn:
+            # Groups taken by a batch that has no row (a run of an older swarmrl): number those batches now,
+            # so that reconciliation settles them like any other.
+            for (batch_id,) in conn.execute("SELECT DISTINCT batch_id FROM sample_groups WHERE status='taken' AND batch_id NOT IN (SELECT batch_id FROM batches)").fetchall():
+                groups = conn.execute("SELECT seq, num_samples FROM sample_groups WHERE batch_id=? AND status='taken'", (batch_id,)).fetchall()
+                seq = int(conn.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM batches").fetchone()[0])
+                conn.execute("INSERT INTO batches (seq, batch_id, status, num_samples, taken_at) VALUES (?, ?, 'taken', ?, ?)", (seq, batch_id, sum(g[1] for g in groups), time.time()))
+                conn.executemany("INSERT INTO batch_groups (batch_seq, group_seq) VALUES (?, ?)", [(seq, g[0]) for g in groups])
 
     def new(self, db: sqlite3.Connection, group_seqs: list[int], samples: int) -> tuple[str, int]:
         """In the take's transaction: number a new batch of these groups. Returns (batch id, sequence)."""
@@ -109,12 +117,12 @@ class BatchBook:
 
     def reconcile(self, db: sqlite3.Connection, lineage: Lineage, from_versions: dict[str, int]) -> dict[str, int]:
         """In the caller's transaction: settle every unsettled batch by the trainer's durable lineage:
-        in it, committed (its step's start version from the batch or `from_versions`); not in it, given
-        back. Also counts returned batches that the lineage holds (conflicts: they would be trained twice;
+        in it (or named in `from_versions`, the trainer's batches not yet known to be committed, all in
+        its lineage), committed with its step's start version; not in it, given back. Also counts returned batches that the lineage holds (conflicts: they would be trained twice;
         never expected)."""
         committed = returned = 0
         for r in db.execute("SELECT seq, batch_id FROM batches WHERE status IN ('taken', 'trained') ORDER BY seq").fetchall():
-            if r["seq"] in lineage:
+            if r["seq"] in lineage or r["batch_id"] in from_versions:
                 committed += sum(self.commit(db, r["batch_id"], from_versions.get(r["batch_id"])).values())
             else:
                 returned += self.give_back(db, r["batch_id"])

@@ -35,6 +35,19 @@ class RunDir:
     workers = property(lambda self: self.root / "workers")
     pids_path = property(lambda self: self.root / "pids.json")
     signing_key = property(lambda self: self.root / "signing_key.pem")
+    ports_path = property(lambda self: self.root / "ports.json")  # chosen once, so a restart keeps its URL
+    session_path = property(lambda self: self.root / "session.json")  # the driver's heartbeat
+
+    def read_json(self, path: Path) -> dict[str, Any]:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def write_json(self, path: Path, data: dict[str, Any]) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        os.replace(tmp, path)
 
     def relay_dir(self, index: int) -> Path:
         return self.weights / f"relay-{index}"
