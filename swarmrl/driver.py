@@ -20,7 +20,6 @@ themselves, with their secrets.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -54,6 +53,7 @@ class Progress:
     started: float = field(default_factory=time.time)
     events: list[str] = field(default_factory=list)
     restarts: dict[str, tuple[int, float]] = field(default_factory=dict)  # component -> (restarts, seconds lost)
+    recorded_version: int = 0  # the newest version in metrics.jsonl: a restarted trainer may report a step again
 
 
 def ensure_model(cfg: RunConfig, rd: RunDir) -> Path:
@@ -133,6 +133,7 @@ class Run:
         info = ray.get(self.trainer.info.remote())
         info["origin_url"] = cfg.shardcast.advertise_origin_url or info["origin_url"]
         self.progress.version = info["version"]
+        self.progress.recorded_version = max((int(r.get("version", 0)) for r in rd.read_metrics()), default=0)
         self.supervisor.watch_actor("trainer", None, rd.logs / "trainer.log", info["pid"], info["started_at"])
 
         for i in range(cfg.shardcast.num_relays):
@@ -164,19 +165,16 @@ class Run:
         log.info("run started", extra={"url": self.url, "run_dir": str(rd.root), "workers": cfg.num_workers})
 
     def _open_session(self) -> float | None:
-        """Start this driver's session in the run folder. If the last one never ended cleanly (its driver
-        was killed), returns when it was last seen alive: the driver's restart is counted once we train."""
-        old = self.rd.read_json(self.rd.session_path)
-        self.rd.write_json(self.rd.session_path, {"pid": os.getpid(), "started_at": time.time(), "heartbeat_at": time.time()})
-        if old and "ended_at" not in old:
-            self.progress.events.append(f"resumed after the previous driver (pid {old.get('pid')}) died")
-            return float(old.get("heartbeat_at", old.get("started_at", time.time())))
-        return None
+        """When the previous driver of this run was last seen alive, if it was killed (else None)."""
+        old = self.rd.open_session()
+        if old is None:
+            return None
+        self.progress.events.append(f"resumed after the previous driver (pid {old.get('pid')}) died")
+        return float(old.get("heartbeat_at", old.get("started_at", time.time())))
 
     def _heartbeat(self) -> None:
         """Every second: the driver is alive (session.json), and where everything runs (pids.json)."""
-        session = self.rd.read_json(self.rd.session_path)
-        self.rd.write_json(self.rd.session_path, {**session, "heartbeat_at": time.time()})
+        self.rd.session_heartbeat()
         pids = {"driver": os.getpid(), "url": self.url, **self.supervisor.pids()}
         if pids != self._pids:
             self.rd.write_json(self.rd.pids_path, pids)
@@ -262,8 +260,10 @@ class Run:
 
     def _record(self, metrics: dict[str, Any], gaps: dict[int, int]) -> None:
         p = self.progress
+        if int(metrics["version"]) <= p.recorded_version:
+            return  # reported before the trainer (or this driver) restarted
         p.step += 1
-        p.version = int(metrics["version"])
+        p.version = p.recorded_version = int(metrics["version"])
         self._update_reward(min_completions=1)
         p.status = self._orch("status", p.status)  # for display only
         st = p.status
@@ -336,8 +336,7 @@ class Run:
                 pass
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
-        session = self.rd.read_json(self.rd.session_path)
-        self.rd.write_json(self.rd.session_path, {**session, "ended_at": time.time()})  # a clean end: not a crash
+        self.rd.close_session()  # a clean end: the next start is not a restart
 
     def finish(self) -> None:
         p = self.progress

@@ -20,9 +20,11 @@ which commits what it holds and takes back the rest. The orchestrator hands out 
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -36,6 +38,10 @@ from trainer.samples import samples_from_groups
 from trainer.train import Trainer
 
 log = logging.getLogger(__name__)
+
+# Each checkpoint also carries the metrics of the last few steps, so that steps committed but not yet
+# reported when a trainer died are reported by the next one (the driver skips versions it has).
+RECENT_STEPS = 8
 
 
 class SourceUnavailable(RuntimeError):
@@ -95,6 +101,9 @@ class BatchLoop:
         self._unannounced: dict[int, str] = {}  # published, not yet announced by a commit
         self._pending: dict[str, StepResult] = {}  # trained, not committed
         self._done: list[StepResult] = []  # committed, not yet handed to the caller
+        self._recent: deque[StepResult] = deque(maxlen=RECENT_STEPS)  # for the checkpoints
+        # The steps the checkpoint we resumed from names: reported (again) once reconciled.
+        self._recovered = [StepResult(r["batch_id"], r["metrics"], {int(k): v for k, v in r["staleness"].items()}) for r in cursor.get("recent_steps", [])]
         self._lock = threading.Lock()
         self._waited = 0.0  # time spent waiting for a whole batch since the last step
         self.needs_reconcile = True  # a new trainer (or a resumed one) always reconciles first
@@ -127,17 +136,21 @@ class BatchLoop:
             self.uncommitted[batch.batch_id] = start
             self.trainer.data_cursor = self._cursor()  # so the step's checkpoint says it holds this batch
         metrics = self.trainer.step(samples_from_groups(batch.groups))
+        metrics["time/wait_for_rollouts"] = waited
         result = StepResult(batch.batch_id, metrics, self._staleness(batch, start))
         self._pending[batch.batch_id] = result
-        self._submit(self._job(batch.batch_id, start))
-        metrics["time/wait_for_rollouts"] = waited
+        self._recent.append(result)
+        metrics["time/checkpoint_wait"] = self._submit(self._job(batch.batch_id, start))
         metrics["time/step"] = time.perf_counter() - t1  # the trainer's critical path for this batch
         return result
 
     def committed(self) -> list[StepResult]:
-        """The steps committed since the last call, oldest first."""
+        """The steps committed since the last call, oldest first. After a restart, first the last steps
+        of the checkpoint it resumed from (whose report may have died with the last trainer)."""
+        if self.needs_reconcile:
+            return []
         with self._lock:
-            done, self._done = self._done, []
+            done, self._done, self._recovered = self._recovered + self._done, [], []
         return done
 
     def finish(self) -> None:
@@ -197,6 +210,10 @@ class BatchLoop:
         state, self.trainer.pending_checkpoint = self.trainer.pending_checkpoint, None
         if force_checkpoint:
             state = self.trainer.checkpoint_state()
+        if state is not None:
+            state["trainer_state"]["data_cursor"]["recent_steps"] = [
+                {"batch_id": r.batch_id, "metrics": copy.copy(r.metrics), "staleness": r.staleness} for r in self._recent
+            ]
         result = self._pending.get(batch_id) if batch_id else None
 
         def run() -> None:
@@ -255,11 +272,12 @@ class BatchLoop:
             self.needs_reconcile = True
             return False
 
-    def _submit(self, job: Callable[[], None]) -> None:
+    def _submit(self, job: Callable[[], None]) -> float:
+        """Run the job in the writer (returns how long we waited for the previous one), or here."""
         if self.writer is None:
             job()
-        else:
-            self.writer.submit(job)
+            return 0.0
+        return self.writer.submit(job)
 
     def _flush(self) -> None:
         if self.writer is not None:

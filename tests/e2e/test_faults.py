@@ -51,6 +51,7 @@ def chaos_run(tmp_path, rounds: int, seed: int):
 def check(run_dir, kills, lines):
     audit = audit_run(run_dir)
     report = f"{audit.as_dict()}\n" + "\n".join(lines)
+    print(report)
     assert audit.problems == [], report
     assert audit.trained_twice == 0 and audit.lost == 0, report
     assert audit.accepted == audit.zero_signal + audit.trained_once + audit.dropped_stale + audit.buffered, report

@@ -176,7 +176,8 @@ def test_a_trainer_restart_commits_what_its_checkpoint_holds_and_gives_back_the_
     trainer, loop, source = new_loop()
     assert trainer.version == 2
     assert loop.reconcile() == {"committed": 4 * K, "returned": 0}
-    assert [r.batch_id for r in loop.committed()] == []  # the old trainer's results died with it
+    # The old trainer never reported a and b (their commit failed); their checkpoint has their metrics.
+    assert [(r.batch_id, r.metrics["version"]) for r in loop.committed()] == [(a.batch_id, 1.0), (b.batch_id, 2.0)]
     c = loop.step()
     loop._flush()
     d = orch.take_batch(2 * K, trainer.version)
