@@ -44,6 +44,10 @@ class BackgroundWriter:
         self.waited_s += waited
         return waited
 
+    @property
+    def busy(self) -> bool:
+        return self._busy
+
     def flush(self) -> None:
         with self._cond:
             while self._busy and self._error is None:

@@ -127,6 +127,10 @@ class BatchLoop:
             return None
         if batch.num_samples < self.samples_per_step:
             self._waited += time.perf_counter() - t0
+            if self._undurable() and not (self.writer is not None and self.writer.busy):
+                # Waiting for rollouts with steps that no checkpoint holds yet (checkpoint_every > 1): make
+                # them durable now, so their versions reach the workers that the trainer is waiting for.
+                self._submit(self._job(None, None, force_checkpoint=True))
             return None
         waited, self._waited = self._waited + time.perf_counter() - t0, 0.0
         t1 = time.perf_counter()
@@ -196,9 +200,13 @@ class BatchLoop:
         """Wait for the writer; if the weights hold a batch or a version that no durable checkpoint has
         (checkpoint_every > 1, or a step without one), write one now."""
         self._flush()
-        if self.lineage.last() != self._durable_last or self.trainer.version != self._durable_version:
+        if self._undurable():
             self._submit(self._job(None, None, force_checkpoint=True))
             self._flush()
+
+    def _undurable(self) -> bool:
+        """Whether the weights hold a batch or a version that no durable checkpoint has."""
+        return self.lineage.last() != self._durable_last or self.trainer.version != self._durable_version
 
     # ---------------------------------------------------------------- the writer's job
 

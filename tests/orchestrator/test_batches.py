@@ -106,3 +106,31 @@ def test_a_superseded_version_is_refused_without_a_strike(tmp_path):
     orch.publish_version(1, "b" * 64)
     assert orch.verification.versions.is_superseded(1, HASH1) and not orch.verification.versions.is_superseded(1, "b" * 64)
     orch.db.close()
+
+
+def test_the_async_bound_stops_counting_a_batch_once_it_is_trained(tmp_path):
+    """A trained batch waits only for its checkpoint; the trainer is past it. Counting it as untrained
+    would hold generation back (with checkpoint_every > 1, until a checkpoint that needs more batches).
+    The count after a restart, recounted from the tables, is the one kept step by step."""
+    cfg = run_config(tmp_path)
+    orch = make_orchestrator(cfg)
+    fill(orch, 3)
+
+    def untrained() -> int:
+        with orch.db.tx() as db:
+            return orch.leases.untrained_samples(db)
+
+    start = untrained()
+    a, b = orch.take_batch(4, 0), orch.take_batch(4, 0)
+    assert untrained() == start
+    orch.mark_trained(a.batch_id, 0)
+    orch.mark_trained(b.batch_id, 0)
+    assert untrained() == start - 8
+    orch.commit_batches({a.batch_id: 0}, {})
+    assert untrained() == start - 8
+    orch.db.close()
+    orch = make_orchestrator(cfg)  # recounted: b is trained, not untrained
+    assert untrained() == start - 8
+    orch.reconcile_trainer([[1, 1]], {}, {})  # b was not in the checkpoint: back in the buffer
+    assert untrained() == start - 4
+    orch.db.close()

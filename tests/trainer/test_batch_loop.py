@@ -215,6 +215,7 @@ def test_an_orchestrator_restart_is_reconciled_by_the_live_trainer(tiny_model_di
     for seed in range(6):
         add_group(orch, seed)
     trained = loop.step()  # version 1: no checkpoint yet
+    loop._flush()  # the writer told the orchestrator "trained" (and published version 1, not durable)
     lost = orch.take_batch(2 * K, 1)  # taken, but the answer never reached the trainer
     orch.db.close()
 
