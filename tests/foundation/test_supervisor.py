@@ -96,3 +96,28 @@ def test_a_killed_actor_is_noticed_by_its_new_pid(tmp_path):
             sup.stop()
     finally:
         ray.shutdown()
+
+
+def test_the_same_budget_holds_for_an_actor(tmp_path):
+    """The trainer's restarts are reported by the driver (its train_step call fails): one policy for all."""
+    log = tmp_path / "trainer.log"
+    log.write_text("loading checkpoint step_00000007\nRuntimeError: CUDA error: an illegal memory access\n")
+    sup = Supervisor(RestartPolicy(max_restarts=2, window_s=600), on_restart=lambda *_: None)
+    sup.watch_actor("trainer", None, log, pid=100, started_at=0.0)
+    for pid in (101, 102):
+        sup.restarted("trainer", pid, time.time(), time.time() - 5)
+        sup.check()
+    sup.restarted("trainer", 103, time.time(), time.time() - 5)
+    with pytest.raises(RunFailed) as e:
+        sup.check()
+    assert str(e.value).startswith("trainer died 3 times within 600 s") and "illegal memory access" in str(e.value)
+    assert sup.summary()["trainer"][0] == 3 and 14 < sup.summary()["trainer"][1] < 16
+
+
+def test_restarts_outside_the_window_do_not_count():
+    policy = RestartPolicy(max_restarts=2, window_s=60)
+    from collections import deque
+
+    now = 10_000.0
+    assert policy.allows(deque([now - 120, now - 90, now - 10]), now)  # only one within the window
+    assert not policy.allows(deque([now - 30, now - 10]), now)
