@@ -102,6 +102,9 @@ class Chaos:
         if target == "driver":
             self.driver.wait(30)
             self.driver = self.start_driver()  # the same command resumes the run
+            # The old run's actors may still commit a step while they die: count only the new run's.
+            self.wait_for(lambda: self.pids().get("driver") == self.driver.pid, "the new driver to start")
+            step = self.steps()
         else:
             self.wait_for(lambda: self.pids().get(target) not in (None, pid) and _alive(self.pids()[target]), f"{target} to come back")
         self.wait_for(lambda: self.steps() > step, f"a step after killing {target}")
