@@ -128,8 +128,9 @@ class BatchLoop:
         if batch.num_samples < self.samples_per_step:
             self._waited += time.perf_counter() - t0
             if self._undurable() and not (self.writer is not None and self.writer.busy):
-                # Waiting for rollouts with steps that no checkpoint holds yet (checkpoint_every > 1): make
-                # them durable now, so their versions reach the workers that the trainer is waiting for.
+                # Waiting for rollouts with steps that no checkpoint holds yet (checkpoint_every > 1): their
+                # batches still count against the async bound and their versions are not announced, so the
+                # workers may be waiting for exactly this checkpoint. Write it now.
                 self._submit(self._job(None, None, force_checkpoint=True))
             return None
         waited, self._waited = self._waited + time.perf_counter() - t0, 0.0

@@ -108,10 +108,10 @@ def test_a_superseded_version_is_refused_without_a_strike(tmp_path):
     orch.db.close()
 
 
-def test_the_async_bound_stops_counting_a_batch_once_it_is_trained(tmp_path):
-    """A trained batch waits only for its checkpoint; the trainer is past it. Counting it as untrained
-    would hold generation back (with checkpoint_every > 1, until a checkpoint that needs more batches).
-    The count after a restart, recounted from the tables, is the one kept step by step."""
+def test_a_batch_counts_as_untrained_until_it_is_committed(tmp_path):
+    """Its version is announced only at the commit, so leases plan from a version that does not hold it
+    yet: its samples must still count as ahead of that version (or leases plan one version short). A
+    batch that goes back counts as before; the count after a restart is the one kept step by step."""
     cfg = run_config(tmp_path)
     orch = make_orchestrator(cfg)
     fill(orch, 3)
@@ -122,15 +122,14 @@ def test_the_async_bound_stops_counting_a_batch_once_it_is_trained(tmp_path):
 
     start = untrained()
     a, b = orch.take_batch(4, 0), orch.take_batch(4, 0)
-    assert untrained() == start
     orch.mark_trained(a.batch_id, 0)
     orch.mark_trained(b.batch_id, 0)
-    assert untrained() == start - 8
-    orch.commit_batches({a.batch_id: 0}, {})
-    assert untrained() == start - 8
+    assert untrained() == start
+    orch.commit_batches({a.batch_id: 0}, {1: HASH1})
+    assert untrained() == start - 4
     orch.db.close()
-    orch = make_orchestrator(cfg)  # recounted: b is trained, not untrained
-    assert untrained() == start - 8
+    orch = make_orchestrator(cfg)  # recounted from the tables: b is still ahead of version 1
+    assert untrained() == start - 4
     orch.reconcile_trainer([[1, 1]], {}, {})  # b was not in the checkpoint: back in the buffer
     assert untrained() == start - 4
     orch.db.close()
