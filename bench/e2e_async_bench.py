@@ -46,6 +46,7 @@ def run_mode(out: Path, async_level: int, args, name: str = "", code: Path = REP
         shutil.rmtree(out / name)
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(code))
     log = (out / f"{name}.log").open("wb")
+    load_before = os.getloadavg()[1]  # the machine is shared: say how busy it was
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=code, start_new_session=True)
     try:
@@ -55,6 +56,7 @@ def run_mode(out: Path, async_level: int, args, name: str = "", code: Path = REP
         proc.wait(120)
     result = summarize_run(out / name, async_level)
     result["wall_s"] = time.time() - t0
+    result["load_avg_5min"] = (load_before, os.getloadavg()[1])
     result["step_times"] = step_times(out / name)
     return result
 
@@ -124,10 +126,11 @@ def compare_checkpoints(args) -> None:
         "",
         "All runs:",
         "",
-        "| run | critical path | train | checkpoint in step | median step period | trained samples/s | steps |",
-        "|---|---|---|---|---|---|---|",
+        "| run | critical path | train | checkpoint in step | median step period | trained samples/s | samples dropped stale | steps | machine load (5 min avg, start / end) |",
+        "|---|---|---|---|---|---|---|---|---|",
         *(f"| {lb}, pair {i // 2 + 1} | {r['step_times']['critical_path_s']:.3f} | {r['step_times']['train_s']:.3f} | "
-          f"{r['step_times']['checkpoint_in_step_s']:.3f} | {r['step_times']['median_step_period_s']:.3f} | {r['trained_samples_per_s']:.2f} | {r['steps']} |"
+          f"{r['step_times']['checkpoint_in_step_s']:.3f} | {r['step_times']['median_step_period_s']:.3f} | {r['trained_samples_per_s']:.2f} | "
+          f"{r['samples_dropped_stale']:.0f} | {r['steps']} | {r['load_avg_5min'][0]:.1f} / {r['load_avg_5min'][1]:.1f} |"
           for i, (lb, r) in enumerate(runs)),
     ]
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -153,6 +156,7 @@ def summarize_run(run_dir: Path, async_level: int) -> dict:
         "trained_samples_per_s": trained / (end - start),
         "groups_kept": meta.get("groups_kept", 0.0),
         "groups_dropped_zero_signal": meta.get("groups_dropped_zero_signal", 0.0),
+        "samples_dropped_stale": meta.get("samples_dropped_stale", 0.0),
         "mean_wait_for_rollouts_s": sum(gen) / len(gen),
         "mean_train_s": sum(train) / len(train),
         "curve": [(r["time"] - start, r["reward_mean"], r.get("samples/trained", 0)) for r in rows],
