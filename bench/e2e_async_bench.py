@@ -93,26 +93,35 @@ def compare_checkpoints(args) -> None:
     rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     runs: list[tuple[str, dict]] = []
     order = [("before", before), ("after", REPO)]
-    for i in range(args.pairs):
+    if args.report_only:  # re-derive the table from the recorded runs
+        saved = json.loads((RESULTS / "checkpoint_step_time.json").read_text())
+        runs, rev = [(r.pop("code"), r) for r in saved["runs"]], saved.get("after_rev", rev)
+        args.pairs = len(runs) // 2
+    for i in range(0 if args.report_only else args.pairs):
         for label, code in (order if i % 2 == 0 else order[::-1]):
             subprocess.run(["sync"])
             time.sleep(5)
             result = run_mode(out, 2, args, name=f"{label}{i}", code=code)
             print(json.dumps({"run": f"{label}{i}", **result["step_times"], "trained_samples_per_s": result["trained_samples_per_s"]}), flush=True)
             runs.append((label, result))
+    for _, r in runs:  # the share of the trainer's critical path spent publishing and checkpointing
+        st = r["step_times"]
+        st["io_share_of_critical_path"] = (st["publish_in_step_s"] + st["checkpoint_in_step_s"]) / st["critical_path_s"]
     keys = [
         ("critical_path_s", "**trainer critical path per step** (train + publish + checkpoint it waits for)"),
         ("train_s", "train (forward/backward/optimizer)"), ("publish_in_step_s", "publish, in the step"),
         ("checkpoint_in_step_s", "checkpoint, in the step (after: copy + wait for the previous write)"),
         ("checkpoint_background_s", "checkpoint, in the background"), ("publish_background_s", "publish, in the background"),
         ("wait_for_rollouts_s", "wait for rollouts"), ("median_step_period_s", "median wall time between steps"),
+        ("io_share_of_critical_path", "share of the critical path spent publishing and checkpointing"),
     ]
     avg = {label: {k: sum(r["step_times"][k] or 0.0 for lb, r in runs if lb == label) / args.pairs for k, _ in keys} for label in ("before", "after")}
     thr = {label: sum(r["trained_samples_per_s"] for lb, r in runs if lb == label) / args.pairs for label in ("before", "after")}
     lines = [
         "# Checkpoints off the critical path: the trainer's step time before and after",
         "",
-        f"Command: `python bench/e2e_async_bench.py {' '.join(sys.argv[1:])}`",
+        f"Command: `python bench/e2e_async_bench.py {' '.join(a for a in sys.argv[1:] if a != '--report-only')}`"
+        + (" (this table re-derived from its recorded runs with `--report-only`)" if args.report_only else ""),
         "",
         f"Before: the code of `{args.compare_ref}` (checkpoint and publish inside the step, checkpoint_every = 1, every file fsynced). "
         f"After: `{rev}` (the step takes copies; publish and checkpoint are written by a background thread while the next step trains; "
@@ -126,15 +135,17 @@ def compare_checkpoints(args) -> None:
         "",
         "All runs:",
         "",
-        "| run | critical path | train | checkpoint in step | median step period | trained samples/s | samples dropped stale | steps | machine load (5 min avg, start / end) |",
+        "| run | critical path | train | publish + checkpoint in step (share) | median step period | trained samples/s | samples dropped stale | steps | machine load (5 min avg, start / end) |",
         "|---|---|---|---|---|---|---|---|---|",
         *(f"| {lb}, pair {i // 2 + 1} | {r['step_times']['critical_path_s']:.3f} | {r['step_times']['train_s']:.3f} | "
-          f"{r['step_times']['checkpoint_in_step_s']:.3f} | {r['step_times']['median_step_period_s']:.3f} | {r['trained_samples_per_s']:.2f} | "
+          f"{r['step_times']['publish_in_step_s'] + r['step_times']['checkpoint_in_step_s']:.3f} ({r['step_times']['io_share_of_critical_path']:.0%}) | "
+          f"{r['step_times']['median_step_period_s']:.3f} | {r['trained_samples_per_s']:.2f} | "
           f"{r['samples_dropped_stale']:.0f} | {r['steps']} | {r['load_avg_5min'][0]:.1f} / {r['load_avg_5min'][1]:.1f} |"
           for i, (lb, r) in enumerate(runs)),
     ]
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "checkpoint_step_time.json").write_text(json.dumps({"runs": [{"code": lb, **{k: v for k, v in r.items() if k != "curve"}} for lb, r in runs], "mean": avg}, indent=2))
+    (RESULTS / "checkpoint_step_time.json").write_text(json.dumps(
+        {"after_rev": rev, "runs": [{"code": lb, **{k: v for k, v in r.items() if k != "curve"}} for lb, r in runs], "mean": avg}, indent=2))
     (RESULTS / "checkpoint_step_time.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
