@@ -6,6 +6,10 @@ cluster) on core 1. Reports the ratio of trained samples per second and the rewa
 wall time. The ceiling is (generation + training) / max(generation, training).
 
     python bench/e2e_async_bench.py [--minutes 4] [--size small]
+
+`--compare-ref REF` instead measures the trainer's step time with REF's code ("before") and with this
+checkout ("after"), both async 2, in alternating runs (`--pairs`), and writes checkpoint_step_time.md:
+what the background checkpoint takes off the trainer's critical path.
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 
 
-def run_mode(out: Path, async_level: int, args) -> dict:
-    name = f"async{async_level}"
+def run_mode(out: Path, async_level: int, args, name: str = "", code: Path = REPO) -> dict:
+    """One run of `swarmrl run` with the code in `code` (this checkout, or another commit's files)."""
+    name = name or f"async{async_level}"
     cmd = [
-        sys.executable, "-m", "swarmrl", "run", "--config", str(REPO / "configs" / "demo.toml"),
+        sys.executable, "-m", "swarmrl", "run", "--config", str(code / "configs" / "demo.toml"),
         "--output_dir", str(out), "--name", name,
         "--orchestrator.async_level", str(async_level), "--trainer.max_staleness", str(max(async_level, 0)),
         "--orchestrator.port", "0", "--model.init_size", args.size,
@@ -39,10 +44,11 @@ def run_mode(out: Path, async_level: int, args) -> dict:
     ]
     if (out / name).exists():  # a fresh run: an old run folder would be resumed from its checkpoint
         shutil.rmtree(out / name)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(code))
     log = (out / f"{name}.log").open("wb")
+    load_before = os.getloadavg()[1]  # the machine is shared: say how busy it was
     t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=code, start_new_session=True)
     try:
         proc.wait(timeout=args.minutes * 60 + 600)
     except subprocess.TimeoutExpired:
@@ -50,7 +56,98 @@ def run_mode(out: Path, async_level: int, args) -> dict:
         proc.wait(120)
     result = summarize_run(out / name, async_level)
     result["wall_s"] = time.time() - t0
+    result["load_avg_5min"] = (load_before, os.getloadavg()[1])
+    result["step_times"] = step_times(out / name)
     return result
+
+
+def step_times(run_dir: Path) -> dict:
+    """Per step, steady state (the first step excluded): the trainer's critical path (training, plus the
+    publishing and checkpoint it waited for: `time/step` where the code has it, else the sum of its
+    parts), each part, and the wall time between consecutive steps."""
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()][1:]
+    mean = lambda key: sum(r.get(key, 0.0) for r in rows) / len(rows)  # noqa: E731
+    critical = [r["time/step"] if "time/step" in r else r["time/train"] + r.get("time/publish", 0.0) + r.get("time/checkpoint", 0.0) for r in rows]
+    gaps = sorted(b["time"] - a["time"] for a, b in zip(rows, rows[1:]))
+    return {
+        "steps": len(rows),
+        "critical_path_s": sum(critical) / len(critical),
+        "train_s": mean("time/train"),
+        "publish_in_step_s": mean("time/publish"),
+        "checkpoint_in_step_s": mean("time/checkpoint") + mean("time/checkpoint_wait") + mean("time/snapshot"),
+        "checkpoint_background_s": mean("time/checkpoint_bg"),
+        "publish_background_s": mean("time/publish_bg"),
+        "wait_for_rollouts_s": mean("time/wait_for_rollouts"),
+        "median_step_period_s": gaps[len(gaps) // 2] if gaps else None,
+    }
+
+
+def compare_checkpoints(args) -> None:
+    """Before (REF's code) and after (this checkout), async 2, alternating; step times side by side."""
+    out = Path(args.out)
+    before = out / f"code-{args.compare_ref}"
+    if not before.exists():
+        before.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", args.compare_ref], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(before)], input=archive, check=True)
+    rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    runs: list[tuple[str, dict]] = []
+    order = [("before", before), ("after", REPO)]
+    if args.report_only:  # re-derive the table from the recorded runs
+        saved = json.loads((RESULTS / "checkpoint_step_time.json").read_text())
+        runs, rev = [(r.pop("code"), r) for r in saved["runs"]], saved.get("after_rev", rev)
+        args.pairs = len(runs) // 2
+    for i in range(0 if args.report_only else args.pairs):
+        for label, code in (order if i % 2 == 0 else order[::-1]):
+            subprocess.run(["sync"])
+            time.sleep(5)
+            result = run_mode(out, 2, args, name=f"{label}{i}", code=code)
+            print(json.dumps({"run": f"{label}{i}", **result["step_times"], "trained_samples_per_s": result["trained_samples_per_s"]}), flush=True)
+            runs.append((label, result))
+    for _, r in runs:  # the share of the trainer's critical path spent publishing and checkpointing
+        st = r["step_times"]
+        st["io_share_of_critical_path"] = (st["publish_in_step_s"] + st["checkpoint_in_step_s"]) / st["critical_path_s"]
+    keys = [
+        ("critical_path_s", "**trainer critical path per step** (train + publish + checkpoint it waits for)"),
+        ("train_s", "train (forward/backward/optimizer)"), ("publish_in_step_s", "publish, in the step"),
+        ("checkpoint_in_step_s", "checkpoint, in the step (after: copy + wait for the previous write)"),
+        ("checkpoint_background_s", "checkpoint, in the background"), ("publish_background_s", "publish, in the background"),
+        ("wait_for_rollouts_s", "wait for rollouts"), ("median_step_period_s", "median wall time between steps"),
+        ("io_share_of_critical_path", "share of the critical path spent publishing and checkpointing"),
+    ]
+    avg = {label: {k: sum(r["step_times"][k] or 0.0 for lb, r in runs if lb == label) / args.pairs for k, _ in keys} for label in ("before", "after")}
+    thr = {label: sum(r["trained_samples_per_s"] for lb, r in runs if lb == label) / args.pairs for label in ("before", "after")}
+    lines = [
+        "# Checkpoints off the critical path: the trainer's step time before and after",
+        "",
+        f"Command: `python bench/e2e_async_bench.py {' '.join(a for a in sys.argv[1:] if a != '--report-only')}`"
+        + (" (this table re-derived from its recorded runs with `--report-only`)" if args.report_only else ""),
+        "",
+        f"Before: the code of `{args.compare_ref}` (checkpoint and publish inside the step, checkpoint_every = 1, every file fsynced). "
+        f"After: `{rev}` (the step takes copies; publish and checkpoint are written by a background thread while the next step trains; "
+        f"the batch is committed once its checkpoint is durable). Both async_level 2, the demo config, worker on core 0, the trusted side "
+        f"on core 1; {args.pairs} pair(s) of {args.minutes} min runs, alternating which goes first. Means per step, first step excluded.",
+        "",
+        "| per step (s) | before | after |",
+        "|---|---|---|",
+        *(f"| {title} | {avg['before'][k]:.3f} | {avg['after'][k]:.3f} |" for k, title in keys),
+        f"| trained samples/s, whole run | {thr['before']:.2f} | {thr['after']:.2f} |",
+        "",
+        "All runs:",
+        "",
+        "| run | critical path | train | publish + checkpoint in step (share) | median step period | trained samples/s | samples dropped stale | steps | machine load (5 min avg, start / end) |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *(f"| {lb}, pair {i // 2 + 1} | {r['step_times']['critical_path_s']:.3f} | {r['step_times']['train_s']:.3f} | "
+          f"{r['step_times']['publish_in_step_s'] + r['step_times']['checkpoint_in_step_s']:.3f} ({r['step_times']['io_share_of_critical_path']:.0%}) | "
+          f"{r['step_times']['median_step_period_s']:.3f} | {r['trained_samples_per_s']:.2f} | "
+          f"{r['samples_dropped_stale']:.0f} | {r['steps']} | {r['load_avg_5min'][0]:.1f} / {r['load_avg_5min'][1]:.1f} |"
+          for i, (lb, r) in enumerate(runs)),
+    ]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "checkpoint_step_time.json").write_text(json.dumps(
+        {"after_rev": rev, "runs": [{"code": lb, **{k: v for k, v in r.items() if k != "curve"}} for lb, r in runs], "mean": avg}, indent=2))
+    (RESULTS / "checkpoint_step_time.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def summarize_run(run_dir: Path, async_level: int) -> dict:
@@ -70,6 +167,7 @@ def summarize_run(run_dir: Path, async_level: int) -> dict:
         "trained_samples_per_s": trained / (end - start),
         "groups_kept": meta.get("groups_kept", 0.0),
         "groups_dropped_zero_signal": meta.get("groups_dropped_zero_signal", 0.0),
+        "samples_dropped_stale": meta.get("samples_dropped_stale", 0.0),
         "mean_wait_for_rollouts_s": sum(gen) / len(gen),
         "mean_train_s": sum(train) / len(train),
         "curve": [(r["time"] - start, r["reward_mean"], r.get("samples/trained", 0)) for r in rows],
@@ -98,10 +196,15 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "bench" / ".work" / "async"))
     ap.add_argument("--report-only", action="store_true", help="re-derive the report from the run folders in --out")
     ap.add_argument("--threshold", type=float, default=0.9, help="the reward that ends the learning window")
+    ap.add_argument("--compare-ref", default="", help="measure step times: this git ref's code (before) against this checkout (after)")
+    ap.add_argument("--pairs", type=int, default=2, help="with --compare-ref: before/after pairs, alternating which goes first")
     ap.add_argument("extra", nargs="*", help="more config overrides for both runs")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.compare_ref:
+        compare_checkpoints(args)
+        return
     results = {}
     for level in (2, 0):  # side by side, one after the other in one run
         if args.report_only:

@@ -202,6 +202,9 @@ class Worker:
         if self.engine is None:
             self._set_state(WorkerState.starting)
             self.engine = self._make_engine(pulled.path)
+            # Starting the engine takes seconds; meanwhile the keeper may have pulled newer versions and
+            # pruned this one (a worker restarted mid-run meets a stream of new versions): load the newest.
+            pulled = self.keeper.ready or pulled
         took = self.engine.reload(pulled.path, pulled.version, pulled.manifest.model_hash)
         self.stats.loaded_version = pulled.version
         self.stats.event(f"loaded policy version {pulled.version} ({took:.2f} s)")

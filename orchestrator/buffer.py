@@ -6,8 +6,10 @@ A lease holds whole groups (every sample of each of its prompts), so a group is 
 submission is accepted. Advantages come from `trainer.advantages.group_advantages` (their one owner).
 Groups whose rewards are all equal carry no signal and are dropped here: online difficulty filtering.
 
-A group moves ready -> taken (by a batch) -> trained, or ready -> stale. A batch that is taken but never
-committed comes back after a restart, so every accepted sample is trained exactly once.
+A group moves ready -> taken (by a batch) -> trained, or ready -> stale; a batch that goes back makes
+its groups ready again. Which batch holds which groups, and when a batch counts as trained, is the
+business of batches.py: a group is `trained` here only once its batch is committed (in the trainer's
+durable checkpoint), so every accepted sample is trained exactly once.
 """
 
 from __future__ import annotations
@@ -142,8 +144,8 @@ class RolloutBuffer:
         self.max_staleness = max_staleness
         db.create(SCHEMA, counters=COUNTERS)
         with db.tx() as conn:
-            # After a restart: groups of batches that were taken but never committed are ready again.
-            conn.execute("UPDATE sample_groups SET status='ready', batch_id=NULL WHERE status='taken'")
+            # Taken groups stay taken over a restart: only the trainer knows whether it trained them
+            # (Orchestrator.reconcile_trainer decides).
             buffered = conn.execute("SELECT COALESCE(SUM(num_samples), 0) FROM sample_groups WHERE status IN ('ready', 'taken')").fetchone()[0]
             db.set(conn, BUFFERED_SAMPLES, int(buffered))
         # Wakes a trainer waiting in `wait_for` once enough samples are ready (see `added`).
@@ -196,14 +198,16 @@ class RolloutBuffer:
                     self._ready = self.depth()
             self._want = None
 
-    def take(self, n: int, trainer_version: int | None = None) -> Batch:
+    def take(self, n: int, trainer_version: int | None = None, new_batch=None) -> Batch:
         """The oldest ready groups, whole, until they hold n samples (n exactly when n is a multiple of
         the group size, as RunConfig requires; otherwise up to one group more, so groups of another size
         from an earlier config never leave a batch short), marked as taken by a new batch id.
 
         Groups that the step starting at `trainer_version` would drop as stale are marked stale here and
-        counted, instead of travelling to the trainer."""
-        batch_id = f"B{secrets.token_hex(6)}"
+        counted, instead of travelling to the trainer.
+
+        `new_batch(db, groups, samples) -> (batch_id, seq)` numbers the batch in the same transaction
+        (batches.py); without it the batch gets a random id and no sequence (tests of the buffer alone)."""
         with self.db.tx() as db:
             dropped = 0
             if self.max_staleness is not None and trainer_version is not None:
@@ -222,41 +226,49 @@ class RolloutBuffer:
                 if total >= n:
                     break
             if last is None:
-                return Batch(batch_id, [], dropped)
+                return Batch(f"B{secrets.token_hex(6)}", [], dropped)
+            seqs = [r[0] for r in db.execute("SELECT seq FROM sample_groups WHERE status='ready' AND seq<=? ORDER BY seq", (last,))]
+            batch_id, batch_seq = new_batch(db, seqs, total) if new_batch else (f"B{secrets.token_hex(6)}", 0)
             db.execute("UPDATE sample_groups SET status='taken', batch_id=? WHERE status='ready' AND seq<=?", (batch_id, last))
             rows = db.execute(f"SELECT {GROUP_COLUMNS} FROM sample_groups WHERE batch_id=? ORDER BY seq", (batch_id,)).fetchall()
-        return Batch(batch_id, [SampleGroup(r[0], r[1], json.loads(r[2]), *r[3:]) for r in rows], dropped)
+        return Batch(batch_id, [SampleGroup(r[0], r[1], json.loads(r[2]), *r[3:]) for r in rows], dropped, batch_seq)
 
-    def commit(self, db: sqlite3.Connection, batch_id: str, trained_from_version: int, dropped_stale: int = 0) -> dict[int, int]:
+    def commit(self, db: sqlite3.Connection, batch_id: str, trained_from_version: int) -> dict[int, int]:
         """In the commit's transaction: the step that started at `trained_from_version` trained the batch.
-        Marks it trained and returns its staleness (version gap -> samples); committing a batch that is
-        not taken (twice, or unknown) changes nothing and returns {}."""
-        rows = db.execute("SELECT behaviour_version, num_samples FROM sample_groups WHERE batch_id=? AND status='taken'", (batch_id,)).fetchall()
+        Marks its groups trained and returns their staleness (version gap -> samples); committing a batch
+        that is not taken (twice, or unknown) changes nothing and returns {}.
+
+        Groups the step dropped as too stale (the trainer's own filter, with the same rule) are marked
+        stale, not trained, so the table says exactly what the weights saw."""
+        rows = db.execute("SELECT seq, behaviour_version, num_samples FROM sample_groups WHERE batch_id=? AND status='taken'", (batch_id,)).fetchall()
         if not rows:
             return {}
+        lowest = staleness.min_trainable_version(trained_from_version, self.max_staleness) if self.max_staleness is not None else None
+        stale = [seq for seq, version, _ in rows if lowest is not None and version < lowest]
+        dropped = sum(size for _, version, size in rows if lowest is not None and version < lowest)
+        if stale:
+            db.execute(f"UPDATE sample_groups SET status='stale', {CLEARED_ARRAYS} WHERE seq IN ({','.join('?' * len(stale))})", stale)
         db.execute(f"UPDATE sample_groups SET status='trained', {CLEARED_ARRAYS} WHERE batch_id=? AND status='taken'", (batch_id,))
         gaps: dict[int, int] = {}
-        for version, size in rows:
-            gap = max(0, staleness.staleness(trained_from_version, int(version)))
-            gaps[gap] = gaps.get(gap, 0) + int(size)
+        for _, version, size in rows:
+            if lowest is None or version >= lowest:
+                gap = max(0, staleness.staleness(trained_from_version, int(version)))
+                gaps[gap] = gaps.get(gap, 0) + int(size)
         for gap, n in gaps.items():
             Database.add(db, f"staleness:{gap}", n)
         trained = sum(gaps.values())
         Database.add(db, "samples_trained", trained)
-        Database.add(db, BUFFERED_SAMPLES, -trained)
-        Database.add(db, "samples_dropped_stale", dropped_stale)
+        Database.add(db, BUFFERED_SAMPLES, -(trained + dropped))
+        Database.add(db, "samples_dropped_stale", dropped)
         Database.add(db, "step", 1)
         return gaps
 
-    def give_back(self, batch_id: str) -> int:
-        """The trainer gave a batch back untrained: its groups are ready again. Returns how many samples."""
-        with self.db.tx() as db:
-            n = db.execute("SELECT COALESCE(SUM(num_samples), 0) FROM sample_groups WHERE batch_id=? AND status='taken'", (batch_id,)).fetchone()[0]
-            db.execute("UPDATE sample_groups SET status='ready', batch_id=NULL WHERE batch_id=? AND status='taken'", (batch_id,))
+    def give_back(self, db: sqlite3.Connection, batch_id: str) -> int:
+        """In the caller's transaction: a batch went back untrained; its groups are ready again. Returns
+        how many samples."""
+        n = db.execute("SELECT COALESCE(SUM(num_samples), 0) FROM sample_groups WHERE batch_id=? AND status='taken'", (batch_id,)).fetchone()[0]
+        db.execute("UPDATE sample_groups SET status='ready', batch_id=NULL WHERE batch_id=? AND status='taken'", (batch_id,))
         return int(n)
-
-    def taken_batches(self) -> list[str]:
-        return [r[0] for r in self.db.all("SELECT DISTINCT batch_id FROM sample_groups WHERE status='taken'")]
 
     # ---------------------------------------------------------------------------------------------
     # audit views

@@ -107,6 +107,7 @@ function render(data) {
     ["rejected", s.submissions_rejected], ["mean reward", fmt(s.mean_reward, 3)],
     ["tokens / s", fmt(s.rollout_tokens_per_s, 1)], ["trained samples / s", fmt(s.trained_samples_per_s, 2)],
     ["zero-signal groups", s.groups_dropped_zero_signal], ["stale samples", s.samples_dropped_stale],
+    ["restarts (time lost)", Object.entries(s.restarts || {}).map(([c, r]) => `${c} ${r.count} (${fmt(r.seconds_lost, 0)} s)`).join(", ") || "none"],
   ];
   const tbox = document.getElementById("tiles");
   tbox.innerHTML = "";

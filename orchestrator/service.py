@@ -11,6 +11,7 @@ actor, or directly in tests). Each concept keeps its own state and SQL:
     admission.py     what a submission must pass before it is queued
     verification.py  the verification queue and what a verdict changes
     buffer.py        verified groups, batches for the trainer
+    batches.py       the trainer's batches: taken -> trained -> committed, and reconciliation
     status.py        metrics, rates, history
 """
 
@@ -26,6 +27,7 @@ from typing import Any
 import zstandard
 
 from orchestrator import admission
+from orchestrator.batches import BatchBook
 from orchestrator.buffer import RolloutBuffer
 from orchestrator.config import OrchestratorConfig, StepShape
 from orchestrator.data import PromptSet
@@ -44,7 +46,7 @@ from orchestrator.verification import (
 )
 from orchestrator.workers import Workers
 from protocol import limits, staleness
-from protocol.batches import Batch
+from protocol.batches import Batch, Lineage, ReconcileFirst
 from protocol.models import (
     BanScope,
     ErrorCode,
@@ -57,6 +59,7 @@ from protocol.models import (
     LeaseRequest,
     LeaseResponse,
     ReleaseAck,
+    RestartCount,
     RolloutSubmission,
     RunStatus,
     SubmissionReceipt,
@@ -99,6 +102,10 @@ class Orchestrator:
         self.tokens = JoinTokens(db, [t.get_secret_value() for t in config.join_tokens], config.max_identities_per_token, config.lease_cooldown_s)
         self.workers = Workers(db, self.tokens, config.worker_dead_after_s, config.ban_scope)
         self.buffer = RolloutBuffer(db, shape.max_staleness)
+        self.batches = BatchBook(db, self.buffer)
+        # Batches left taken or trained by a crash are settled by the trainer's checkpoint, not by us:
+        # no batch goes out until the trainer has reconciled (see reconcile_trainer).
+        self.reconciled = not self.batches.unsettled()
         self.leases = LeaseBook(db, prompts, config, shape, self.workers, self.tokens)
         self.verification = Verification(
             db, verifier=verifier, workers=self.workers, leases=self.leases, buffer=self.buffer, prompts=prompts, metrics=self.metrics,
@@ -238,6 +245,13 @@ class Orchestrator:
                 f"generated with policy version {sub.policy_version}; this lease was issued for version {lease.generation_version}, "
                 "the one the worker said it had loaded",
             )
+        if self.verification.versions.is_superseded(sub.policy_version, sub.model_hash):
+            # Weights of a version that a trainer crash undid (a relay served them before they were
+            # replaced): the worker is honest, so no strike; it moves on to a newer version.
+            raise ApiError(
+                ErrorCode.version_too_old, f"version {sub.policy_version} was re-published with other weights after a trainer restart",
+                min_policy_version=sub.policy_version + 1,
+            )
         admission.check_shape(sub, lease)
         submission_id = f"S{secrets.token_hex(8)}"
         stored = body if (content_encoding or "").strip().lower() == "zstd" else zstandard.ZstdCompressor(level=1).compress(raw)
@@ -317,6 +331,7 @@ class Orchestrator:
             mean_reward=rates["mean_reward"],
             wait_for_trainer_s=self.windows.wait_for_trainer_s(now),
             staleness_histogram=self.buffer.staleness_histogram(),
+            restarts=self._restarts(c),
             finished=self.finished,
             error=self.error,
         )
@@ -343,17 +358,27 @@ class Orchestrator:
         self._advance(version)
 
     def take_batch(self, n: int, trainer_version: int | None = None, wait_s: float = 0.0) -> Batch:
-        """n verified samples in whole groups (or what is ready after waiting up to wait_s)."""
+        """n verified samples in whole groups (or what is ready after waiting up to wait_s), numbered as
+        the next batch. Raises ReconcileFirst after a restart, until the trainer has reconciled."""
+        if not self.reconciled:
+            raise ReconcileFirst("the orchestrator restarted: reconcile with the trainer's checkpoint first")
         self.buffer.wait_for(n, wait_s, self._stop)
-        return self.buffer.take(n, trainer_version)
+        return self.buffer.take(n, trainer_version, new_batch=self.batches.new)
 
-    def commit_batch(self, batch_id: str, trained_from_version: int, published: dict[int, str], dropped_stale: int = 0) -> dict[int, int]:
-        """The step that started at `trained_from_version` trained `batch_id` and published `published`
-        (version -> model hash): one transaction marks the batch trained, counts its staleness and the
-        step, and publishes the versions. Returns the batch's staleness (version gap -> samples); {} if
-        the batch was not taken (committed before, or unknown), whose versions are still published."""
+    def mark_trained(self, batch_id: str, trained_from_version: int) -> bool:
+        """The step that started at `trained_from_version` trained the batch; its checkpoint is on the way."""
+        return self.batches.mark_trained(batch_id, trained_from_version)
+
+    def commit_batches(self, batches: dict[str, int], published: dict[int, str]) -> dict[int, int]:
+        """The trainer's checkpoint that includes these batches (batch id -> the version its step started
+        from) is durable: one transaction commits them (their groups trained, the steps and staleness
+        counted) and announces the versions `published` (version -> model hash) to the workers. Returns
+        the staleness of what it committed (version gap -> samples); committing again changes nothing."""
+        gaps: dict[int, int] = {}
         with self.db.tx() as db:
-            gaps = self.buffer.commit(db, batch_id, trained_from_version, dropped_stale)
+            for batch_id, version in batches.items():
+                for gap, k in self.batches.commit(db, batch_id, version).items():
+                    gaps[gap] = gaps.get(gap, 0) + k
             for version, model_hash in sorted(published.items()):
                 self.verification.versions.publish(db, version, model_hash)
         self.windows.trained(sum(gaps.values()))
@@ -361,19 +386,45 @@ class Orchestrator:
             self._advance(max(published))
         return gaps
 
-    def give_back_batch(self, batch_id: str) -> int:
-        return self.buffer.give_back(batch_id)
+    def commit_batch(self, batch_id: str, trained_from_version: int, published: dict[int, str], dropped_stale: int = 0) -> dict[int, int]:
+        """One batch, trained and durable (see commit_batches). `dropped_stale` is not needed any more: the
+        commit finds the samples the step dropped itself."""
+        return self.commit_batches({batch_id: trained_from_version}, published)
 
-    def reconcile_trainer(self, last_batch_id: str | None, trained_from_version: int, version: int, model_hash: str) -> dict[str, int]:
-        """A (re)started trainer's view against ours: the batch its checkpoint trained is committed if it
-        is still taken; any other taken batch was in flight in a trainer that died, so it goes back; the
-        version the trainer resumes from is (re)published. Only one trainer takes batches."""
-        committed = 0
-        if last_batch_id:
-            committed = sum(self.commit_batch(last_batch_id, trained_from_version, {}).values())
-        returned = sum(self.buffer.give_back(b) for b in self.buffer.taken_batches())
-        self.publish_version(version, model_hash)
-        return {"committed": committed, "returned": returned}
+    def give_back_batch(self, batch_id: str) -> int:
+        with self.db.tx() as db:
+            return self.batches.give_back(db, batch_id)
+
+    def reconcile_trainer(
+        self, lineage: list[list[int]], from_versions: dict[str, int], published: dict[int, str], superseded: dict[int, str] | None = None,
+    ) -> dict[str, int]:
+        """A (re)started trainer, or a trainer meeting a restarted orchestrator, settles every batch in
+        flight by its durable checkpoint: the batches its lineage holds are committed, the others go back.
+        `published`: the durable versions it serves (version -> model hash), announced here; `superseded`:
+        versions it withdrew, trained after its checkpoint and lost with it (their hashes are refused
+        without a strike). Idempotent; opens take_batch again."""
+        with self.db.tx() as db:
+            for version, model_hash in (superseded or {}).items():
+                self.verification.versions.supersede(db, int(version), model_hash)
+            out = self.batches.reconcile(db, Lineage(lineage), dict(from_versions))
+            for version, model_hash in sorted(published.items()):
+                self.verification.versions.publish(db, int(version), model_hash)
+        if published:
+            self._advance(max(int(v) for v in published))
+        self.reconciled = True
+        log.info("reconciled with the trainer's checkpoint", extra=out)
+        return out
+
+    def record_restart(self, component: str, seconds_lost: float) -> None:
+        """A component of the run was restarted (the driver tells us): counted in /v1/status, durably."""
+        with self.db.tx() as db:
+            Database.add(db, f"restarts:{component}", 1)
+            Database.add(db, f"restart_s:{component}", float(seconds_lost))
+
+    @staticmethod
+    def _restarts(counters: dict[str, float]) -> dict[str, RestartCount]:
+        names = [k.split(":", 1)[1] for k in counters if k.startswith("restarts:")]
+        return {n: RestartCount(count=int(counters[f"restarts:{n}"]), seconds_lost=round(counters.get(f"restart_s:{n}", 0.0), 3)) for n in sorted(names)}
 
     def _advance(self, version: int) -> None:
         self._version = max(self._version, version)

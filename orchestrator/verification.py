@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS versions (version INTEGER PRIMARY KEY, model_hash TEXT NOT NULL, created_at REAL NOT NULL);
+-- hashes a version had before a trainer restart re-published it with other weights
+CREATE TABLE IF NOT EXISTS superseded_versions (version INTEGER NOT NULL, model_hash TEXT NOT NULL, PRIMARY KEY (version, model_hash)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS submissions (
     submission_id TEXT PRIMARY KEY,
     worker_id TEXT NOT NULL,
@@ -116,8 +118,12 @@ class PolicyVersions:
     def __init__(self, db: Database):
         self.db = db
         self._hashes: dict[int, str] = {}  # immutable once published: cached, but dropped on (re)publish
+        self._superseded = {(r[0], r[1]) for r in db.all("SELECT version, model_hash FROM superseded_versions")}
 
     def publish(self, db: sqlite3.Connection, version: int, model_hash: str) -> None:
+        old = db.execute("SELECT model_hash FROM versions WHERE version=?", (version,)).fetchone()
+        if old is not None and old[0] != model_hash:
+            self.supersede(db, version, old[0])
         db.execute(
             "INSERT INTO versions (version, model_hash, created_at) VALUES (?, ?, ?) ON CONFLICT(version) DO UPDATE SET model_hash=excluded.model_hash",
             (version, model_hash, time.time()),
@@ -125,6 +131,15 @@ class PolicyVersions:
         if version > Database.read_int(db, "policy_version"):
             Database.set(db, "policy_version", version)
         self._hashes.pop(version, None)
+
+    def supersede(self, db: sqlite3.Connection, version: int, model_hash: str) -> None:
+        """Weights that a version had on a trainer that crashed before they were durable (a relay may still
+        serve them): a submission made with them is refused without a strike (`is_superseded`)."""
+        db.execute("INSERT OR IGNORE INTO superseded_versions (version, model_hash) VALUES (?, ?)", (version, model_hash))
+        self._superseded.add((version, model_hash))
+
+    def is_superseded(self, version: int, model_hash: str) -> bool:
+        return (version, model_hash) in self._superseded and self.model_hash(version) != model_hash
 
     def model_hash(self, version: int) -> str:
         """A published version's hash, or "" if it was never published."""

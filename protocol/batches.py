@@ -49,7 +49,51 @@ class Batch:
     batch_id: str
     groups: list[SampleGroup]
     dropped_stale: int = 0
+    seq: int = 0  # the take sequence: batches are numbered in the order they are taken (see Lineage)
 
     @property
     def num_samples(self) -> int:
         return sum(g.num_samples for g in self.groups)
+
+
+class ReconcileFirst(RuntimeError):
+    """The orchestrator (re)started and has not yet compared its batches with the trainer's: it hands out
+    no batch until the trainer calls `reconcile_trainer`."""
+
+
+class Lineage:
+    """The take sequences of every batch a trainer's weights include: what its checkpoint says it trained.
+
+    Batches are taken in order and trained in the order taken, with gaps where a batch went back to the
+    buffer; so the set is a short list of ranges, small enough to go into every checkpoint and to travel
+    in a reconciliation call, however long the run.
+    """
+
+    def __init__(self, ranges: list[list[int]] | None = None):
+        self.ranges: list[list[int]] = [[int(a), int(b)] for a, b in ranges or []]
+
+    def add(self, seq: int) -> None:
+        if self.ranges and seq <= self.ranges[-1][1]:
+            if seq in self:
+                raise ValueError(f"batch {seq} is already in the lineage: it would be trained twice")
+            raise ValueError(f"batch {seq} comes after {self.ranges[-1][1]}: batches are trained in take order")
+        if self.ranges and seq == self.ranges[-1][1] + 1:
+            self.ranges[-1][1] = seq
+        else:
+            self.ranges.append([seq, seq])
+
+    def __contains__(self, seq: int) -> bool:
+        return any(a <= seq <= b for a, b in self.ranges)
+
+    def __len__(self) -> int:
+        return sum(b - a + 1 for a, b in self.ranges)
+
+    def __iter__(self):
+        for a, b in self.ranges:
+            yield from range(a, b + 1)
+
+    def last(self) -> int | None:
+        return self.ranges[-1][1] if self.ranges else None
+
+    def to_json(self) -> list[list[int]]:
+        return [list(r) for r in self.ranges]

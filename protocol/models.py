@@ -461,6 +461,11 @@ class JoinTokenList(WireModel):
     tokens: list[JoinTokenRecord]
 
 
+class RestartCount(WireModel):
+    count: int  # restarts of one component over the run
+    seconds_lost: float  # from its death (as last seen alive) to its answering again, summed
+
+
 class RunStatus(WireModel):
     run_name: str
     step: int  # optimizer steps done
@@ -482,6 +487,8 @@ class RunStatus(WireModel):
     # Seconds workers were refused leases because generation was async_level versions ahead: high
     # means the trainer is the bottleneck (the driver's time/wait_for_rollouts high means the workers are).
     wait_for_trainer_s: float = 0.0
+    # Restarts per component (orchestrator, trainer, verifier-0, relay-0, worker-1, driver, ...).
+    restarts: dict[str, RestartCount] = {}
     finished: bool = False
     error: str | None = None
 

@@ -7,6 +7,10 @@ orchestrator.
   the trainer's side: take, commit and give back batches, publish versions, reconcile after a restart.
   It is a named actor, so a restarted trainer finds it again through Ray.
 
+Every actor may be killed at any instant: Ray restarts it (with the same arguments, so the orchestrator
+comes back on the same port and SQLite file), and the driver's supervisor counts the restarts. Each
+writes its log to `<run dir>/logs/<component>.log`, where a run that gives up on it points.
+
 Ray is imported inside functions: importing this module does not start or need Ray.
 """
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +44,24 @@ def init_ray(address: str = "", num_cpus: int | None = 2) -> None:
         ray.init(address=address, log_to_driver=True)
     else:
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+
+
+def component_logging(rd: RunDir, component: str, level: str = "INFO") -> None:
+    """This actor's log in the run folder (besides Ray's), with Python's fatal-error traces: what the
+    driver quotes when the component keeps dying."""
+    import faulthandler
+
+    from swarmrl.logs import KeyValueFormatter
+
+    rd.logs.mkdir(parents=True, exist_ok=True)
+    stream = (rd.logs / f"{component}.log").open("a", buffering=1)
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(KeyValueFormatter())
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(level)
+    faulthandler.enable(stream)
+    logging.getLogger(__name__).info("%s started", component, extra={"pid": os.getpid()})
 
 
 def pin_to_cpus(cpus: list[int] | None) -> None:
@@ -104,20 +127,25 @@ class ShardcastWeights:
 class VerifierActor:
     """One verifier process. Jobs travel as pickles (pydantic models, numpy arrays)."""
 
-    def __init__(self, config: Any, weights_for_version: Any, tokenizer_dir: str, num_threads: int = 1, cpus: list[int] | None = None):
+    def __init__(self, config: Any, weights_for_version: Any, tokenizer_dir: str, num_threads: int = 1, cpus: list[int] | None = None,
+                 log_to: tuple[str, str] | None = None):
         import torch
 
         from verifier.service import Verifier as TrustedVerifier
 
+        if log_to is not None:  # (run dir, component name)
+            component_logging(RunDir(log_to[0]), log_to[1])
         pin_to_cpus(cpus)
         torch.set_num_threads(max(1, num_threads))
         self.verifier = TrustedVerifier(config, weights_for_version, Path(tokenizer_dir))
+        self.started_at = time.time()
 
     def verify_many(self, jobs: list[Any]) -> list[Any]:
         return self.verifier.verify_many(jobs)
 
-    def ping(self) -> bool:
-        return True
+    def ping(self) -> tuple[int, float]:
+        """(pid, when this incarnation was ready): the supervisor tells restarts apart by the pid."""
+        return os.getpid(), self.started_at
 
 
 class RayVerifierPool:
@@ -144,12 +172,18 @@ class RayVerifierPool:
         resources: dict[str, float] | None = None,
         max_restarts: int = 3,
         cpus: list[int] | None = None,
+        run_dir: str | None = None,
     ) -> "RayVerifierPool":
+        """`max_restarts=-1`: Ray restarts a dead actor every time (the driver's supervisor decides when
+        a component has died too often). `run_dir`: each actor logs to logs/verifier-<i>.log there."""
         import ray
 
         remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or None, max_restarts=max_restarts, max_task_retries=1)(VerifierActor)
         n = num_actors or config.num_actors
-        actors = [remote.remote(config, weights_for_version, tokenizer_dir, cpus=cpus) for _ in range(n)]
+        actors = [
+            remote.remote(config, weights_for_version, tokenizer_dir, cpus=cpus, log_to=(run_dir, f"verifier-{i}") if run_dir else None)
+            for i in range(n)
+        ]
         ray.get([a.ping.remote() for a in actors])  # surface constructor errors now
         return cls(actors, timeout_s=config.timeout_s)
 
@@ -190,12 +224,17 @@ class OrchestratorActor:
     `start_orchestrator_actor`), so a trainer blocked in `take_batch` does not stop `status`."""
 
     def __init__(self, config: RunConfig, verifier_actors: list[Any], *, relay_urls: list[str] | None = None, manifest_public_key: str = ""):
+        component_logging(RunDir(config.run_dir), "orchestrator", config.log_level)
         pin_to_cpus(config.resources.cpu_affinity.get("orchestrator"))
         self.orch = build_orchestrator(config, RayVerifierPool(verifier_actors), relay_urls=relay_urls, manifest_public_key=manifest_public_key)
         self.server = OrchestratorServer(self.orch).start()
+        self.started_at = time.time()
 
     def url(self) -> str:
         return self.server.url
+
+    def ping(self) -> tuple[int, float]:
+        return os.getpid(), self.started_at
 
     def publish_version(self, version: int, model_hash: str) -> None:
         self.orch.publish_version(version, model_hash)
@@ -206,11 +245,20 @@ class OrchestratorActor:
     def commit_batch(self, batch_id: str, trained_from_version: int, published: dict[int, str], dropped_stale: int = 0) -> dict[int, int]:
         return self.orch.commit_batch(batch_id, trained_from_version, published, dropped_stale)
 
+    def mark_trained(self, batch_id: str, trained_from_version: int) -> bool:
+        return self.orch.mark_trained(batch_id, trained_from_version)
+
+    def commit_batches(self, batches: dict[str, int], published: dict[int, str]) -> dict[int, int]:
+        return self.orch.commit_batches(batches, published)
+
     def give_back_batch(self, batch_id: str) -> int:
         return self.orch.give_back_batch(batch_id)
 
-    def reconcile_trainer(self, last_batch_id: str | None, trained_from_version: int, version: int, model_hash: str) -> dict[str, int]:
-        return self.orch.reconcile_trainer(last_batch_id, trained_from_version, version, model_hash)
+    def reconcile_trainer(self, lineage: list[list[int]], from_versions: dict[str, int], published: dict[int, str], superseded: dict[int, str] | None = None) -> dict[str, int]:
+        return self.orch.reconcile_trainer(lineage, from_versions, published, superseded)
+
+    def record_restart(self, component: str, seconds_lost: float) -> None:
+        self.orch.record_restart(component, seconds_lost)
 
     def status(self) -> Any:
         return self.orch.status()
@@ -225,12 +273,15 @@ class OrchestratorActor:
         self.server.stop()
 
 
-def start_orchestrator_actor(config: RunConfig, verifier_actors: list[Any], **kwargs: Any) -> Any:
+def start_orchestrator_actor(config: RunConfig, verifier_actors: list[Any], *, max_restarts: int = -1, **kwargs: Any) -> Any:
     """The orchestrator actor, named after the run and pinned to the driver's node: on a cluster that is
-    the head, where the public API's Service points."""
+    the head, where the public API's Service points. Ray restarts it when it dies, on the same port (the
+    config's, which the driver fixed); no call is retried, because taking a batch is not idempotent."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    actor = ray.remote(num_cpus=0, max_concurrency=8, scheduling_strategy=here, name=orchestrator_actor_name(config))(OrchestratorActor)
+    actor = ray.remote(
+        num_cpus=0, max_concurrency=8, scheduling_strategy=here, name=orchestrator_actor_name(config), max_restarts=max_restarts, max_task_retries=0,
+    )(OrchestratorActor)
     return actor.remote(config, verifier_actors, **kwargs)

@@ -37,7 +37,10 @@ class ResourcesConfig(BaseModel):
     verifier_gpus: float = Field(0.0, ge=0)
     trainer_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources, e.g. {trainer = 1} to land on the trainer group")
     verifier_resources: dict[str, float] = Field(default_factory=dict)
-    max_restarts: int = Field(3, ge=0, description="times Ray restarts a crashed trainer or verifier actor")
+    max_restarts: int = Field(
+        5, ge=0, description="restarts of one component (an actor or a local process) within restart_window_s; one more stops the run"
+    )
+    restart_window_s: float = Field(600.0, gt=0)
     cpu_affinity: dict[Literal["workers", "trainer", "verifier", "orchestrator", "relays"], list[int]] = Field(
         default_factory=dict,
         description="pin local components to CPU cores, e.g. {workers = [0], trainer = [1]}: one machine standing in for several",

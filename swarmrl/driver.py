@@ -7,14 +7,19 @@
     worker processes          (`swarmrl worker`: join over HTTP with a join token, exactly like volunteers)
 
 The driver starts, watches and stops; no sample passes through it. Each `train_step` of the trainer
-actor takes a verified batch from the orchestrator, trains, publishes version N+1 through shardcast and
-commits the batch, all on the trusted side; the driver gets metrics back, logs them and decides when to
-stop. Every component is watched; if one dies for good the run stops with a clear error instead of hanging.
+actor takes a verified batch from the orchestrator and trains it; its checkpoint, the publishing of its
+versions and the commit of the batch follow in the background, and the driver gets back the metrics of
+the steps that became durable, logs them and decides when to stop.
+
+Anything may die at any instant: Ray restarts the actors, the supervisor (supervisor.py) restarts the
+local processes and counts every restart, and a component that keeps dying stops the run with an error
+naming it. The ports are chosen once per run folder (ports.json), so a restarted component, or the whole
+run resumed by the same command after the driver died, serves at the same URLs: workers reconnect by
+themselves, with their secrets.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -28,8 +33,9 @@ from typing import Any
 
 from swarmrl.config import RunConfig
 from swarmrl.loading import dump_toml
-from swarmrl.processes import Proc, RunFailed, free_port, start_relay, start_worker
+from swarmrl.processes import RunFailed, free_port, start_relay, start_worker, wait_until_free
 from swarmrl.run_dir import RunDir
+from swarmrl.supervisor import RestartPolicy, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +52,8 @@ class Progress:
     wait_for_trainer_total: float = 0.0
     started: float = field(default_factory=time.time)
     events: list[str] = field(default_factory=list)
+    restarts: dict[str, tuple[int, float]] = field(default_factory=dict)  # component -> (restarts, seconds lost)
+    recorded_version: int = 0  # the newest version in metrics.jsonl: a restarted trainer may report a step again
 
 
 def ensure_model(cfg: RunConfig, rd: RunDir) -> Path:
@@ -59,6 +67,24 @@ def ensure_model(cfg: RunConfig, rd: RunDir) -> Path:
     return rd.model_dir
 
 
+def fix_ports(cfg: RunConfig, rd: RunDir) -> tuple[RunConfig, dict[str, int]]:
+    """Every port the run serves on, chosen once and kept in the run folder: a restarted actor, relay or
+    driver serves at the same URL. A port the config sets is used as it is."""
+    saved = rd.read_json(rd.ports_path)
+    host = cfg.shardcast.host
+    ports = {
+        "orchestrator": cfg.orchestrator.port or saved.get("orchestrator") or free_port(cfg.orchestrator.host),
+        "origin": cfg.shardcast.origin_port or saved.get("origin") or free_port(host),
+        **{f"relay-{i}": saved.get(f"relay-{i}") or free_port(host) for i in range(cfg.shardcast.num_relays)},
+    }
+    rd.write_json(rd.ports_path, ports)
+    cfg = cfg.model_copy(update={
+        "orchestrator": cfg.orchestrator.model_copy(update={"port": ports["orchestrator"]}),
+        "shardcast": cfg.shardcast.model_copy(update={"origin_port": ports["origin"]}),
+    })
+    return cfg, ports
+
+
 class Run:
     """All components of one run, started in dependency order and stopped in reverse."""
 
@@ -66,15 +92,16 @@ class Run:
         self.cfg = cfg
         self.rd = RunDir(cfg.run_dir)
         self.progress = Progress()
-        self.relays: list[Proc] = []
-        self.workers: list[Proc] = []
+        res = cfg.resources
+        self.supervisor = Supervisor(RestartPolicy(res.max_restarts, res.restart_window_s), on_restart=self._restarted)
         self.trainer: Any = None
         self.orch: Any = None
         self.pool: Any = None
         self.url = ""
         self._stop = threading.Event()
         self._started_ray = False
-        self._trainer_pid = 0
+        self._driver_down_since: float | None = None  # a previous driver of this run died at about this time
+        self._pids: dict[str, Any] = {}
 
     # ---------------------------------------------------------------- start
 
@@ -84,42 +111,41 @@ class Run:
         from swarmrl.actors import RayVerifierPool, ShardcastWeights, init_ray, start_orchestrator_actor
         from swarmrl.trainer_actor import TrainerActor
 
-        cfg, rd = self.cfg, self.rd
+        rd = self.rd
+        self._driver_down_since = self._open_session()
+        cfg, ports = fix_ports(self.cfg, rd)
+        self.cfg = cfg
         rd.write_config(dump_toml(cfg))
         model_dir = ensure_model(cfg, rd)
         key_path = Path(cfg.shardcast.signing_key_path or rd.signing_key)
         self._started_ray = not ray.is_initialized() and not cfg.ray_address
         init_ray(cfg.ray_address, num_cpus=None if cfg.ray_address else max(2, os.cpu_count() or 2))
+        if not cfg.ray_address:  # the actors of a driver killed a moment ago may still hold them
+            wait_until_free(cfg.orchestrator.host, ports["orchestrator"])
+            wait_until_free(cfg.shardcast.host, ports["origin"])
 
-        if cfg.shardcast.origin_port == 0:
-            # Pick the origin's port once: a restarted trainer must serve at the same URL, which the
-            # relays and the verifiers already use.
-            port = free_port(cfg.shardcast.host)
-            cfg = self.cfg = cfg.model_copy(update={"shardcast": cfg.shardcast.model_copy(update={"origin_port": port})})
         log.info("starting trainer and shardcast origin")
+        # max_restarts=-1: Ray always restarts a dead actor; the supervisor decides when it died too often.
         actor = ray.remote(
-            num_cpus=0,
-            num_gpus=cfg.resources.trainer_gpus,
-            resources=cfg.resources.trainer_resources or None,
-            max_restarts=cfg.resources.max_restarts,
-            max_task_retries=0,
+            num_cpus=0, num_gpus=cfg.resources.trainer_gpus, resources=cfg.resources.trainer_resources or None, max_restarts=-1, max_task_retries=0,
         )
         self.trainer = actor(TrainerActor).remote(cfg, str(model_dir), str(rd.root), str(key_path))
         info = ray.get(self.trainer.info.remote())
         info["origin_url"] = cfg.shardcast.advertise_origin_url or info["origin_url"]
         self.progress.version = info["version"]
+        self.progress.recorded_version = max((int(r.get("version", 0)) for r in rd.read_metrics()), default=0)
+        self.supervisor.watch_actor("trainer", None, rd.logs / "trainer.log", info["pid"], info["started_at"])
 
         for i in range(cfg.shardcast.num_relays):
-            self.relays.append(start_relay(info["origin_url"], info["public_key"], rd, i, cfg))
-        relay_urls = list(cfg.shardcast.advertise_relay_urls) + [r.url for r in self.relays]
+            self.supervisor.watch_process(f"relay-{i}", lambda i=i: start_relay(info["origin_url"], info["public_key"], rd, i, cfg, port=ports[f"relay-{i}"]))
+        relay_urls = list(cfg.shardcast.advertise_relay_urls) + [r.url for r in self.supervisor.processes("relay-")]
         relay_urls = relay_urls or [info["origin_url"]]
 
         log.info("starting verifier pool", extra={"actors": cfg.verifier.num_actors})
         weights = ShardcastWeights([info["origin_url"]], info["public_key"], str(rd.verifier_weights))
         self.pool = RayVerifierPool.start(
-            cfg.verifier, weights, str(model_dir), num_cpus=0, num_gpus=cfg.resources.verifier_gpus,
-            resources=cfg.resources.verifier_resources, max_restarts=cfg.resources.max_restarts,
-            cpus=cfg.resources.cpu_affinity.get("verifier"),
+            cfg.verifier, weights, str(model_dir), num_cpus=0, num_gpus=cfg.resources.verifier_gpus, resources=cfg.resources.verifier_resources,
+            max_restarts=-1, cpus=cfg.resources.cpu_affinity.get("verifier"), run_dir=str(rd.root),
         )
 
         log.info("starting orchestrator")
@@ -127,16 +153,42 @@ class Run:
         self.url = ray.get(self.orch.url.remote())
         ray.get(self.orch.publish_version.remote(info["version"], info["model_hash"]))
         self.progress.reward_totals = ray.get(self.orch.reward_totals.remote())  # a resumed run starts from here
+        for name, handle in [("orchestrator", self.orch), *((f"verifier-{i}", a) for i, a in enumerate(self.pool.actors))]:
+            pid, started_at = ray.get(handle.ping.remote())
+            self.supervisor.watch_actor(name, handle, rd.logs / f"{name}.log", pid, started_at)
 
         for i in range(cfg.num_workers):
-            self.workers.append(start_worker(self.url, model_dir, rd, i, cfg))
-        self._write_pids(info["pid"])
+            self.supervisor.watch_process(f"worker-{i}", lambda i=i: start_worker(self.url, model_dir, rd, i, cfg))
+        self.supervisor.ticks.append(self._heartbeat)
+        self.supervisor.start()
+        self._heartbeat()
         log.info("run started", extra={"url": self.url, "run_dir": str(rd.root), "workers": cfg.num_workers})
 
-    def _write_pids(self, trainer_pid: int) -> None:
-        self._trainer_pid = trainer_pid
-        pids = {"driver": os.getpid(), "trainer": trainer_pid, "relays": [r.popen.pid for r in self.relays], "workers": [w.popen.pid for w in self.workers], "url": self.url}
-        self.rd.pids_path.write_text(json.dumps(pids, indent=2))
+    def _open_session(self) -> float | None:
+        """When the previous driver of this run was last seen alive, if it was killed (else None)."""
+        old = self.rd.open_session()
+        if old is None:
+            return None
+        self.progress.events.append(f"resumed after the previous driver (pid {old.get('pid')}) died")
+        return float(old.get("heartbeat_at", old.get("started_at", time.time())))
+
+    def _heartbeat(self) -> None:
+        """Every second: the driver is alive (session.json), and where everything runs (pids.json)."""
+        self.rd.session_heartbeat()
+        pids = {"driver": os.getpid(), "url": self.url, **self.supervisor.pids()}
+        if pids != self._pids:
+            self.rd.write_json(self.rd.pids_path, pids)
+            self._pids = pids
+
+    def _restarted(self, component: str, seconds_lost: float) -> None:
+        """The supervisor restarted a component (or saw Ray do it): count it where operators look."""
+        driver = self.progress.restarts.get("driver", (0, 0.0))
+        if component == "driver":
+            driver = (driver[0] + 1, driver[1] + seconds_lost)
+        self.progress.restarts = {**self.supervisor.summary(), **({"driver": driver} if driver[0] else {})}
+        self.progress.events.append(f"{component} restarted ({seconds_lost:.1f} s lost)")
+        if self.orch is not None:
+            self.orch.record_restart.remote(component, seconds_lost)
 
     # ---------------------------------------------------------------- watching the loop
 
@@ -150,25 +202,42 @@ class Run:
             if deadline and time.time() > deadline:
                 p.events.append("time limit reached")
                 break
-            self._check_components()
+            self.supervisor.check()
             try:
                 out = ray.get(self.trainer.train_step.remote())
             except RayActorError as exc:
                 self._wait_for_trainer(exc)
                 continue
-            if out is None:
+            if self._driver_down_since is not None:  # the run works again after its driver was killed
+                self._restarted_driver()
+            for step in out["committed"]:
+                self._record(step["metrics"], step["staleness"])
+            if not out["trained"] and not out["committed"]:
                 # No whole batch yet. A converged policy yields only zero-signal groups, so no batch at
                 # all: judge it by its accepted rollouts.
                 self._update_reward(min_completions=cfg.trainer.samples_per_step)
-                if self._reward_reached():
-                    break
-                continue
-            if out["pid"] != self._trainer_pid:  # Ray restarted the trainer between two steps
-                self._write_pids(out["pid"])
-            self._record(out["metrics"], out["staleness"])
             if self._reward_reached():
                 break
-        ray.get(self.trainer.checkpoint.remote())
+        self._finish_trainer()
+
+    def _finish_trainer(self) -> None:
+        """Make the trainer's last steps durable and committed, and record them."""
+        import ray
+
+        try:
+            for step in ray.get(self.trainer.finish.remote(), timeout=300):
+                self._record(step["metrics"], step["staleness"])
+        except Exception as exc:  # a resumed run reconciles whatever this left in flight
+            log.warning("could not finish the trainer's last steps (%s); a resumed run settles them", type(exc).__name__)
+
+    def _orch(self, method: str, default: Any, timeout_s: float = 10.0) -> Any:
+        """An orchestrator call for display or bookkeeping: it may be restarting; then `default`."""
+        import ray
+
+        try:
+            return ray.get(getattr(self.orch, method).remote(), timeout=timeout_s)
+        except Exception:
+            return default
 
     def _update_reward(self, min_completions: int) -> None:
         """The mean reward of every rollout accepted since the last update, zero-signal groups included
@@ -176,7 +245,7 @@ class Run:
         import ray
 
         p = self.progress
-        reward_sum, completions = ray.get(self.orch.reward_totals.remote())
+        reward_sum, completions = self._orch("reward_totals", p.reward_totals)
         if completions - p.reward_totals[1] >= min_completions:
             p.reward = (reward_sum - p.reward_totals[0]) / (completions - p.reward_totals[1])
             p.rewards.append(p.reward)
@@ -190,16 +259,13 @@ class Run:
         return False
 
     def _record(self, metrics: dict[str, Any], gaps: dict[int, int]) -> None:
-        import ray
-
         p = self.progress
+        if int(metrics["version"]) <= p.recorded_version:
+            return  # reported before the trainer (or this driver) restarted
         p.step += 1
-        p.version = int(metrics["version"])
+        p.version = p.recorded_version = int(metrics["version"])
         self._update_reward(min_completions=1)
-        try:
-            p.status = ray.get(self.orch.status.remote(), timeout=10)
-        except Exception:  # status is for display only
-            pass
+        p.status = self._orch("status", p.status)  # for display only
         st = p.status
         record = {
             "step": p.step,
@@ -225,15 +291,16 @@ class Run:
         log.info("step", extra={"step": p.step, "version": p.version, "reward": None if p.reward is None else round(p.reward, 3)})
 
     def _wait_for_trainer(self, exc: Exception) -> None:
-        """The trainer process died mid-step. Ray restarts it from its last checkpoint, and its first
-        step reconciles with the orchestrator (the batch in flight is committed if that checkpoint holds
-        it, given back if not): wait until it answers again."""
+        """The trainer process died. Ray restarts it from its last durable checkpoint, and its first step
+        reconciles with the orchestrator (the batches that checkpoint holds are committed, the others go
+        back): wait until it answers again, and count the restart."""
         import ray
 
-        self.progress.events.append(f"trainer died ({type(exc).__name__}); resuming from its checkpoint")
-        log.warning("trainer died; waiting for it to resume from its last checkpoint")
-        deadline = time.time() + 300
+        down_since = time.time()
+        log.warning("trainer died (%s); waiting for it to resume from its last checkpoint", type(exc).__name__)
+        deadline = down_since + self.supervisor.policy.down_timeout_s
         while True:
+            self.supervisor.check()
             try:
                 info = ray.get(self.trainer.info.remote(), timeout=60)
                 break
@@ -242,28 +309,26 @@ class Run:
                     raise RunFailed(f"the trainer did not come back after a crash: {e}") from e
                 time.sleep(1.0)
         self.progress.version = info["version"]
-        self._write_pids(info["pid"])
+        self.supervisor.restarted("trainer", info["pid"], info["started_at"], down_since)
 
-    def _check_components(self) -> None:
-        for r in self.relays:
-            if not r.alive():
-                raise RunFailed(f"{r.name} exited with code {r.popen.returncode}; see {r.log_path}")
-        if self.workers and not any(w.alive() for w in self.workers):
-            w = self.workers[0]
-            raise RunFailed(f"every local worker exited (e.g. {w.name}: code {w.popen.returncode}; see {w.log_path})")
+    def _restarted_driver(self) -> None:
+        assert self._driver_down_since is not None
+        lost, self._driver_down_since = time.time() - self._driver_down_since, None
+        self._restarted("driver", lost)
 
     # ---------------------------------------------------------------- stop
 
-    def request_stop(self) -> None:
+    def request_stop(self, reason: str = "") -> None:
+        if reason and not self._stop.is_set():
+            self.progress.events.append(reason)
         self._stop.set()
 
     def shutdown(self) -> None:
         import ray
 
-        for w in self.workers:
-            w.stop()
-        for r in self.relays:
-            r.stop()
+        self.supervisor.stop()  # first: nothing may be restarted while we stop it
+        for proc in self.supervisor.processes("worker-") + self.supervisor.processes("relay-"):
+            proc.stop()
         if self.orch is not None:
             try:
                 ray.get(self.orch.stop.remote(), timeout=20)
@@ -271,6 +336,7 @@ class Run:
                 pass
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
+        self.rd.close_session()  # a clean end: the next start is not a restart
 
     def finish(self) -> None:
         p = self.progress
@@ -292,6 +358,7 @@ class Run:
                 f"- tokens accepted as near ties of the seeded draw: {st.near_tie_tokens} of {st.verified_tokens}" if st else "",
                 f"- staleness histogram (version gap: samples): {st.staleness_histogram}" if st else "",
                 f"- async_level: {self.cfg.orchestrator.async_level}, workers: {self.cfg.num_workers}",
+                *(f"- restarts of {name} this session: {n} ({lost:.1f} s lost)" for name, (n, lost) in sorted(p.restarts.items())),
                 *(f"- event: {e}" for e in p.events),
                 "",
                 "Files: config.toml, metrics.jsonl, reward.png, checkpoints/, logs/.",
@@ -300,20 +367,29 @@ class Run:
 
 
 def run(cfg: RunConfig, display: bool | None = None) -> int:
-    """Run to completion. Returns a process exit code."""
+    """Run to completion. Returns a process exit code. The first Ctrl-C (or SIGTERM) stops after the step
+    in progress, with the last steps made durable; a second one stops at once (a resumed run reconciles)."""
     from swarmrl.live_view import LiveView
 
     r = Run(cfg)
     code = 0
-    previous = signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, lambda *_: r.request_stop())
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        nonlocal code
+        if r._stop.is_set():
+            raise KeyboardInterrupt
+        code = 130 if signum == signal.SIGINT else 0
+        log.warning("stopping after the current step (again to stop at once)")
+        r.request_stop("stopped by Ctrl-C" if signum == signal.SIGINT else "stopped by SIGTERM")
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     view = None
     try:
         r.start()
         view = LiveView(r, enabled=sys.stdout.isatty() if display is None else display).start()
         r.train()
     except KeyboardInterrupt:
-        r.progress.events.append("stopped by Ctrl-C")
+        r.progress.events.append("stopped at once by a second Ctrl-C")
         log.warning("interrupted; shutting down")
         code = 130
     except RunFailed as exc:
@@ -324,7 +400,8 @@ def run(cfg: RunConfig, display: bool | None = None) -> int:
         if view is not None:
             view.stop()
         r.shutdown()
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         try:
             r.finish()
         except Exception:

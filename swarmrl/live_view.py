@@ -28,6 +28,8 @@ def render(run: Any) -> Table:
         table.add_row("staleness (gap: samples)", ", ".join(f"{k}: {v}" for k, v in sorted(st.staleness_histogram.items())) or "—")
         table.add_row("buffer", f"{st.buffer_depth} samples; {st.groups_dropped_zero_signal} zero-signal groups dropped")
         table.add_row("workers online", str(st.workers_online))
+        if st.restarts:  # over the whole run, driver restarts included
+            table.add_row("restarts (time lost)", restarts_line(st.restarts))
     last = p.last_metrics
     for key in ("time/wait_for_rollouts", "time/wait_for_trainer", "time/train"):
         if key in last:
@@ -36,6 +38,10 @@ def render(run: Any) -> Table:
     for event in p.events[-3:]:
         table.add_row("event", event)
     return table
+
+
+def restarts_line(restarts: dict[str, Any]) -> str:
+    return ", ".join(f"{name} {r.count} ({r.seconds_lost:.0f} s)" for name, r in sorted(restarts.items()))
 
 
 class LiveView:

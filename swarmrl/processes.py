@@ -1,9 +1,13 @@
 """Local processes that `swarmrl run` starts beside the Ray actors: shardcast relays and inference
 workers. A worker joins through the public HTTP API with a join token, exactly like a volunteer.
+
+Each dies with the driver (the kernel sends it SIGTERM when the driver's thread that started it ends, even
+on a kill -9): a resumed run starts its own, on the same ports, and none is left behind.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -64,12 +68,40 @@ def free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-def _pinner(cfg: RunConfig, component: str):
+def wait_until_free(host: str, port: int, timeout_s: float = 60.0) -> None:
+    """Wait for a port that a process of a killed run may still hold (Ray's actors die with their driver,
+    a few seconds later)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RunFailed(f"port {port} on {host} is still in use after {timeout_s:.0f} s (another run of this config?)") from None
+        time.sleep(0.5)
+
+
+def _child_setup(cfg: RunConfig, component: str):
+    """In the child, before exec: die with the driver (Linux PR_SET_PDEATHSIG), pin to its CPUs if asked."""
     cpus = cfg.resources.cpu_affinity.get(component)  # type: ignore[call-overload]
-    return (lambda: os.sched_setaffinity(0, set(cpus))) if cpus else None
+
+    def setup() -> None:
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+        except OSError:  # not Linux: children outlive a killed driver
+            pass
+        if cpus:
+            os.sched_setaffinity(0, set(cpus))
+
+    return setup
 
 
-def start_relay(origin_url: str, public_key: str, rd: RunDir, index: int, cfg: RunConfig) -> Proc:
+def start_relay(origin_url: str, public_key: str, rd: RunDir, index: int, cfg: RunConfig, port: int = 0) -> Proc:
     rd.logs.mkdir(parents=True, exist_ok=True)
     log_path = rd.logs / f"relay-{index}.log"
     sc = cfg.shardcast
@@ -79,13 +111,16 @@ def start_relay(origin_url: str, public_key: str, rd: RunDir, index: int, cfg: R
         "--root", str(rd.relay_dir(index)),
         "--public-key", public_key,
         "--host", sc.host,
+        "--port", str(port),
         "--keep-versions", str(sc.keep_versions),
         "--poll-interval-s", str(sc.relay_poll_interval_s),
         "--parallelism", str(sc.relay_parallelism),
         "--shard-wait-s", str(sc.relay_shard_wait_s),
         "--grace-s", str(sc.delete_grace_s),
     ]
-    popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_path.open("ab"), env=child_env(1), text=True, preexec_fn=_pinner(cfg, "relays"))
+    if port:
+        wait_until_free(sc.host, port)
+    popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_path.open("ab"), env=child_env(1), text=True, preexec_fn=_child_setup(cfg, "relays"))
     assert popen.stdout is not None
     line = popen.stdout.readline()  # the relay announces {"url": ...} once it listens
     if not line:
@@ -113,5 +148,5 @@ def start_worker(url: str, model_dir: Path, rd: RunDir, index: int, cfg: RunConf
     out = log_path.open("ab")
     env = child_env(max(1, cfg.worker.num_threads))
     env["SWARMRL_JOIN_TOKEN"] = cfg.orchestrator.join_tokens[0].get_secret_value()  # not in argv, which any local user can read
-    popen = subprocess.Popen(cmd, stdout=out, stderr=out, env=env, preexec_fn=_pinner(cfg, "workers"))
+    popen = subprocess.Popen(cmd, stdout=out, stderr=out, env=env, preexec_fn=_child_setup(cfg, "workers"))
     return Proc(f"worker-{index}", popen, log_path)

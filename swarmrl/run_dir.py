@@ -35,6 +35,35 @@ class RunDir:
     workers = property(lambda self: self.root / "workers")
     pids_path = property(lambda self: self.root / "pids.json")
     signing_key = property(lambda self: self.root / "signing_key.pem")
+    ports_path = property(lambda self: self.root / "ports.json")  # chosen once, so a restart keeps its URL
+    session_path = property(lambda self: self.root / "session.json")  # the driver's heartbeat
+
+    def read_json(self, path: Path) -> dict[str, Any]:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def write_json(self, path: Path, data: dict[str, Any]) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        os.replace(tmp, path)
+
+    # The driver's session: started, alive (a heartbeat every second), ended cleanly. A session that
+    # never ended was a driver killed: the next one counts it as a restart of the driver.
+
+    def open_session(self) -> dict[str, Any] | None:
+        """Start a driver session; returns the previous one if it never ended (its driver died)."""
+        old = self.read_json(self.session_path)
+        now = time.time()
+        self.write_json(self.session_path, {"pid": os.getpid(), "started_at": now, "heartbeat_at": now})
+        return old if old and "ended_at" not in old else None
+
+    def session_heartbeat(self) -> None:
+        self.write_json(self.session_path, {**self.read_json(self.session_path), "heartbeat_at": time.time()})
+
+    def close_session(self) -> None:
+        self.write_json(self.session_path, {**self.read_json(self.session_path), "ended_at": time.time()})
 
     def relay_dir(self, index: int) -> Path:
         return self.weights / f"relay-{index}"

@@ -44,6 +44,8 @@ def render_status(st: RunStatus, console: Any = None) -> None:
         ("near-tie tokens", f"{st.near_tie_tokens} of {st.verified_tokens} verified"),
         ("staleness (gap: samples)", ", ".join(f"{k}: {v}" for k, v in st.staleness_histogram.items()) or "–"),
     ]
+    if st.restarts:
+        rows.append(("restarts (time lost)", ", ".join(f"{n} {r.count} ({r.seconds_lost:.0f} s)" for n, r in st.restarts.items())))
     if st.finished:
         rows.append(("finished", "yes"))
     if st.error:

@@ -1,39 +1,56 @@
 """The trainer actor: the trainer and the shardcast origin in one process (the origin lives on trainer
 rank 0), taking its own batches from the orchestrator actor. No sample passes through the driver: the
-driver calls `train_step()` and gets metrics back.
+driver calls `train_step()` and gets back the metrics of the steps that became durable.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
-from swarmrl.actors import orchestrator_actor_name, pin_to_cpus
+from swarmrl.actors import component_logging, orchestrator_actor_name, pin_to_cpus
 from swarmrl.config import RunConfig
 from swarmrl.run_dir import RunDir
 
+log = logging.getLogger(__name__)
+
 
 class RayBatchSource:
-    """`trainer.batch_loop.BatchSource` over the orchestrator actor: the transport, and nothing else."""
+    """`trainer.batch_loop.BatchSource` over the orchestrator actor: the transport, and nothing else. A
+    dead or restarting orchestrator (or one that does not answer in time) is `SourceUnavailable`."""
 
-    def __init__(self, orchestrator: Any):
+    def __init__(self, orchestrator: Any, timeout_s: float = 120.0):
         self.orchestrator = orchestrator
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        from trainer.batch_loop import SourceUnavailable
+
+        try:
+            return ray.get(getattr(self.orchestrator, method).remote(*args, **kwargs), timeout=timeout_s or self.timeout_s)
+        except (RayActorError, GetTimeoutError) as exc:
+            raise SourceUnavailable(f"orchestrator.{method}: {type(exc).__name__}") from exc
 
     def take_batch(self, n: int, trainer_version: int | None = None, wait_s: float = 0.0) -> Any:
-        import ray
-
-        return ray.get(self.orchestrator.take_batch.remote(n, trainer_version, wait_s=wait_s))
-
-    def commit_batch(self, batch_id: str, trained_from_version: int, published: dict[int, str], dropped_stale: int = 0) -> dict[int, int]:
-        import ray
-
-        return ray.get(self.orchestrator.commit_batch.remote(batch_id, trained_from_version, published, dropped_stale))
+        return self._call("take_batch", n, trainer_version, wait_s=wait_s, timeout_s=wait_s + self.timeout_s)
 
     def give_back_batch(self, batch_id: str) -> int:
-        import ray
+        return self._call("give_back_batch", batch_id)
 
-        return ray.get(self.orchestrator.give_back_batch.remote(batch_id))
+    def mark_trained(self, batch_id: str, trained_from_version: int) -> bool:
+        return self._call("mark_trained", batch_id, trained_from_version)
+
+    def commit_batches(self, batches: dict[str, int], published: dict[int, str]) -> dict[int, int]:
+        return self._call("commit_batches", batches, published)
+
+    def reconcile_trainer(self, lineage: list[list[int]], from_versions: dict[str, int], published: dict[int, str], superseded: dict[int, str] | None = None) -> dict[str, int]:
+        return self._call("reconcile_trainer", lineage, from_versions, published, superseded)
 
 
 class TrainerActor:
@@ -45,70 +62,99 @@ class TrainerActor:
         from shardcast.server import serve_origin
         from trainer.train import Trainer
 
+        rd = RunDir(run_dir)
+        component_logging(rd, "trainer", config.log_level)
         pin_to_cpus(config.resources.cpu_affinity.get("trainer"))
         if config.trainer.num_threads:
             torch.set_num_threads(config.trainer.num_threads)
         self.config = config
-        rd = RunDir(run_dir)
         self.origin = Origin.from_config(rd.origin_dir, load_or_generate_signing_key(Path(key_path)), config.shardcast)
         self.server = serve_origin(self.origin, config.shardcast.host, config.shardcast.origin_port)
-        self.trainer = Trainer(config.trainer, Path(model_dir), rd.root, publish=self._publish,
+        self.trainer = Trainer(config.trainer, Path(model_dir), rd.root, publish=self._publish, defer_io=True,
                                sampling_temperature=config.orchestrator.sampling.temperature)
-        # After a crash the trainer resumes from its last checkpoint. Versions the origin published after
-        # that checkpoint are withdrawn: they will be trained again and published under the same numbers,
-        # so versions never skip. (With checkpoint_every = 1 there is at most one, from the step in flight.)
+        # After a crash the trainer resumes from its last durable checkpoint. A version is published after
+        # its checkpoint, so the origin can only hold later versions if it published versions between two
+        # checkpoints (checkpoint_every > 1 or mini_batches > 1): they are withdrawn and will be trained
+        # again under the same numbers, so versions never skip; the orchestrator learns their old hashes.
+        self.superseded: dict[int, str] = {}
         for v in self.origin.versions():
             if v > self.trainer.version:
+                manifest = self.origin.manifest(v)
+                if manifest is not None:
+                    self.superseded[v] = manifest.model_hash
                 self.origin.drop(v)
-        if self.trainer.version not in self.origin.versions():
+        if self.trainer.version not in self.origin.versions():  # its checkpoint was durable, its publishing not
             self._publish(self.trainer.version, self.trainer.state_dict_for_publish())
         self.loop: Any = None  # the BatchLoop, made (and reconciled) on the first train_step
+        self.started_at = time.time()
 
     def _publish(self, version: int, state_dict: Any) -> str:
         if self.origin.manifest(version) is not None:
             self.origin.drop(version)  # a restarted trainer re-publishes a version it lost
         return self.origin.publish(version, state_dict).model_hash
 
-    def _latest_model_hash(self) -> str:
-        latest = self.origin.latest()
-        return self.origin.manifest(latest).model_hash if latest is not None else ""
+    def _versions(self) -> dict[int, str]:
+        out = {}
+        for v in self.origin.versions():
+            manifest = self.origin.manifest(v)
+            if manifest is not None:
+                out[v] = manifest.model_hash
+        return out
 
     def info(self) -> dict[str, Any]:
+        versions = self._versions()
         return {
             "origin_url": self.server.url,
             "public_key": self.origin.public_key_b64,
             "version": self.trainer.version,
-            "model_hash": self._latest_model_hash(),
-            "last_batch_id": self.trainer.data_cursor.get("last_batch_id"),
+            "model_hash": versions.get(self.trainer.version, ""),
             "pid": os.getpid(),
+            "started_at": self.started_at,
         }
 
-    def train_step(self) -> dict[str, Any] | None:
-        """One step from the orchestrator's batches: None until a whole batch is ready."""
-        result = self._batch_loop().step()
-        if result is None:
-            return None
-        return {"batch_id": result.batch_id, "metrics": result.metrics, "staleness": result.staleness, "pid": os.getpid()}
+    def train_step(self) -> dict[str, Any]:
+        """One step from the orchestrator's batches (none once max_steps is reached or no whole batch is
+        ready). Returns the steps that became durable and committed since the last call, oldest first."""
+        loop = self._batch_loop()
+        trained = None
+        if self.trainer.version < self.config.trainer.max_steps:
+            trained = loop.step()
+        else:
+            loop.finish()
+        return {"trained": trained is not None, "committed": [self._result(r) for r in loop.committed()], "version": self.trainer.version, "pid": os.getpid()}
+
+    def finish(self) -> list[dict[str, Any]]:
+        """Make every trained step durable and committed (the end of the run); returns those steps."""
+        if self.loop is None:
+            return []
+        self.loop.finish()
+        return [self._result(r) for r in self.loop.committed()]
+
+    @staticmethod
+    def _result(r: Any) -> dict[str, Any]:
+        return {"batch_id": r.batch_id, "metrics": r.metrics, "staleness": r.staleness}
 
     def _batch_loop(self) -> Any:
         """The first call of each incarnation of this actor (a Ray restart makes a new one) finds the
-        orchestrator by name and reconciles: the batch the checkpoint trained is committed, any other
-        batch in flight goes back, the version this trainer resumes from is published."""
+        orchestrator by name; the loop's first step reconciles with it."""
         if self.loop is None:
             import ray
 
             from trainer.batch_loop import BatchLoop
 
             orchestrator = ray.get_actor(orchestrator_actor_name(self.config))
-            cursor = self.trainer.data_cursor
-            ray.get(orchestrator.reconcile_trainer.remote(
-                cursor.get("last_batch_id"), int(cursor.get("last_batch_from_version", self.trainer.version)), self.trainer.version, self._latest_model_hash(),
-            ))
-            self.loop = BatchLoop(self.trainer, RayBatchSource(orchestrator), self.config.trainer.samples_per_step)
+            self.loop = BatchLoop(
+                self.trainer, RayBatchSource(orchestrator), self.config.trainer.samples_per_step,
+                versions=self._versions, superseded=self.superseded, background=self.config.trainer.background_checkpoints,
+            )
         return self.loop
 
     def checkpoint(self) -> None:
-        self.trainer.save_checkpoint()
+        """A checkpoint of the current state now (kept for callers outside the batch loop)."""
+        if self.loop is not None:
+            self.loop.finish()
+        else:
+            self.trainer.save_checkpoint()
 
     def ping(self) -> int:
-        return self.trainer.version
+        return os.getpid()

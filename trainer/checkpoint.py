@@ -88,6 +88,18 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def detached_copy(obj: Any) -> Any:
+    """A copy of a (nested) state dict whose tensors share nothing with the live ones, on the CPU: what a
+    background writer may read while the next step changes the weights and the optimizer state."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, Mapping):
+        return {k: detached_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(detached_copy(v) for v in obj)
+    return obj
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -49,6 +49,9 @@ class TrainerConfig(BaseModel):
     bf16: bool = Field(False, description="bf16 autocast (CPU and GPU)")
     max_staleness: int = Field(2, ge=0, description="samples older than this many versions are dropped")
     checkpoint_every: int = Field(10, ge=1)
+    background_checkpoints: bool = Field(
+        True, description="write each step's checkpoint (and publish its versions) while the next step trains; false: in the step"
+    )
     keep_checkpoints: int = Field(2, ge=1)
     num_threads: int = Field(0, ge=0, description="torch threads; 0 leaves torch's default")
     seed: int = 0

@@ -10,6 +10,10 @@ One call to `Trainer.step(samples)` is one batch of verified samples, read top t
   5. publish: version += 1 per optimizer step taken (version N = the weights after N optimizer steps);
   6. checkpoint every `checkpoint_every` versions.
 
+With `defer_io=True` (the batch loop's background writer, trainer/background.py), steps 5 and 6 only take
+copies of the state (`pending_publish`, `pending_checkpoint`) and the writer publishes and checkpoints
+them while the next step trains.
+
 "No proximal" (None) has one meaning: the weights have not moved since the start of the call, so the
 proximal logprobs are the detached logprobs of the training forward itself (the same numbers as a
 separate no-grad pass, for one forward less). That is always true of the first optimizer step.
@@ -17,6 +21,7 @@ separate no-grad pass, for one forward less). That is always true of the first o
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -108,11 +113,15 @@ class Trainer:
         *,
         resume: bool = True,
         sampling_temperature: float = 1.0,
+        defer_io: bool = False,
     ) -> None:
         """`sampling_temperature`: the workers' (the leases'); every logprob of the loss is of logits / T,
         as the verifier's behaviour logprobs are (greedy, T = 0, counts as 1)."""
         self.config = config
         self.temperature = sampling_temperature if sampling_temperature > 0 else 1.0
+        self.defer_io = defer_io
+        self.pending_publish: list[tuple[int, dict[str, torch.Tensor]]] = []  # (version, weights) for the writer
+        self.pending_checkpoint: dict[str, Any] | None = None  # save_checkpoint's arguments, for the writer
         self.model_dir = Path(model_dir)
         self.run_dir = Path(run_dir)
         self.publish_fn = publish
@@ -151,7 +160,7 @@ class Trainer:
         if latest is not None:
             self._load(latest)
         elif self.publish_fn is not None:
-            self._publish()  # version 0: the base model
+            self._publish(now=True)  # version 0: the base model, before anything can ask for it
 
     # ---------------------------------------------------------------- resume / checkpoints
 
@@ -177,24 +186,30 @@ class Trainer:
 
     def save_checkpoint(self) -> Path | None:
         """Write a checkpoint of the current state (rank 0 writes; every rank must call it)."""
+        state = self.checkpoint_state()
+        return ckpt.save_checkpoint(**state) if state is not None else None
+
+    def checkpoint_state(self) -> dict[str, Any] | None:
+        """`checkpoint.save_checkpoint`'s arguments for the current state, as copies that the next step
+        cannot change (every rank takes part; None off rank 0)."""
         model_state = dist_utils.full_model_state(self.model, self.env)
         optim_state = dist_utils.full_optimizer_state(self.model, self.optimizer, self.env)
         if not self.env.is_main:
             return None
-        return ckpt.save_checkpoint(
-            self.ckpt_root,
-            self.version,
-            model_state=model_state,
+        return dict(
+            root=self.ckpt_root,
+            step=self.version,
+            model_state=model_state,  # full_model_state made it a CPU copy already
             model_config=self.model_config,
             base_model_dir=self.model_dir,
-            train_state={"optimizer": optim_state, "scheduler": self.scheduler.state_dict(), "rng": ckpt.rng_state()},
-            trainer_state={
+            train_state=ckpt.detached_copy({"optimizer": optim_state, "scheduler": self.scheduler.state_dict(), "rng": ckpt.rng_state()}),
+            trainer_state=copy.deepcopy({
                 "step": self.version,
                 "published_version": self.published_version,
                 "data_cursor": self.data_cursor,
                 "base_model_dir": str(self.model_dir.resolve()),
                 "totals": dict(self.totals),
-            },
+            }),
             keep=self.config.keep_checkpoints,
         )
 
@@ -211,11 +226,16 @@ class Trainer:
             return Path(out_dir)
         return ckpt.export_checkpoint(latest, out_dir)
 
-    def _publish(self) -> float:
+    def _publish(self, now: bool = False) -> float:
         if self.publish_fn is None:
             return 0.0
         t = time.perf_counter()
         state = self.state_dict_for_publish()
+        if self.defer_io and not now:  # the writer publishes it (full_model_state made a CPU copy)
+            if self.env.is_main:
+                self.pending_publish.append((self.version, state))
+            self.published_version = self.version
+            return time.perf_counter() - t
         if self.env.is_main:
             model_hash = self.publish_fn(self.version, state)
             self.last_published[self.version] = model_hash if isinstance(model_hash, str) else ""
@@ -272,8 +292,12 @@ class Trainer:
         # 6. Checkpoint every `checkpoint_every` versions.
         if self.version // cfg.checkpoint_every > start_version // cfg.checkpoint_every:
             t = time.perf_counter()
-            self.save_checkpoint()
-            metrics["time/checkpoint"] = time.perf_counter() - t
+            if self.defer_io:
+                self.pending_checkpoint = self.checkpoint_state()
+                metrics["time/snapshot"] = time.perf_counter() - t
+            else:
+                self.save_checkpoint()
+                metrics["time/checkpoint"] = time.perf_counter() - t
         return metrics
 
     def _filter_stale(self, samples: Sequence[TrainSample], start_version: int) -> tuple[list[TrainSample], dict[str, float]]:

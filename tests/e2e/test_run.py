@@ -98,7 +98,7 @@ def test_faults_worker_killed_trainer_killed_tampering_worker(tmp_path):
         assert refused.returncode == 1 and "401" in refused.stderr
 
         # 1. A worker killed mid-task: its lease expires and the prompts are done by the other worker.
-        victim = info["workers"][0]
+        victim = info["worker-0"]
 
         def victim_open_leases() -> int:
             with db(run_dir) as con:

@@ -23,6 +23,9 @@ class SlowVerifier(FakeVerifier):
 
 
 def trainer_loop(orch, stop: threading.Event) -> None:
+    # This trainer keeps nothing durable of its own (it commits each batch as soon as it has "trained"
+    # it): after a restart, whatever was in flight goes back.
+    orch.reconcile_trainer([], {}, {})
     while not stop.is_set():
         batch = orch.take_batch(4, wait_s=0.5)
         if not batch.groups:
@@ -40,6 +43,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = run_config(Path(args.dir), port=args.port, admin_token="admin", join_tokens=["join"], async_level=1000,
                      max_open_leases_per_worker=100)
+    cfg.trainer.max_staleness = 1000  # like async_level: this trainer trains every sample, however old
     orch = make_orchestrator(cfg, SlowVerifier())
     orch.verify_batch = 2
     server = OrchestratorServer(orch).start()

@@ -19,6 +19,7 @@ from orch_fakes import (
 from orchestrator.buffer import RolloutBuffer
 from orchestrator.db import Database
 from orchestrator.errors import ApiError
+from protocol.batches import ReconcileFirst
 from protocol.models import (
     ErrorCode,
     Heartbeat,
@@ -373,6 +374,10 @@ def test_buffer_batches_survive_restart_exactly_once(tmp_path):
     orch2 = make_orchestrator(cfg)
     assert orch2.authenticate(secret) == wid  # workers reconnect with their secret
     assert orch2.status().policy_version == 1 and orch2.status().step == 1
+    # b2 is still taken: only the trainer knows whether it trained it, so nothing goes out before it says.
+    with pytest.raises(ReconcileFirst):
+        orch2.take_batch(1000)
+    assert orch2.reconcile_trainer([[b1.seq, b1.seq]], {}, {1: HASH1}) == {"committed": 0, "returned": b2.num_samples}
     rest = orch2.take_batch(1000)
     ids_1 = {s.sample_id for s in samples_from_groups(b1.groups)}
     ids_rest = {s.sample_id for s in samples_from_groups(rest.groups)}
@@ -699,7 +704,7 @@ def test_untrained_counters_match_the_rows_through_every_transition(tmp_path):
     assert dropped.dropped_stale > 0
     check()
     orch.db.close()
-    orch = make_orchestrator(cfg)  # restart: the taken batch is ready again, the counters recounted
+    orch = make_orchestrator(cfg)  # restart: the taken batch stays taken (the trainer settles it); the counters recounted
     check()
 
 
