@@ -12,6 +12,7 @@ import time
 import tomllib
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -117,8 +118,11 @@ def test_faults_worker_killed_trainer_killed_tampering_worker(tmp_path):
         os.kill(victim, signal.SIGKILL)
 
         # 2. A cheating worker: valid shape, forged proofs and tokens. It is rejected, then banned.
+        # A join token of its own: bans reach every worker of the cheater's token (ban_scope = token).
+        minted = httpx.post(f"{url}/v1/join-tokens", json={"label": "cheater"}, headers={"Authorization": "Bearer demo-admin-token"}, timeout=30)
+        assert minted.status_code == 200, minted.text
         cheater = OrchestratorClient(url)
-        reg = cheater.register("demo-join-token", "cheater")
+        reg = cheater.register(minted.json()["token"], "cheater")
         version, banned, deadline = reg.policy_version, False, time.time() + 120
         rng = np.random.default_rng(0)
         while time.time() < deadline and not banned:
@@ -133,10 +137,11 @@ def test_faults_worker_killed_trainer_killed_tampering_worker(tmp_path):
                     Completion(prompt_index=i, sample_index=j, token_ids=rng.integers(3, 50, 8), logprobs=[-0.01] * 8, finish_reason="length", proofs=[b"\x00" * limits.MAX_PROOF_BYTES])
                     for i in range(len(lease.prompts)) for j in range(lease.samples_per_prompt)
                 ]
+                claimed = lease.generation_version if lease.generation_version is not None else lease.policy_version  # the pinned one
                 with db(run_dir) as con:
-                    model_hash = con.execute("SELECT model_hash FROM versions WHERE version=?", (lease.policy_version,)).fetchone()[0]
+                    model_hash = con.execute("SELECT model_hash FROM versions WHERE version=?", (claimed,)).fetchone()[0]
                 try:
-                    cheater.submit(RolloutSubmission(lease_id=lease.lease_id, policy_version=lease.policy_version, model_hash=model_hash, completions=comps))
+                    cheater.submit(RolloutSubmission(lease_id=lease.lease_id, policy_version=claimed, model_hash=model_hash, completions=comps))
                 except VersionTooOld:
                     cheater.release(lease.lease_id)
                     raise
