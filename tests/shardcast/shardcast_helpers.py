@@ -16,6 +16,7 @@ import torch
 
 
 REPO = Path(__file__).resolve().parents[2]
+RUN = "test-run-0123abcd"  # the run id of every test's manifests
 
 
 def state_dict(seed: int = 0, layers: int = 8, mb_per_layer: float = 1.0) -> dict[str, torch.Tensor]:
