@@ -130,7 +130,7 @@ class Worker:
         self.stats.worker_id = reg.worker_id
         self.stats.orchestrator_version = reg.policy_version
         self.min_version = staleness.min_policy_version(reg.policy_version, reg.async_level)
-        self.keeper.set_sources(reg.relay_urls, reg.manifest_public_key)
+        self.keeper.set_sources(reg.relay_urls, reg.manifest_public_key, reg.run_id, reg.origin_url)
         self.keeper.observe(reg.policy_version)
         self.stats.event(f"registered as {reg.worker_id}")
         log.info("registered as %s (policy version %d, async level %d)", reg.worker_id, reg.policy_version, reg.async_level)
@@ -202,7 +202,7 @@ class Worker:
         if self.engine is None:
             self._set_state(WorkerState.starting)
             self.engine = self._make_engine(pulled.path)
-        took = self.engine.reload(pulled.path, pulled.version, pulled.manifest.model_hash)
+        took = self.engine.reload(pulled.path, pulled.version, pulled.manifest.model_hash, state=pulled.state)
         self.stats.loaded_version = pulled.version
         self.stats.event(f"loaded policy version {pulled.version} ({took:.2f} s)")
         return True

@@ -70,6 +70,8 @@ class Orchestrator:
         run_name: str = "run",
         relay_urls: list[str] | None = None,
         manifest_public_key: str = "",
+        run_id: str = "",
+        origin_url: str = "",
         make_job: Callable[..., Any] = default_make_job,
         verify_batch: int = 16,
     ):
@@ -79,6 +81,8 @@ class Orchestrator:
         self.run_name = run_name
         self.relay_urls = list(relay_urls or [])
         self.manifest_public_key = manifest_public_key
+        self.run_id = run_id or run_name  # workers accept only manifests signed for this run
+        self.origin_url = origin_url  # the workers' fallback when relays fail
         self.metrics = Metrics()
         self.windows = RunWindows()
         self.workers = Workers(db, config.worker_dead_after_s)
@@ -143,6 +147,8 @@ class Orchestrator:
             policy_version=self._version,
             relay_urls=self.relay_urls,
             manifest_public_key=self.manifest_public_key,
+            run_id=self.run_id,
+            origin_url=self.origin_url,
         )
 
     def heartbeat(self, worker_id: str, path_worker_id: str, hb: Heartbeat) -> HeartbeatAck:

@@ -86,6 +86,8 @@ class Run:
 
         cfg, rd = self.cfg, self.rd
         rd.write_config(dump_toml(cfg))
+        if not cfg.shardcast.run_id:  # made once per run folder; every component checks manifests against it
+            cfg = self.cfg = cfg.model_copy(update={"shardcast": cfg.shardcast.model_copy(update={"run_id": rd.run_id(cfg.name)})})
         model_dir = ensure_model(cfg, rd)
         key_path = Path(cfg.shardcast.signing_key_path or rd.signing_key)
         self._started_ray = not ray.is_initialized() and not cfg.ray_address
@@ -115,7 +117,7 @@ class Run:
         relay_urls = relay_urls or [info["origin_url"]]
 
         log.info("starting verifier pool", extra={"actors": cfg.verifier.num_actors})
-        weights = ShardcastWeights([info["origin_url"]], info["public_key"], str(rd.verifier_weights))
+        weights = ShardcastWeights([info["origin_url"]], info["public_key"], str(rd.verifier_weights), cfg.shardcast.run_id)
         self.pool = RayVerifierPool.start(
             cfg.verifier, weights, str(model_dir), num_cpus=0, num_gpus=cfg.resources.verifier_gpus,
             resources=cfg.resources.verifier_resources, max_restarts=cfg.resources.max_restarts,
@@ -123,7 +125,7 @@ class Run:
         )
 
         log.info("starting orchestrator")
-        self.orch = start_orchestrator_actor(cfg, self.pool.actors, relay_urls=relay_urls, manifest_public_key=info["public_key"])
+        self.orch = start_orchestrator_actor(cfg, self.pool.actors, relay_urls=relay_urls, manifest_public_key=info["public_key"], origin_url=cfg.shardcast.public_origin_url or info["origin_url"])
         self.url = ray.get(self.orch.url.remote())
         ray.get(self.orch.publish_version.remote(info["version"], info["model_hash"]))
         self.progress.reward_totals = ray.get(self.orch.reward_totals.remote())  # a resumed run starts from here

@@ -8,6 +8,8 @@ import torch
 from iw_helpers import make_lease
 from test_engine import hf_greedy
 
+RUN = "test-run"  # the run id signed into the test origin's manifests
+
 PROMPTS = [[1, 10, 11, 12, 13], [1, 30, 31, 5]]
 N = 24
 
@@ -38,7 +40,7 @@ def test_reload_matches_transformers(which, request, tmp_path):
     assert engine.llm.llm_engine.model_config.hf_config.tie_word_embeddings == (which == "tied")
 
     new = perturbed(model_dir, seed=7)
-    origin = Origin(tmp_path / "origin", generate_signing_key(tmp_path / "key.pem"), keep_versions=2, shard_bytes=20_000)
+    origin = Origin(tmp_path / "origin", generate_signing_key(tmp_path / "key.pem"), run_id=RUN, keep_versions=2, shard_bytes=20_000)
     manifest = origin.publish(1, new.state_dict())
     assert len(manifest.shards) > 1  # several shards, as a real download would be
 
