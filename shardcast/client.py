@@ -144,6 +144,9 @@ class ShardcastClient:
                 log.warning("re-planning version %d: %s", target.version, e)
                 if e.drop_held is not None:
                     held.pop(e.drop_held, None)
+                    self._verified.pop(e.drop_held, None)  # its folder is re-checked before any later use
+                if e.reheld is not None:
+                    held[e.reheld[0]] = (e.reheld[1], "disk")
                 if e.avoid is not None:
                     avoid.add(e.avoid)
                 continue
@@ -195,9 +198,13 @@ class ShardcastClient:
         try:
             state = assemble.apply_steps(state, start[1], rest, self._read_delta, self.delta_workers)
         except DeltaBaseMismatch as e:
-            raise _Replan(f"held version {start[0]} is not the base it claims: {e}", drop_held=start[0]) from None
+            raise self._bad_base(start, f"held version {start[0]} is not the base it claims: {e}") from None
         except DeltaError as e:
+            # The delta's bytes are the signed ones, so a first step that does not yield its signed result
+            # had a wrong base: stop trusting the held weights. A later step's base was checked: avoid it.
             bad: Step = e.step  # type: ignore[attr-defined]
+            if bad is rest[0]:
+                raise self._bad_base(start, f"version {bad.version}'s delta did not yield its signed result from held {start[0]}: {e}") from None
             (self.dest_root / partial_dir_name(bad.version) / bad.delta.file).unlink(missing_ok=True)
             raise _Replan(f"delta {bad.delta.file} of version {bad.version}: {e}", avoid=(bad.version, bad.delta.file)) from None
         steps += [f"delta {s.version}" for s in rest]
@@ -207,14 +214,24 @@ class ShardcastClient:
                 shutil.rmtree(self.dest_root / partial_dir_name(s.version), ignore_errors=True)
         return PulledVersion(target.version, path, target, state, wire, steps)
 
+    def _bad_base(self, start: tuple[int, str], why: str) -> "_Replan":
+        """Held weights that are not what their hash says: weights in memory are dropped (the version's
+        folder, if any, is then re-checked before use); a folder is dropped from this pull's plans."""
+        if self._state is not None and self._state[:2] == start:
+            self._state = None
+            self._verified.pop(start[0], None)
+            if start[0] in self._local_manifests:
+                return _Replan(why, reheld=(start[0], self._local_manifests[start[0]].model_hash))
+        return _Replan(why, drop_held=start[0])
+
     def _chain_manifests(self, target: PolicyManifest, held: dict, listings) -> dict[int, PolicyManifest]:
         """Manifests of the versions a path to `target` may pass: from the newest held version below it (or
         the target's anchor, if lower) up to it, at most MAX_CHAIN_MANIFESTS."""
         below = [v for v in held if v < target.version]
         lo = min(target.anchor_version, max(below) + 1) if below else target.anchor_version
         lo = min(max(lo, target.version - MAX_CHAIN_MANIFESTS), target.anchor_version)  # the anchor always
-        out = self.pool.fetch_manifests([v for v in range(lo, target.version) if v not in self._local_manifests], listings)
-        out.update({v: m for v, m in self._local_manifests.items() if lo <= v < target.version})
+        # Always from the servers: a version held here may have been re-published (another model hash).
+        out = self.pool.fetch_manifests(range(lo, target.version), listings)
         out[target.version] = target
         return out
 
@@ -351,9 +368,9 @@ class ShardcastClient:
 
 
 class _Replan(Exception):
-    def __init__(self, msg: str, drop_held: int | None = None, avoid: tuple[int, str] | None = None):
+    def __init__(self, msg: str, drop_held: int | None = None, avoid: tuple[int, str] | None = None, reheld: tuple[int, str] | None = None):
         super().__init__(msg)
-        self.drop_held, self.avoid = drop_held, avoid
+        self.drop_held, self.avoid, self.reheld = drop_held, avoid, reheld
 
 
 def describe_stats(stats: dict[str, ServerStats]) -> str:

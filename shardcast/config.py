@@ -30,7 +30,7 @@ class ShardcastConfig(BaseModel):
     delete_grace_s: float = Field(120.0, ge=0, description="a version beyond keep_versions is deleted only after nobody touched it this long")
     client_parallelism: int = Field(8, ge=1, le=64)
     client_retries: int = Field(5, ge=0)
-    request_timeout_s: float = Field(30.0, gt=0, description="deadline of one small request (a listing or a manifest), however the server drips it")
+    request_timeout_s: float = Field(10.0, gt=0, description="deadline of one small request (a listing or a manifest), however the server drips it")
 
     # -- deltas (origin) -------------------------------------------------------------------------------
     deltas: bool = Field(True, description="publish a version as a delta against the previous one where that is smaller")

@@ -125,9 +125,12 @@ class Http:
             try:
                 extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
                 request = f"GET {target} HTTP/1.1\r\nHost: {conn.host_header}\r\nUser-Agent: swarmrl-shardcast\r\nAccept-Encoding: identity\r\n{extra}\r\n"
-                self._settimeout(conn, url, deadline)
+                # The head comes promptly or not at all (a relay holds a request at most relay_shard_wait_s):
+                # a server that drips its head is left after twice the stall timeout, whatever the deadline.
+                head_deadline = min(deadline, time.monotonic() + 2 * self.stall_timeout_s)
+                self._settimeout(conn, url, head_deadline)
                 conn.sock.sendall(request.encode("latin-1"))
-                return self._read_head(url, conn, deadline)
+                return self._read_head(url, conn, head_deadline)
             except TransferFailed as e:
                 conn.sock.close()
                 if attempt == 0 and conn.used and "closed the connection" in str(e):

@@ -221,8 +221,10 @@ class _FileFetch:
 
     def run(self) -> None:
         pool, entry, version = self.pool, self.entry, self.job.version
-        # Servers known not to list this version are skipped for it (they 404), unless none is left.
-        lacking: set[str] = set(pool.urls) - set(self.job.holders) if self.job.holders is not None else set()
+        # Primaries known not to list this version are skipped for it (they 404), unless none is left.
+        # Fallbacks are not asked for listings (relays carry the load), so they are never presumed lacking.
+        primaries = {u for u, s in pool.stats.items() if not s.fallback}
+        lacking: set[str] = primaries - set(self.job.holders) if self.job.holders is not None else set()
         tried: set[str] = set()
         errors: list[str] = []
         attempts = 0
@@ -255,6 +257,8 @@ class _FileFetch:
                     continue
                 if e.missing:
                     lacking.add(server.url)
+                    if lacking >= {s.url for s in pool.sources.usable()}:  # every server says 404: pruned
+                        raise ShardcastError(f"file {entry.name} of version {version}: no server has it ({'; '.join(errors[-4:])})")
                 pool.sources.record_failure(server.url, "slow" if e.slow else "missing" if e.missing else "transfer", getattr(e, "rate", None))
             tried.add(server.url)
             attempts += 1
