@@ -17,8 +17,10 @@ No torch here: volunteers import this.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
+import mmap
 import os
 import queue
 import threading
@@ -47,6 +49,8 @@ MAX_LISTING_BYTES = 1 << 20
 # Body reads of 64 KiB: with 1 MiB reads and on-the-fly hashing, 4 concurrent clients on one loopback box
 # took 15-17 s for 4 x 1 GiB where 64 KiB reads took 3.7-4.2 s (128 KiB: 5.1-5.9 s).
 CHUNK_BYTES = 64 << 10
+SPLICE_BYTES = 1 << 20  # per splice call (the pipe's size)
+_THREAD = threading.local()
 
 
 class ShardcastError(RuntimeError):
@@ -221,10 +225,9 @@ class _FileFetch:
 
     def run(self) -> None:
         pool, entry, version = self.pool, self.entry, self.job.version
-        # Primaries known not to list this version are skipped for it (they 404), unless none is left.
-        # Fallbacks are not asked for listings (relays carry the load), so they are never presumed lacking.
-        primaries = {u for u, s in pool.stats.items() if not s.fallback}
-        lacking: set[str] = primaries - set(self.job.holders) if self.job.holders is not None else set()
+        # Servers that 404 this file are skipped for it. A listing is no reason to skip one: relays list a
+        # version moments after each other, and a server that lacks it answers a 404 in one round trip.
+        lacking: set[str] = set()
         tried: set[str] = set()
         errors: list[str] = []
         attempts = 0
@@ -285,10 +288,10 @@ class _FileFetch:
                 self.sources_of_part.clear()
             if have < entry.size:
                 headers = {"Range": f"bytes={have}-"} if have else {}
-                t0 = time.monotonic()
                 resp = pool.http.request(url, api.SHARDCAST_SHARD.format(version=self.job.version, name=entry.name), self.deadline, headers)
                 have, h = self._check_head(url, resp, have, fd, h)
                 self.sources_of_part.add(url)
+                t0 = time.monotonic()  # rates count from the head: a relay may hold a request for a file on its way
                 got = self._read_body(url, resp, have, fd, h, t0)
                 pool.sources.record_success(url, got, time.monotonic() - t0)
             if h.hexdigest() != entry.sha256:
@@ -324,19 +327,34 @@ class _FileFetch:
         return have, h
 
     def _read_body(self, url: str, resp, have: int, fd: int, h, t0: float) -> int:
-        """Receive the body into the file, hashing as it comes; leave a source slower than the floor rate."""
+        """Receive the body into the file, hashing as it comes; leave a source slower than the floor rate.
+
+        On plain HTTP the bytes go socket -> pipe -> file in the kernel and are hashed from the file's pages
+        (mapped): one copy of each byte instead of two (recv, then write). Measured with 4 concurrent
+        clients of 1 GiB each: 1.07 vs 1.45 CPU-s per client."""
         pool, policy = self.pool, self.pool.policy
-        os.lseek(fd, have, os.SEEK_SET)
-        view = memoryview(self.buf)
-        left = self.entry.size - have
+        size = self.entry.size
+        left = size - have
         got = 0
         mark_t, mark_got = t0, 0
+        spliced = resp.can_splice and left > 0
+        if spliced:
+            os.ftruncate(fd, size)
+            mapped = mmap.mmap(fd, size)
+            pages = memoryview(mapped)
+        else:
+            os.lseek(fd, have, os.SEEK_SET)
+            view = memoryview(self.buf)
         try:
             while left > 0:
-                n = resp.readinto(view[: min(len(view), left)], self.deadline)
-                chunk = view[:n]
-                h.update(chunk)
-                write_all(fd, chunk)
+                if spliced:
+                    n = resp.splice_into(fd, have + got, min(SPLICE_BYTES, left), self._pipe(), self.deadline)
+                    h.update(pages[have + got : have + got + n])
+                else:
+                    n = resp.readinto(view[: min(len(view), left)], self.deadline)
+                    chunk = view[:n]
+                    h.update(chunk)
+                    write_all(fd, chunk)
                 got += n
                 left -= n
                 if pool.on_progress is not None:
@@ -353,5 +371,24 @@ class _FileFetch:
         except BaseException:
             resp.discard()
             pool.sources.add_bytes(url, got)
+            if spliced:
+                os.ftruncate(fd, have + got)  # the file holds what arrived, for a resume
+                for end in _THREAD.__dict__.pop("pipe", ()):  # it may hold bytes of this body: a new one next time
+                    os.close(end)
             raise
+        finally:
+            if spliced:
+                pages.release()
+                mapped.close()
         return got
+
+    def _pipe(self) -> tuple[int, int]:
+        """This thread's pipe for splice, made once (1 MiB where the system allows)."""
+        pipe = getattr(_THREAD, "pipe", None)
+        if pipe is None:
+            pipe = _THREAD.pipe = os.pipe()
+            try:
+                fcntl.fcntl(pipe[1], 1031, SPLICE_BYTES)  # F_SETPIPE_SZ
+            except OSError:
+                pass
+        return pipe
