@@ -132,9 +132,16 @@ class ShardcastClient:
     def _get(self, target: PolicyManifest, listings: dict[str, list[int]], deadline: float) -> PulledVersion:
         t0 = time.perf_counter()
         held = self._held()
-        manifests = self._chain_manifests(target, held, listings)
+        # The common case, a delta from what is held (or nothing to do), needs no other manifest: the chain's
+        # manifests are fetched only when that is not there, or on a re-plan.
+        manifests: dict[int, PolicyManifest] | None = None
+        quick = plan_path(target, {}, {v: h for v, (h, _) in held.items()})
+        if quick is not None and quick.start is not None and len(quick.steps) <= 1:
+            manifests = {target.version: target}
         avoid: set[tuple[int, str]] = set()
-        for _ in range(4):
+        for attempt in range(4):
+            if manifests is None or (attempt and len(manifests) == 1):
+                manifests = self._chain_manifests(target, held, listings)
             plan = plan_path(target, manifests, {v: h for v, (h, _) in held.items()}, avoid)
             if plan is None:
                 raise ShardcastError(explain_no_path(target, manifests, {v: h for v, (h, _) in held.items()}))
