@@ -55,9 +55,9 @@ def worker_main(argv: list[str]) -> None:
     import numpy as np
 
     engine = RolloutEngine(a.model, EngineConfig(max_model_len=128, kv_cache_bytes=64 << 20))
-    client = ShardcastClient([a.relay], a.pub, Path(a.dest), run_id=RUN_ID, fallback_urls=[a.origin], keep_versions=2)
+    client = ShardcastClient([a.relay], a.pub, Path(a.dest), run_id=RUN_ID, fallback_urls=[a.origin], keep_versions=2, write_behind=True)  # as the worker's keeper
     held = -1
-    print("ready", flush=True)
+    print("@@ready", flush=True)
     while True:
         latest = client.latest_version()
         if latest is None or latest <= held:
@@ -74,7 +74,7 @@ def worker_main(argv: list[str]) -> None:
         )
         engine.generate(lease)
         held = pulled.version
-        print(json.dumps({
+        print("@@" + json.dumps({
             "version": held, "t_seen": t_seen, "t_pulled": t_pulled, "t_reloaded": t_reloaded, "t_generated": time.time(),
             "wire_bytes": pulled.wire_bytes, "steps": pulled.steps, "from_memory": pulled.state is not None,
         }), flush=True)
@@ -92,9 +92,10 @@ def make_model(work: Path, size: str) -> Path:
     small = init_model(work / "small", "small", seed=0, tie_embeddings=True)
     if size == "small":
         return small
-    cfg = AutoConfig.from_pretrained(small)
-    for k, v in MEDIUM.items():
-        setattr(cfg, k, v)
+    base = AutoConfig.from_pretrained(small).to_dict()
+    for k in ("layer_types", "head_dim", "architectures", "transformers_version", "model_type"):
+        base.pop(k, None)
+    cfg = type(AutoConfig.from_pretrained(small))(**{**base, **MEDIUM})
     out = work / "medium"
     model = AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(out)
@@ -104,9 +105,19 @@ def make_model(work: Path, size: str) -> Path:
     return out
 
 
-def start(args: list[str], env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+def start(args: list[str], env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+    return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=open(log, "wb") if log else subprocess.DEVNULL, text=True,
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+
+
+def report(proc: subprocess.Popen) -> str:
+    """The worker's next report (vLLM writes its own lines to stdout too)."""
+    while True:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the worker exited")
+        if line.startswith("@@"):
+            return line[2:].strip()
 
 
 def bench_model(work: Path, size: str, versions: int, lr: float) -> dict:
@@ -134,11 +145,11 @@ def bench_model(work: Path, size: str, versions: int, lr: float) -> dict:
             procs.append(relay)
             relay_url = json.loads(relay.stdout.readline())["url"]
             w = start([sys.executable, __file__, "_worker", "--relay", relay_url, "--origin", servers[mode].url, "--pub", pub, "--model", str(model_dir),
-                       "--dest", str(work / f"{size}-{mode}-worker")], env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                       "--dest", str(work / f"{size}-{mode}-worker")], env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, log=work / f"{size}-{mode}-worker.log")
             procs.append(w)
-            assert w.stdout.readline().strip() == "ready", f"{mode} worker did not start"
+            assert report(w) == "ready", f"{mode} worker did not start"
             workers[mode] = w
-            json.loads(w.stdout.readline())  # version 0 loaded
+            json.loads(report(w))  # version 0 loaded
         gen = torch.Generator().manual_seed(0)
         rows = []
         for v in range(1, versions + 1):
@@ -147,14 +158,23 @@ def bench_model(work: Path, size: str, versions: int, lr: float) -> dict:
             state = cast_for_publishing(master)
             for mode in modes:
                 os.sync()
+                visible: list[float] = []
+                add_complete = origins[mode].add_complete
+
+                def timed(*args, _add=add_complete, _visible=visible):
+                    out = _add(*args)
+                    _visible.append(time.time())  # the version is listed from here on
+                    return out
+
+                origins[mode].add_complete = timed
                 t0 = time.time()
                 m = origins[mode].publish(v, state)
-                t_pub = time.time()
-                r = json.loads(workers[mode].stdout.readline())
+                origins[mode].add_complete = add_complete
+                r = json.loads(report(workers[mode]))
                 assert r["version"] == v, r
                 rows.append({
-                    "model": size, "mode": mode, "version": v, "publish_s": round(t_pub - t0, 3), "latency_s": round(r["t_generated"] - t_pub, 3),
-                    "seen_s": round(r["t_seen"] - t_pub, 3), "pull_s": round(r["t_pulled"] - r["t_seen"], 3), "reload_s": round(r["t_reloaded"] - r["t_pulled"], 3),
+                    "model": size, "mode": mode, "version": v, "publish_s": round(visible[0] - t0, 3), "latency_s": round(r["t_generated"] - t0, 3),
+                    "seen_s": round(r["t_seen"] - visible[0], 3), "pull_s": round(r["t_pulled"] - r["t_seen"], 3), "reload_s": round(r["t_reloaded"] - r["t_pulled"], 3),
                     "generate_s": round(r["t_generated"] - r["t_reloaded"], 3), "wire_bytes": r["wire_bytes"], "full_bytes": m.full_bytes,
                     "steps": r["steps"], "from_memory": r["from_memory"],
                 })
@@ -183,18 +203,19 @@ def write(out: str, results: list[dict], meta: dict) -> None:
         "",
         f"`{meta['command']}` — {meta['when']}, loopback, 2 cores shared with other jobs (load before {meta['loadavg_before']}, after {meta.get('loadavg_after')}).",
         f"bfloat16 versions of a float32 master taking Adam-like steps of {meta['lr']} per weight; full and delta published alternately, version by",
-        "version. latency = the origin's publish returned -> the worker generated a token with the new version; its parts:",
-        "seen (relay mirrored + worker's 20 ms listing poll), pull (download, verify, apply deltas, write the folder), reload (vLLM), generate (1 token).",
+        "version. latency = the trainer calls the origin's publish -> the worker generated a token with the new version; its parts: publish",
+        "(encode the delta or serialize the shards, hash, fsync, sign, until listed), seen (relay mirrored it + the worker's 20 ms listing poll),",
+        "pull (download, verify, apply deltas, write the folder), reload (vLLM), generate (1 token). Cells: median [min–max].",
         "",
-        "| model | params | mode | latency s, median | max | seen | pull | reload | generate | MB on the wire | reload from memory |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | params | mode | latency s, median | max | publish | seen | pull | reload | generate | MB on the wire | reload from memory |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for res in results:
         for mode in ("full", "delta"):
             rs = [r for r in res["rows"] if r["mode"] == mode]
             lat = [r["latency_s"] for r in rs]
             lines.append(
-                f"| {res['model']} | {res['params'] / 1e6:.1f}M | {mode} | {statistics.median(lat):.3f} | {max(lat):.3f} | {spread([r['seen_s'] for r in rs])} | "
+                f"| {res['model']} | {res['params'] / 1e6:.1f}M | {mode} | {statistics.median(lat):.3f} | {max(lat):.3f} | {spread([r['publish_s'] for r in rs])} | {spread([r['seen_s'] for r in rs])} | "
                 f"{spread([r['pull_s'] for r in rs])} | {spread([r['reload_s'] for r in rs])} | {spread([r['generate_s'] for r in rs])} | "
                 f"{spread([r['wire_bytes'] / 1e6 for r in rs])} | {sum(r['from_memory'] for r in rs)}/{len(rs)} |"
             )

@@ -201,7 +201,9 @@ class Worker:
                 return True  # newest we have; the next version downloads in the background
         if self.engine is None:
             self._set_state(WorkerState.starting)
-            self.engine = self._make_engine(pulled.path)
+            self.engine = self._make_engine(pulled.wait_written())
+        if pulled.state is None or getattr(getattr(self.engine, "config", None), "multiprocess", True):
+            pulled.wait_written()  # the engine reads the version folder
         took = self.engine.reload(pulled.path, pulled.version, pulled.manifest.model_hash, state=pulled.state)
         self.stats.loaded_version = pulled.version
         self.stats.event(f"loaded policy version {pulled.version} ({took:.2f} s)")

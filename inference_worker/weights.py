@@ -121,5 +121,8 @@ def _shardcast_client(urls: list[str], public_key_b64: str, dest_root: Path, *, 
     from shardcast.client import ShardcastClient
     from shardcast.config import DEFAULTS
 
-    # keep_state: the last weights stay in memory, the base of the next delta and the source of hot reloads.
-    return ShardcastClient(urls, public_key_b64, dest_root, run_id=run_id, fallback_urls=fallback_urls, keep_versions=DEFAULTS.keep_versions)
+    # keep_state: the last weights stay in memory, the base of the next delta and the source of hot reloads;
+    # write_behind: a version reached by deltas is written to disk after vLLM can already reload it.
+    return ShardcastClient(
+        urls, public_key_b64, dest_root, run_id=run_id, fallback_urls=fallback_urls, keep_versions=DEFAULTS.keep_versions, write_behind=True,
+    )

@@ -251,3 +251,24 @@ def test_a_worker_joins_at_version_50_of_a_chain_with_anchors_every_10(tmp_path,
     assert late.steps == ["full 50"] + [f"delta {v}" for v in range(51, 56)] and same_weights(late.path, states[55])
     assert late.wire_bytes == full + follower.wire_bytes < 1.5 * full
     shutil.rmtree(tmp_path / "origin")
+
+
+def test_write_behind_returns_the_weights_first_and_the_folder_after(tmp_path, key, pub, running):
+    traj = Trajectory()
+    o = Origin(tmp_path / "origin", key, run_id=RUN, shard_bytes=256 << 10, anchor_every=100)
+    server = serve_origin(o)
+    running.append(server)
+    states = [traj.next_version() for _ in range(3)]
+    for v, s in enumerate(states):
+        o.publish(v, s)
+    client = ShardcastClient([server.url], pub, tmp_path / "client", run_id=RUN, write_behind=True, keep_versions=1, policy=POLICY)
+    first = client.pull(0)
+    assert first.written.is_set() and same_weights(first.path, states[0])  # a full download is its folder
+    pulled = client.pull(2)
+    assert pulled.state is not None and model_hash(pulled.state) == o.manifest(2).model_hash
+    assert pulled.wait_written(timeout=30) == pulled.path and same_weights(pulled.path, states[2])
+    # The next pull waits for that folder before it looks at the disk, and builds on it.
+    states.append(traj.next_version())
+    o.publish(3, states[3])
+    again = ShardcastClient([server.url], pub, tmp_path / "client", run_id=RUN, write_behind=True, policy=POLICY).pull(3)
+    assert again.steps == ["held 2", "delta 3"] and same_weights(again.wait_written(30), states[3])
