@@ -1,6 +1,7 @@
 """Broadcast a 1 GiB checkpoint origin -> 2 relays -> 4 clients on loopback, side by side with references.
 
-One run measures, in this order, with a cleanup + `sync` + pause between scenarios:
+Each round measures, in this order, with a cleanup + `sync` + pause between scenarios (ratios are taken
+between scenarios of the same round; every round is reported):
   1. nginx_curl   nginx (Debian, sendfile on) serving the shard files; 4 clients = curl, 4 parallel transfers
                   each, writing the shards (no verification): the raw ceiling of this machine.
   2. nginx_ours   the same nginx serving the same files laid out as our read-only API (static files), pulled by
@@ -8,14 +9,15 @@ One run measures, in this order, with a cleanup + `sync` + pause between scenari
                   This is "the same shards served by nginx to the same clients" of issue 3.
   3. origin_direct  our origin server straight to the same 4 clients (our server in nginx's place).
   4. swarmrl      our origin -> 2 relays (mirroring, verifying every shard) -> 4 clients (relays only).
-  5. pypi_shardcast  PRIME-RL's shardcast 0.3.2 (own venv under bench/.work): origin -> 2 middle nodes -> 4
+  5. pypi_shardcast  PRIME-RL's shardcast 0.3.2 (own venv, --pypi-venv): origin -> 2 middle nodes -> 4
                   clients on one 1 GiB file of the same bytes, 64 MiB shards, all its sleeps set to 1 s.
 Clients and relays are separate processes; each waits for a "go" line, and t0 is when the version is
 visible at the origin (publishing is timed separately). Goodput = clients * bytes / (last client done - t0).
 Each scenario also reports the CPU seconds of all its processes (servers, relays, clients): on one shared
 2-core box, throughput is CPU-bound, and the relays' mirroring is paid from the same two cores.
 
-    python bench/shardcast_bench.py [--gib 1] [--clients 4] [--skip-pypi]
+    python bench/shardcast_bench.py [--setup] [--rounds 3] [--gib 1] [--clients 4] [--skip-pypi] [--pypi-venv DIR]
+--setup installs the references if missing: Debian's nginx (apt-get) and a venv with shardcast==0.3.2.
 Results: bench/results/shardcast_bench.{json,md}. Everything under bench/.work/shardcast-bench-* is removed.
 """
 
@@ -40,6 +42,7 @@ sys.path.insert(0, str(REPO))
 WORK = REPO / "bench" / ".work"
 RESULTS = REPO / "bench" / "results"
 PYPI_VENV = WORK / "venv-pypi-shardcast"
+RUN_ID = "shardcast-bench"
 
 
 # -------------------------------------------------------------------------------------------------
@@ -55,7 +58,7 @@ def client_main(argv: list[str]) -> None:
     a = p.parse_args(argv)
     from shardcast.client import ShardcastClient, describe_stats
 
-    client = ShardcastClient(a.urls.split(","), a.pub, Path(a.dest), parallelism=a.parallelism)
+    client = ShardcastClient(a.urls.split(","), a.pub, Path(a.dest), run_id=RUN_ID, parallelism=a.parallelism, keep_state=False)
     print("ready", flush=True)
     sys.stdin.readline()
     while client.latest_version() is None:
@@ -280,9 +283,9 @@ def scenario_nginx_curl(work: Path, url: str, manifest, n_clients: int, procs: P
     return row
 
 
-def start_our_clients(work: Path, tag: str, urls: list[str], pub: str, n_clients: int, procs: Procs) -> list[subprocess.Popen]:
+def start_our_clients(work: Path, tag: str, urls: list[str], pub: str, n_clients: int, procs: Procs, parallelism: int = 8) -> list[subprocess.Popen]:
     return [
-        procs.start([sys.executable, __file__, "_client", "--urls", ",".join(urls), "--pub", pub, "--dest", str(work / f"{tag}-client{i}")])
+        procs.start([sys.executable, __file__, "_client", "--urls", ",".join(urls), "--pub", pub, "--dest", str(work / f"{tag}-client{i}"), "--parallelism", str(parallelism)])
         for i in range(n_clients)
     ]
 
@@ -296,8 +299,8 @@ def check_our_clients(work: Path, tag: str, manifest, res: list[dict], n_clients
         shutil.rmtree(work / f"{tag}-client{i}")
 
 
-def scenario_nginx_ours(work: Path, url: str, manifest, pub: str, n_clients: int, procs: Procs) -> dict:
-    clients = start_our_clients(work, "nginx", [url], pub, n_clients, procs)
+def scenario_nginx_ours(work: Path, url: str, manifest, pub: str, n_clients: int, procs: Procs, parallelism: int = 8) -> dict:
+    clients = start_our_clients(work, "nginx", [url], pub, n_clients, procs, parallelism)
     t0 = time.time()
     go(clients)
     res = results_of(clients)
@@ -306,13 +309,13 @@ def scenario_nginx_ours(work: Path, url: str, manifest, pub: str, n_clients: int
     return row
 
 
-def scenario_origin_direct(work: Path, origin, manifest, pub: str, n_clients: int, procs: Procs) -> dict:
+def scenario_origin_direct(work: Path, origin, manifest, pub: str, n_clients: int, procs: Procs, parallelism: int = 8) -> dict:
     """Our origin server straight to the clients: the same job as nginx_ours, our server instead of nginx."""
     from shardcast.server import serve_origin
 
     server = serve_origin(origin, "127.0.0.1", 0)
     try:
-        clients = start_our_clients(work, "direct", [server.url], pub, n_clients, procs)
+        clients = start_our_clients(work, "direct", [server.url], pub, n_clients, procs, parallelism)
         t0 = time.time()
         go(clients)
         res = results_of(clients)
@@ -323,7 +326,7 @@ def scenario_origin_direct(work: Path, origin, manifest, pub: str, n_clients: in
     return row
 
 
-def scenario_swarmrl(work: Path, origin, manifest, pub: str, n_clients: int, procs: Procs, relay_parallelism: int) -> dict:
+def scenario_swarmrl(work: Path, origin, manifest, pub: str, n_clients: int, procs: Procs, relay_parallelism: int, parallelism: int = 8) -> dict:
     from shardcast.server import serve_origin
 
     port = free_port()
@@ -332,10 +335,10 @@ def scenario_swarmrl(work: Path, origin, manifest, pub: str, n_clients: int, pro
     for i in range(2):
         relay = procs.start(
             [sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", "relay", "--upstream", origin_url, "--root", str(work / f"relay{i}"),
-             "--public-key", pub, "--poll-interval-s", "0.05", "--log-level", "ERROR", "--parallelism", str(relay_parallelism)],
+             "--public-key", pub, "--run-id", RUN_ID, "--poll-interval-s", "0.05", "--log-level", "ERROR", "--parallelism", str(relay_parallelism)],
         )
         relay_urls.append(json.loads(relay.ready_line)["url"])
-    clients = start_our_clients(work, "swarmrl", relay_urls, pub, n_clients, procs)
+    clients = start_our_clients(work, "swarmrl", relay_urls, pub, n_clients, procs, parallelism)
     go(clients)  # they poll the relays, which list nothing until the origin serves
     t0 = time.time()
     server = serve_origin(origin, "127.0.0.1", port)  # the version becomes visible now
@@ -379,39 +382,79 @@ def scenario_pypi(work: Path, vdir: Path, manifest, n_clients: int, shard_bytes:
     return row
 
 
-def write_results(out: str, rows: list[dict], meta: dict) -> None:
+RATIOS = {  # name: (numerator scenario, denominator scenario); goodput over goodput, measured in the same round
+    "swarmrl_relays_over_nginx_curl": ("swarmrl", "nginx_curl"),
+    "origin_direct_over_nginx_curl": ("origin_direct", "nginx_curl"),
+    "swarmrl_relays_over_nginx_ours": ("swarmrl", "nginx_ours"),
+    "origin_direct_over_nginx_ours": ("origin_direct", "nginx_ours"),
+    "nginx_ours_over_nginx_curl": ("nginx_ours", "nginx_curl"),
+    "swarmrl_relays_over_pypi_shardcast": ("swarmrl", "pypi_shardcast"),
+}
+
+
+def round_ratios(rows: list[dict]) -> dict[str, float | None]:
     by = {r["scenario"]: r for r in rows}
+    out = {}
+    for name, (a, b) in RATIOS.items():
+        x, y = by.get(a, {}).get("aggregate_goodput_MBps"), by.get(b, {}).get("aggregate_goodput_MBps")
+        out[name] = round(x / y, 3) if x and y else None
+    return out
 
-    def ratio(a: str, b: str, key: str, invert: bool = False) -> float | None:
-        x, y = by.get(a, {}).get(key), by.get(b, {}).get(key)
-        if not x or not y:
-            return None
-        return round(y / x if invert else x / y, 3)
 
-    ratios = {
-        "origin_direct_goodput_over_nginx_ours": ratio("origin_direct", "nginx_ours", "aggregate_goodput_MBps"),
-        "swarmrl_goodput_over_nginx_ours": ratio("swarmrl", "nginx_ours", "aggregate_goodput_MBps"),
-        "swarmrl_goodput_over_nginx_curl": ratio("swarmrl", "nginx_curl", "aggregate_goodput_MBps"),
-        "swarmrl_speedup_over_pypi_shardcast": ratio("swarmrl", "pypi_shardcast", "seconds_until_all_clients_done", invert=True),
-        "nginx_ours_goodput_over_nginx_curl": ratio("nginx_ours", "nginx_curl", "aggregate_goodput_MBps"),
-    }
-    doc = {"meta": meta, "ratios": ratios, "scenarios": rows}
+def spread(values: list[float]) -> str:
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return "—"
+    mid = values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+    return f"{mid:.3g} [{values[0]:.3g}–{values[-1]:.3g}]"
+
+
+def write_results(out: str, rounds: list[list[dict]], meta: dict) -> None:
+    ratios = [round_ratios(rows) for rows in rounds]
+    doc = {"meta": meta, "rounds": [{"scenarios": rows, "ratios": r} for rows, r in zip(rounds, ratios)]}
     Path(out + ".json").write_text(json.dumps(doc, indent=2) + "\n")
+    scenarios = list(dict.fromkeys(r["scenario"] for rows in rounds for r in rows))
     lines = [
         "# shardcast broadcast benchmark",
         "",
         f"`{meta['command']}` — {meta['when']}, {meta['gib']} GiB in {meta['shards']} shards, {meta['clients']} clients, loopback, "
-        f"{os.cpu_count()} cores shared with other jobs (load before: {meta['loadavg_before']}).",
+        f"{os.cpu_count()} cores shared with other jobs (load before: {meta['loadavg_before']}, after: {meta.get('loadavg_after')}). "
+        f"{len(rounds)} rounds; in each, every scenario ran once, in this order, with a cleanup + sync + pause between.",
+        "",
+        "Median [min–max] over the rounds:",
         "",
         "| scenario | verified | all clients done (s) | aggregate goodput (MB/s) | CPU s, all processes |",
         "|---|---|---|---|---|",
     ]
-    for r in rows:
-        lines.append(f"| {r['scenario']} | {r.get('verified')} | {r.get('seconds_until_all_clients_done')} | {r.get('aggregate_goodput_MBps')} | {r.get('cpu_seconds_all_processes')} |")
-    lines += ["", "| ratio | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in ratios.items()]
+    for name in scenarios:
+        rs = [r for rows in rounds for r in rows if r["scenario"] == name]
+        lines.append(
+            f"| {name} | {rs[0].get('verified')} | {spread([r.get('seconds_until_all_clients_done') for r in rs])} | "
+            f"{spread([r.get('aggregate_goodput_MBps') for r in rs])} | {spread([r.get('cpu_seconds_all_processes') for r in rs])} |"
+        )
+    lines += ["", "Goodput ratios, each from scenarios of the same round:", "", "| ratio | median [min–max] | every round |", "|---|---|---|"]
+    for name in RATIOS:
+        vals = [r[name] for r in ratios]
+        if any(v is not None for v in vals):
+            lines.append(f"| {name} | {spread(vals)} | {', '.join('—' if v is None else str(v) for v in vals)} |")
+    lines += ["", "Every run (all clients done, s / goodput MB/s):", ""]
+    for name in scenarios:
+        cells = [f"{r.get('seconds_until_all_clients_done')} / {r.get('aggregate_goodput_MBps')}" for rows in rounds for r in rows if r["scenario"] == name]
+        lines.append(f"- {name}: " + "; ".join(cells))
     lines += ["", f"publish (origin: split, serialize, sha256, fsync, sign) of {meta['gib']} GiB: {meta['publish_s']} s"]
     Path(out + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def setup_references(pypi_venv: Path) -> None:
+    """nginx (Debian's package) and PyPI shardcast 0.3.2 in its own venv: the benchmark's references."""
+    if shutil.which("nginx") is None:
+        subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", "nginx"], check=True)
+        if Path("/run/nginx.pid").exists():  # the package may start its service: stop it (our nginx runs on its own)
+            subprocess.run(["nginx", "-s", "stop"], check=False)
+    if not (pypi_venv / "bin" / "python").exists():
+        subprocess.run(["python3", "-m", "venv", str(pypi_venv)], check=True)  # the system Python: not our venv
+        subprocess.run([str(pypi_venv / "bin" / "pip"), "install", "-q", "shardcast==0.3.2"], check=True)
 
 
 def main() -> None:
@@ -419,9 +462,14 @@ def main() -> None:
     p.add_argument("--gib", type=float, default=1.0)
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--shard-mib", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3, help="every scenario once per round; ratios are taken within a round")
     p.add_argument("--skip-pypi", action="store_true")
+    p.add_argument("--pypi-rounds", type=int, default=1, help="rounds that include PyPI shardcast (slow: its sleeps)")
     p.add_argument("--skip-nginx", action="store_true")
+    p.add_argument("--setup", action="store_true", help="install nginx and the PyPI shardcast venv if missing")
+    p.add_argument("--pypi-venv", default=str(WORK / "venv-pypi-shardcast"))
     p.add_argument("--relay-parallelism", type=int, default=2)
+    p.add_argument("--client-parallelism", type=int, default=8)
     p.add_argument("--out", default=str(RESULTS / "shardcast_bench"))
     a = p.parse_args()
 
@@ -430,11 +478,15 @@ def main() -> None:
     from shardcast.keys import generate_signing_key, public_key_b64
     from shardcast.origin import Origin
 
+    global PYPI_VENV
+    PYPI_VENV = Path(a.pypi_venv)
+    if a.setup:
+        setup_references(PYPI_VENV)
     WORK.mkdir(parents=True, exist_ok=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="shardcast-bench-", dir=WORK))
     procs = Procs()
-    rows: list[dict] = []
+    rounds: list[list[dict]] = []
     meta = {"command": "python " + " ".join(["bench/shardcast_bench.py"] + sys.argv[1:]), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "gib": a.gib, "clients": a.clients, "loadavg_before": [round(x, 2) for x in os.getloadavg()]}
     try:
@@ -446,7 +498,7 @@ def main() -> None:
         cols = shard_bytes // 2 // 4096
         g = torch.Generator().manual_seed(0)
         state = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(4096, cols, generator=g).to(torch.bfloat16) for i in range(n)}
-        origin = Origin(work / "origin", key, keep_versions=2, shard_bytes=shard_bytes)
+        origin = Origin(work / "origin", key, run_id=RUN_ID, keep_versions=2, shard_bytes=shard_bytes)
         t = time.perf_counter()
         manifest = origin.publish(1, state)
         meta["publish_s"] = round(time.perf_counter() - t, 2)
@@ -456,7 +508,7 @@ def main() -> None:
         vdir = origin.version_dir(1)
         settle()
 
-        def measured(run) -> dict:
+        def measured(rows: list[dict], run) -> dict:
             """Run one scenario; add the CPU seconds of every process it used (children reaped, plus ours)."""
             c0, s0 = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
             row = run()
@@ -464,6 +516,7 @@ def main() -> None:
             c1, s1 = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
             cpu = (c1.ru_utime - c0.ru_utime) + (c1.ru_stime - c0.ru_stime) + (s1.ru_utime - s0.ru_utime) + (s1.ru_stime - s0.ru_stime)
             row["cpu_seconds_all_processes"] = round(cpu, 1)
+            row["round"] = len(rounds)
             rows.append(row)
             settle()
             return row
@@ -478,17 +531,22 @@ def main() -> None:
                     proc.wait(10)
             return run
 
-        if not a.skip_nginx:
-            measured(with_nginx(lambda url: scenario_nginx_curl(work, url, manifest, a.clients, procs)))
-            measured(with_nginx(lambda url: scenario_nginx_ours(work, url, manifest, pub, a.clients, procs)))
-        measured(lambda: scenario_origin_direct(work, origin, manifest, pub, a.clients, procs))
-        measured(lambda: scenario_swarmrl(work, origin, manifest, pub, a.clients, procs, a.relay_parallelism))
-        for i in range(2):
-            shutil.rmtree(work / f"relay{i}", ignore_errors=True)
-        if not a.skip_pypi:
-            measured(lambda: scenario_pypi(work, vdir, manifest, a.clients, shard_bytes, procs))
+        for i in range(a.rounds):
+            rows: list[dict] = []
+            if not a.skip_nginx:
+                measured(rows, with_nginx(lambda url: scenario_nginx_curl(work, url, manifest, a.clients, procs)))
+                measured(rows, with_nginx(lambda url: scenario_nginx_ours(work, url, manifest, pub, a.clients, procs, a.client_parallelism)))
+            measured(rows, lambda: scenario_origin_direct(work, origin, manifest, pub, a.clients, procs, a.client_parallelism))
+            measured(rows, lambda: scenario_swarmrl(work, origin, manifest, pub, a.clients, procs, a.relay_parallelism, a.client_parallelism))
+            for j in range(2):
+                shutil.rmtree(work / f"relay{j}", ignore_errors=True)
+            if not a.skip_pypi and i < a.pypi_rounds:
+                measured(rows, lambda: scenario_pypi(work, vdir, manifest, a.clients, shard_bytes, procs))
+                for j in ("pypi-origin", "pypi-middle0", "pypi-middle1", "pypi-client0", "pypi-client1", "pypi-client2", "pypi-client3", "checkpoint.bin"):
+                    shutil.rmtree(work / j, ignore_errors=True) if (work / j).is_dir() else (work / j).unlink(missing_ok=True)
+            rounds.append(rows)
         meta["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
-        write_results(a.out, rows, meta)
+        write_results(a.out, rounds, meta)
     finally:
         procs.stop_all()
         shutil.rmtree(work, ignore_errors=True)

@@ -205,8 +205,9 @@ class HiddenStateCapture:
         }
         return {"requests": out, "stats": stats}
 
-    def swarmrl_reload(self, weights_path: str) -> None:
-        """Load `*.safetensors` from `weights_path` into the running model, in place.
+    def swarmrl_reload(self, weights_path: str | None = None, weights: list | None = None) -> None:
+        """Load `*.safetensors` from `weights_path`, or (in-process only) `weights` = [(name, tensor)], into
+        the running model, in place.
 
         vLLM's CPU build repacks linear weights into oneDNN GEMMs. With tied embeddings the reload
         updates `embed_tokens` but leaves the lm_head's packed GEMM holding the old matrix
@@ -214,7 +215,10 @@ class HiddenStateCapture:
         """
         from vllm.config import set_current_vllm_config
 
-        self.reload_weights(weights_path=weights_path)
+        if weights is not None:
+            self.reload_weights(weights_iterator=iter(weights))
+        else:
+            self.reload_weights(weights_path=weights_path)
         model = self.model_runner.model
         if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
             head = model.lm_head

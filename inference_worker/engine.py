@@ -226,23 +226,29 @@ class RolloutEngine:
     # ----------------------------------------------------------------------------------------------
     # Weights
 
-    def reload(self, weights_dir: Path | str, version: int, model_hash: str) -> float:
-        """Load `weights_dir/*.safetensors` (a shardcast version folder) in place; returns seconds taken.
+    def reload(self, weights_dir: Path | str, version: int, model_hash: str, state: dict[str, torch.Tensor] | None = None) -> float:
+        """Load a new policy version in place; returns seconds taken.
 
-        Generation afterwards uses the new weights: the tied-embedding lm_head is repacked inside the
-        worker (`HiddenStateCapture.swarmrl_reload`) and the prefix cache, which holds KV computed with
-        the old weights, is cleared.
+        `state`: the version's verified tensors in memory (a shardcast pull that applied deltas has them):
+        in-process, vLLM takes them directly and the disk is not read. Otherwise (or in multiprocess mode,
+        where tensors cannot cross to the engine process) `weights_dir/*.safetensors` is read. Generation
+        afterwards uses the new weights: the tied-embedding lm_head is repacked inside the worker
+        (`HiddenStateCapture.swarmrl_reload`) and the prefix cache, which holds KV computed with the old
+        weights, is cleared.
         """
         weights_dir = Path(weights_dir)
-        if not any(weights_dir.glob("*.safetensors")):
-            raise FileNotFoundError(f"no *.safetensors in {weights_dir}")
         started = time.perf_counter()
-        self.llm.collective_rpc("swarmrl_reload", args=(str(weights_dir),))
+        if state is not None and not self.config.multiprocess:
+            self.llm.collective_rpc("swarmrl_reload", kwargs={"weights": list(state.items())})
+        elif not any(weights_dir.glob("*.safetensors")):
+            raise FileNotFoundError(f"no *.safetensors in {weights_dir}")
+        else:
+            self.llm.collective_rpc("swarmrl_reload", args=(str(weights_dir),))
         self.llm.reset_prefix_cache()
         self.policy_version = int(version)
         self.model_hash = model_hash
         took = time.perf_counter() - started
-        log.info("reloaded policy version %d from %s in %.2f s", version, weights_dir, took)
+        log.info("reloaded policy version %d from %s in %.2f s", version, "memory" if state is not None and not self.config.multiprocess else weights_dir, took)
         return took
 
     def close(self) -> None:

@@ -130,7 +130,7 @@ class Worker:
         self.stats.worker_id = reg.worker_id
         self.stats.orchestrator_version = reg.policy_version
         self.min_version = staleness.min_policy_version(reg.policy_version, reg.async_level)
-        self.keeper.set_sources(reg.relay_urls, reg.manifest_public_key)
+        self.keeper.set_sources(reg.relay_urls, reg.manifest_public_key, reg.run_id, reg.origin_url)
         self.keeper.observe(reg.policy_version)
         self.stats.event(f"registered as {reg.worker_id}")
         log.info("registered as %s (policy version %d, async level %d)", reg.worker_id, reg.policy_version, reg.async_level)
@@ -201,11 +201,13 @@ class Worker:
                 return True  # newest we have; the next version downloads in the background
         if self.engine is None:
             self._set_state(WorkerState.starting)
-            self.engine = self._make_engine(pulled.path)
+            self.engine = self._make_engine(pulled.wait_written())
             # Starting the engine takes seconds; meanwhile the keeper may have pulled newer versions and
             # pruned this one (a worker restarted mid-run meets a stream of new versions): load the newest.
             pulled = self.keeper.ready or pulled
-        took = self.engine.reload(pulled.path, pulled.version, pulled.manifest.model_hash)
+        if pulled.state is None or getattr(getattr(self.engine, "config", None), "multiprocess", True):
+            pulled.wait_written()  # the engine reads the version folder
+        took = self.engine.reload(pulled.path, pulled.version, pulled.manifest.model_hash, state=pulled.state)
         self.stats.loaded_version = pulled.version
         self.stats.event(f"loaded policy version {pulled.version} ({took:.2f} s)")
         return True

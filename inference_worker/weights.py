@@ -2,8 +2,9 @@
 
 The loop tells the keeper which version the orchestrator is at (`observe`, from registration, every
 heartbeat ack and every `version_too_old`). The keeper pulls the newest version the relays serve into
-`dest_root/v<N>` (shards verified against the signed manifest) while the engine keeps generating with the
-version it has loaded. The loop swaps the new version in between two tasks, and only blocks on the
+`dest_root/v<N>` (full shards or deltas, verified against the run's signed manifest; the origin as the
+fallback) while the engine keeps generating with the version it has loaded. A version reached by deltas
+comes with its weights in memory (`PulledVersion.state`), so the engine reloads without reading the disk. The loop swaps the new version in between two tasks, and only blocks on the
 download (`wait_for`) when its loaded version is below what the orchestrator still accepts.
 """
 
@@ -20,11 +21,11 @@ log = logging.getLogger(__name__)
 
 
 class WeightsKeeper:
-    def __init__(self, dest_root: Path, *, make_client: Callable[[list[str], str, Path], object] | None = None, backoff_initial_s: float = 0.5, backoff_max_s: float = 10.0):
+    def __init__(self, dest_root: Path, *, make_client: Callable[..., object] | None = None, backoff_initial_s: float = 0.5, backoff_max_s: float = 10.0):
         self.dest_root = Path(dest_root)
         self._make_client = make_client or _shardcast_client
         self._client = None
-        self._sources: tuple[tuple[str, ...], str] | None = None
+        self._sources: tuple[tuple[str, ...], str, str, str] | None = None  # relays, public key, run id, origin
         self._cond = threading.Condition()
         self._wanted = -1  # newest version the orchestrator announced
         self._ready = None  # newest PulledVersion on disk
@@ -44,10 +45,11 @@ class WeightsKeeper:
             self._cond.notify_all()
         self._thread.join(timeout=30)
 
-    def set_sources(self, relay_urls: list[str], public_key_b64: str) -> None:
-        """Where to pull from and which key signs manifests (from the registration answer)."""
+    def set_sources(self, relay_urls: list[str], public_key_b64: str, run_id: str, origin_url: str = "") -> None:
+        """Where to pull from, which key signs manifests and for which run (from the registration answer);
+        the origin is the fallback when relays fail or are too slow."""
         with self._cond:
-            key = (tuple(relay_urls), public_key_b64)
+            key = (tuple(relay_urls), public_key_b64, run_id, origin_url)
             if key != self._sources:
                 self._sources = key
                 self._client = None
@@ -86,7 +88,8 @@ class WeightsKeeper:
                 if self._stop:
                     return
                 if self._client is None:
-                    self._client = self._make_client(list(self._sources[0]), self._sources[1], self.dest_root)
+                    relays, public_key, run_id, origin = self._sources
+                    self._client = self._make_client(list(relays), public_key, self.dest_root, run_id=run_id, fallback_urls=[origin] if origin else [])
                 client = self._client
                 have = self._ready.version if self._ready is not None else -1
                 wanted = self._wanted
@@ -114,8 +117,12 @@ class WeightsKeeper:
                 self._cond.wait(next(delays))
 
 
-def _shardcast_client(urls: list[str], public_key_b64: str, dest_root: Path):
+def _shardcast_client(urls: list[str], public_key_b64: str, dest_root: Path, *, run_id: str, fallback_urls: list[str]):
     from shardcast.client import ShardcastClient
     from shardcast.config import DEFAULTS
 
-    return ShardcastClient(urls, public_key_b64, dest_root, keep_versions=DEFAULTS.keep_versions)
+    # keep_state: the last weights stay in memory, the base of the next delta and the source of hot reloads;
+    # write_behind: a version reached by deltas is written to disk after vLLM can already reload it.
+    return ShardcastClient(
+        urls, public_key_b64, dest_root, run_id=run_id, fallback_urls=fallback_urls, keep_versions=DEFAULTS.keep_versions, write_behind=True,
+    )

@@ -88,6 +88,8 @@ class Orchestrator:
         run_name: str = "run",
         relay_urls: list[str] | None = None,
         manifest_public_key: str = "",
+        run_id: str = "",
+        origin_url: str = "",
         make_job: Callable[..., Any] = default_make_job,
         verify_batch: int = 16,
     ):
@@ -97,6 +99,8 @@ class Orchestrator:
         self.run_name = run_name
         self.relay_urls = list(relay_urls or [])
         self.manifest_public_key = manifest_public_key
+        self.run_id = run_id or run_name  # workers accept only manifests signed for this run
+        self.origin_url = origin_url  # the workers' fallback when relays fail
         self.metrics = Metrics()
         self.windows = RunWindows()
         self.tokens = JoinTokens(db, [t.get_secret_value() for t in config.join_tokens], config.max_identities_per_token, config.lease_cooldown_s)
@@ -179,6 +183,8 @@ class Orchestrator:
             policy_version=self._version,
             relay_urls=self.relay_urls,
             manifest_public_key=self.manifest_public_key,
+            run_id=self.run_id,
+            origin_url=self.origin_url,
         )
 
     def heartbeat(self, worker_id: str, path_worker_id: str, hb: Heartbeat) -> HeartbeatAck:

@@ -29,6 +29,8 @@ MAX_ID_CHARS = 64
 MAX_NAME_CHARS = 64
 MAX_MESSAGE_CHARS = 2048
 MAX_SHARDS_PER_MANIFEST = 10_000
+MAX_DELTAS_PER_MANIFEST = 16  # delta objects of one version (from the previous version, the anchor...)
+MAX_RUN_ID_CHARS = 128
 MAX_SHARD_NAME_CHARS = 128
 
 

@@ -26,6 +26,8 @@ Id = Annotated[str, Field(min_length=1, max_length=limits.MAX_ID_CHARS, pattern=
 Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 Message = Annotated[str, Field(max_length=limits.MAX_MESSAGE_CHARS)]
 Version = Annotated[int, Field(ge=0, le=2**31 - 1)]
+# A run's identity, signed into every policy manifest: the run config's name plus a part made once per run.
+RunId = Annotated[str, Field(min_length=1, max_length=limits.MAX_RUN_ID_CHARS, pattern=r"^[\w.:-]+$")]
 PromptTokens = Annotated[np.ndarray, PackedArray("int32", limits.MAX_PROMPT_TOKENS)]
 # Deferred: the batched checks of protocol.validation turn them into arrays.
 CompletionTokens = Annotated[np.ndarray, COMPLETION_TOKENS]
@@ -95,6 +97,10 @@ class WorkerRegistered(WireModel):
     # Where to pull weights from, and the key that signs every manifest (base64 raw ed25519 public key).
     relay_urls: Annotated[list[Annotated[str, Field(max_length=512)]], Field(max_length=64)]
     manifest_public_key: Annotated[str, Field(max_length=128)]
+    # The run every manifest must name: a manifest signed by the same key in another run is refused.
+    run_id: RunId
+    # The shardcast origin: the fallback when relays lie, stall or lack a version ("" if not reachable).
+    origin_url: Annotated[str, Field(max_length=512)] = ""
 
 
 class WorkerState(str, Enum):
@@ -365,19 +371,48 @@ class ShardEntry(WireModel):
         return v
 
 
+class DeltaRef(WireModel):
+    """A delta object of a version: turns `base_version` (whose model hash must be `base_model_hash`)
+    into this version, bit for bit. `file` is one of the manifest's `shards` (sha256 and size signed there)."""
+
+    base_version: Version
+    base_model_hash: Sha256Hex
+    file: ShardName
+
+
 class PolicyManifest(WireModel):
+    """One version of a run's policy, as files: the full safetensors shards (an anchor) and/or delta objects.
+
+    Every file is in `shards` with its signed sha256 and size, so servers treat them all alike; `deltas` says
+    which of them are deltas. A version with full shards is an anchor (`anchor_version == version`); any
+    other names the newest anchor at or below it. `full_bytes` is what the full shards weigh (the cost a
+    delta saves), and `model_hash` (shardcast.weights.model_hash) is what any path to this version must yield.
+    """
+
+    run_id: RunId
     version: Version
     model_hash: Sha256Hex
+    anchor_version: Version
+    full_bytes: Annotated[int, Field(ge=0, le=1 << 50)]
     shards: Annotated[list[ShardEntry], Field(min_length=1, max_length=limits.MAX_SHARDS_PER_MANIFEST)]
+    deltas: Annotated[list[DeltaRef], Field(max_length=limits.MAX_DELTAS_PER_MANIFEST)] = []
     created_at: Annotated[float, Field(ge=0, allow_inf_nan=False)]
     # base64 ed25519 signature over `signing_payload()`; empty until signed.
     signature: Annotated[str, Field(max_length=128)] = ""
 
     @model_validator(mode="after")
-    def _unique_names(self) -> "PolicyManifest":
+    def _consistent(self) -> "PolicyManifest":
         names = [s.name for s in self.shards]
         if len(set(names)) != len(names):
             raise ValueError("shard names are not unique")
+        files = [d.file for d in self.deltas]
+        if len(set(files)) != len(files) or not set(files) <= set(names):
+            raise ValueError("every delta must name its own file among the shards")
+        if any(d.base_version >= self.version for d in self.deltas):
+            raise ValueError("a delta's base must be an earlier version")
+        full = len(names) > len(files)
+        if full != (self.anchor_version == self.version) or self.anchor_version > self.version:
+            raise ValueError("anchor_version must be the version itself exactly when it has full shards")
         return self
 
     def signing_payload(self) -> bytes:
@@ -387,7 +422,17 @@ class PolicyManifest(WireModel):
 
     @property
     def total_bytes(self) -> int:
+        """Every file of the version (full shards and deltas): what a relay mirrors."""
         return sum(s.size for s in self.shards)
+
+    @property
+    def full_shards(self) -> list[ShardEntry]:
+        """The safetensors shards of the whole model (empty unless this version is an anchor)."""
+        files = {d.file for d in self.deltas}
+        return [s for s in self.shards if s.name not in files]
+
+    def file(self, name: str) -> ShardEntry:
+        return next(s for s in self.shards if s.name == name)
 
     def signature_bytes(self) -> bytes:
         try:

@@ -1,7 +1,8 @@
 """The run's ed25519 key: the origin signs every manifest, relays and clients verify with the public key.
 
 The signature covers `PolicyManifest.signing_payload()` (every field but the signature, canonical JSON),
-so the per-shard sha256 values are signed too: one signature authenticates every byte of a version.
+so the per-file sha256 values and the run id are signed too: one signature authenticates every byte of a
+version, and a manifest signed with the same key in another run is told apart by its run id.
 """
 
 from __future__ import annotations
@@ -79,13 +80,20 @@ def verify_manifest(manifest: PolicyManifest, public_key: str | Ed25519PublicKey
         raise ManifestError(f"manifest of version {manifest.version} has a forged signature") from None
 
 
-def parse_verified_manifest(body: bytes, public_key: str | Ed25519PublicKey, version: int | None = None) -> PolicyManifest:
-    """Parse untrusted manifest bytes, check the signature and (if given) that it is the version asked for."""
+def check_run(manifest: PolicyManifest, run_id: str) -> None:
+    """Raise ManifestError unless a (verified) manifest belongs to this run."""
+    if manifest.run_id != run_id:
+        raise ManifestError(f"manifest of version {manifest.version} belongs to run {manifest.run_id[:80]!r}, not {run_id!r}")
+
+
+def parse_verified_manifest(body: bytes, public_key: str | Ed25519PublicKey, version: int | None = None, *, run_id: str) -> PolicyManifest:
+    """Parse untrusted manifest bytes; check the signature, the run and (if given) the version asked for."""
     try:
         manifest = PolicyManifest.model_validate_json(body)
     except ValueError as e:
         raise ManifestError(f"malformed manifest: {str(e)[:300]}") from None
     verify_manifest(manifest, public_key)
+    check_run(manifest, run_id)
     if version is not None and manifest.version != version:
         raise ManifestError(f"asked for version {version}, got a manifest for version {manifest.version}")
     return manifest

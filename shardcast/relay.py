@@ -1,38 +1,46 @@
-"""A relay: mirrors the newest K versions of its upstreams (the origin or other relays) and serves them.
+"""A relay: mirrors the newest K versions of its upstreams (the origin or other relays), with the delta chains
+back to their anchors, and serves them.
 
-- A version is listed only once its manifest's signature checked out against the run's key.
-- Each shard is downloaded by the same code as the client (parallel, resumable, throughput-weighted over
-  several upstreams) into `.<name>.part`, and becomes servable only after its sha256 matched the signed
-  manifest (renamed to its final name, then added to the index). Clients asking for a listed shard that
-  is still on its way wait for it (bounded; then 503), so a relay serves a version while it arrives.
-- A relay can start empty, or restart on its folder: it re-checks the signatures of what it has, keeps
-  the verified shards and resumes the rest.
+- A version is listed only once its manifest's signature and run id checked out against the run's key.
+- Each file (full shard or delta object: both are opaque signed files here) is downloaded by the same code
+  as the client (parallel, resumable, throughput-weighted over several upstreams, no upstream can stall
+  it) into `.<name>.part`, and becomes servable only after its sha256 matched the signed manifest
+  (renamed to its final name, then added to the index). Clients asking for a listed file that is still
+  on its way wait for it (bounded; then 503), so a relay serves a version while it arrives.
+- A relay can start empty, or restart on its folder: it re-checks the signatures and run ids of what it
+  has, keeps the verified files (re-hashed) and resumes the rest.
+- The run: given (`run_id`), or, if not, followed: the run of the newest version upstream signs. A relay
+  that follows drops what it holds of an earlier run as soon as the key signs a new one. Workers check the
+  run id themselves (they learn it from the orchestrator), so this is hygiene, not their protection.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 
+from protocol import api
 from protocol.models import PolicyManifest
 from shardcast.config import DEFAULTS
 from shardcast.files import file_matches
-from shardcast.transfer import ServerPool, ShardcastError
-from shardcast.keys import ManifestError, verify_manifest
+from shardcast.keys import ManifestError, check_run, verify_manifest
+from shardcast.sources import TransferPolicy
 from shardcast.store import VersionStore
+from shardcast.transfer import MAX_MANIFEST_BYTES, FileJob, ServerPool, ShardcastError
 
 log = logging.getLogger(__name__)
 
 
 class RelayStore(VersionStore):
-    """A store that re-checks the run's signature on every manifest it finds on disk."""
-
-    def __init__(self, root: Path, keep_versions: int, grace_s: float, public_key_b64: str):
-        self.public_key_b64 = public_key_b64
-        super().__init__(root, keep_versions, grace_s)
+    """A store that re-checks the run's signature (and run id, once known) on every manifest it finds on disk."""
 
     trust_disk = False
+
+    def __init__(self, root: Path, keep_versions: int, grace_s: float, public_key_b64: str, run_id: str | None):
+        self.public_key_b64 = public_key_b64
+        super().__init__(root, keep_versions, grace_s, run_id=run_id)
 
     def check_manifest(self, body: bytes, version: int) -> PolicyManifest:
         manifest = super().check_manifest(body, version)
@@ -49,56 +57,102 @@ class Relay:
         upstream_urls: list[str],
         root: Path,
         public_key_b64: str,
+        *,
+        run_id: str | None,
         keep_versions: int = DEFAULTS.keep_versions,
         poll_interval_s: float = DEFAULTS.relay_poll_interval_s,
         parallelism: int = DEFAULTS.relay_parallelism,
         grace_s: float = DEFAULTS.delete_grace_s,
-        timeout_s: float = DEFAULTS.request_timeout_s,
+        policy: TransferPolicy | None = None,
     ):
-        self.store = RelayStore(root, keep_versions, grace_s, public_key_b64)
-        self.upstream = ServerPool(upstream_urls, public_key_b64, parallelism=parallelism, timeout_s=timeout_s)
+        self.store = RelayStore(root, keep_versions, grace_s, public_key_b64, run_id)
+        self.follow = run_id is None
+        self.upstream = ServerPool(upstream_urls, public_key_b64, run_id=run_id or "", parallelism=parallelism, policy=policy)
         self.poll_interval_s = poll_interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @property
+    def run_id(self) -> str | None:
+        return self.store.run_id
 
     def versions(self) -> list[int]:
         return self.store.versions()
 
     def sync_once(self) -> list[int]:
-        """Mirror the newest K upstream versions, newest first; returns the versions now complete here."""
-        listings = self.upstream.list_versions()
+        """Mirror the window of upstream versions, newest first; returns the versions now complete here."""
+        listings = self.upstream.list_versions(fallback=True)
         upstream_versions = sorted({v for vs in listings.values() for v in vs})
-        window = sorted(set(upstream_versions) | set(self.store.versions()))[-self.store.keep_versions :]
-        wanted = [v for v in window if v in upstream_versions]
-        for v in reversed(wanted):
+        if self.follow and upstream_versions:
+            self._follow(upstream_versions[-1], listings)
+        if self.run_id is None:
+            return self.store.complete_versions()
+        holders = {v: [u for u, vs in listings.items() if v in vs] for v in upstream_versions}
+        # The newest K first (their manifests name their anchors), then every version back to the oldest anchor.
+        newest = sorted(set(upstream_versions) | set(self.store.versions()))[-self.store.keep_versions :]
+        for v in reversed([v for v in newest if v in holders]):
+            self._try(self._list, v, holders[v])
+        floor = self.store.window_floor()
+        for v in reversed([v for v in upstream_versions if floor is not None and v >= floor]):
             if self._stop.is_set():
                 break
-            try:
-                self._mirror(v, [u for u, vs in listings.items() if v in vs])
-            except (ShardcastError, OSError) as e:
-                log.warning("relay could not mirror version %d yet: %s", v, e, extra={"version": v})
+            if self._try(self._list, v, holders[v]):
+                self._try(self._mirror, v, holders[v])
         self.store.prune()
         return self.store.complete_versions()
 
-    def _mirror(self, version: int, holders: list[str]) -> None:
+    @staticmethod
+    def _try(step, version: int, holders: list[str]) -> bool:
+        try:
+            step(version, holders)
+            return True
+        except (ShardcastError, ManifestError, OSError) as e:
+            log.warning("relay could not mirror version %d yet: %s", version, e, extra={"version": version})
+            return False
+
+    def _follow(self, newest: int, listings: dict[str, list[int]]) -> None:
+        """Adopt the run of the newest upstream version (signature checked); drop versions of another run."""
+        pool = self.upstream
+        for url in [u for u, vs in listings.items() if newest in vs]:
+            try:
+                body = pool.http.get_small(url, api.SHARDCAST_MANIFEST.format(version=newest), MAX_MANIFEST_BYTES, time.monotonic() + pool.policy.request_timeout_s)
+                manifest = PolicyManifest.model_validate_json(body)
+                verify_manifest(manifest, pool.public_key)
+            except Exception as e:  # noqa: BLE001 - a bad upstream answer: ask the next one
+                log.info("cannot learn the run from %s: %s", url, e)
+                continue
+            if manifest.run_id != self.store.run_id:
+                log.warning("relay now follows run %s", manifest.run_id)
+                self.store.run_id = pool.run_id = manifest.run_id
+                for v in self.store.versions():
+                    m = self.store.manifest(v)
+                    if m is not None and m.run_id != manifest.run_id:
+                        self.store.drop(v)
+            return
+
+    def _list(self, version: int, holders: list[str]) -> None:
         if self.store.manifest(version) is None:
             manifest = self.upstream.fetch_manifest(version, prefer=holders)
+            check_run(manifest, self.store.run_id or "")
             self.store.begin_partial(version, manifest, manifest.model_dump_json().encode())
             log.info("relay listed version %d (manifest verified)", version, extra={"version": version})
+
+    def _mirror(self, version: int, holders: list[str]) -> None:
         manifest = self.store.manifest(version)
         missing = set(self.store.missing_shards(version))
-        if not missing:
+        if manifest is None or not missing:
             return
         folder = self.store.folder_of(version)
         for s in manifest.shards:  # left by an earlier run of this relay: serve only after re-hashing
             if s.name in missing and file_matches(folder / s.name, s):
                 self.store.add_shard(version, s.name)
                 missing.discard(s.name)
-        # In manifest order (clients ask in that order too), so the shards they wait on first arrive first.
-        entries = [s for s in manifest.shards if s.name in missing]
-        self.upstream.download_shards(
-            manifest, entries, folder, on_verified=lambda s: self.store.add_shard(version, s.name), version_holders=holders, ordered=True
-        )
+        # Deltas first (small, and what most clients want), then shards in manifest order (clients ask in
+        # that order too), so the files they wait on first arrive first.
+        delta_files = {d.file for d in manifest.deltas}
+        entries = sorted((s for s in manifest.shards if s.name in missing), key=lambda s: s.name not in delta_files)
+        jobs = [FileJob(version, s, folder, frozenset(holders)) for s in entries]
+        self.upstream.download_files(jobs, on_verified=lambda j: self.store.add_shard(version, j.entry.name), ordered=True)
 
     def run(self) -> None:
         while not self._stop.is_set():

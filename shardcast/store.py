@@ -10,6 +10,9 @@ No marker files: a version appears by renaming a finished folder (the manifest i
 relay's shard appears by renaming a verified file. Everything the server can see is in the in-memory
 index, which changes under one lock.
 
+Versions form delta chains (a version may be only a delta against an earlier one), so the newest K are
+kept together with every version back to the oldest anchor they need: pruning never breaks a chain.
+
 Deleting old versions never breaks a download:
 - a shard is opened under the index lock, and POSIX keeps an open file readable after its folder is
   renamed away and unlinked, so a transfer in flight always completes;
@@ -84,9 +87,10 @@ class VersionStore:
     # before serving it, so nothing unverified is ever served, even after a crash (see Relay._mirror).
     trust_disk = True
 
-    def __init__(self, root: Path, keep_versions: int, grace_s: float = 120.0):
+    def __init__(self, root: Path, keep_versions: int, grace_s: float = 120.0, run_id: str | None = None):
         if keep_versions < 1:
             raise ValueError("keep_versions must be >= 1")
+        self.run_id = run_id  # if set, versions of another run found on disk are deleted
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.keep_versions = keep_versions
@@ -123,6 +127,8 @@ class VersionStore:
         manifest = PolicyManifest.model_validate_json(body)
         if manifest.version != version:
             raise ValueError(f"manifest says version {manifest.version}")
+        if self.run_id is not None and manifest.run_id != self.run_id:
+            raise ValueError(f"manifest belongs to run {manifest.run_id!r}, not {self.run_id!r}")
         return manifest
 
     # -- what the server reads ----------------------------------------------------------------------
@@ -265,14 +271,21 @@ class VersionStore:
 
     # -- deletion -------------------------------------------------------------------------------------
 
-    def prune(self) -> list[int]:
-        """Delete versions older than the newest `keep_versions`, unless in use or touched within grace_s."""
-        now = time.monotonic()
-        doomed: list[tuple[int, Path]] = []
+    def window_floor(self) -> int | None:
+        """The oldest version to keep: the oldest anchor that the newest `keep_versions` need."""
         with self._lock:
             newest = sorted(self._entries)[-self.keep_versions :]
+            return min((self._entries[v].manifest.anchor_version for v in newest), default=None)
+
+    def prune(self) -> list[int]:
+        """Delete versions below the window (the newest `keep_versions` and the chains back to their
+        anchors), unless in use or touched within grace_s."""
+        now = time.monotonic()
+        doomed: list[tuple[int, Path]] = []
+        floor = self.window_floor()
+        with self._lock:
             for v, e in list(self._entries.items()):
-                if v in newest or e.active > 0 or now - e.last_access < self.grace_s:
+                if floor is None or v >= floor or e.active > 0 or now - e.last_access < self.grace_s:
                     continue
                 del self._entries[v]
                 trash = self.root / f".trash-{uuid.uuid4().hex}"

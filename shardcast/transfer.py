@@ -1,29 +1,28 @@
-"""Transfers from several untrusted shard servers: the HTTP connections, the server pool that picks a
-server per shard and bans liars, and the verified, resumable download of one shard. Used by the client
-(client.py) and by relays (relay.py).
+"""Transfers from several untrusted shard servers: version listings, signed manifests, and verified,
+resumable downloads of files (full shards and delta objects alike). Used by the client and by relays.
 
-- The manifest is trusted only after its ed25519 signature checks out; it then authenticates every shard
-  through its sha256, so a bad server is caught per shard, not after the whole download.
-- Shards download in parallel threads. Each request picks a server with probability proportional to its
-  measured throughput (an EMA), with some exploration; a server that fails is cooled down, one that
-  serves bytes not matching the signed hash (or a forged manifest) is banned.
-- Each shard streams straight into its file in the staging folder, hashed on the fly (writing to fresh
-  memory dominates on these machines, so bytes are written once, from one reused buffer). A cut
-  transfer resumes with `Range` from the bytes already on disk, on whichever server is picked next.
+- A manifest is trusted only after its ed25519 signature and its run id check out; it then authenticates
+  every file through its sha256, so a bad server is caught per file, not after the whole download.
+- Files download in parallel threads, each from a server picked by `sources.Sources` (throughput-weighted,
+  the origin as fallback). Each file streams straight into `.<name>.part` in its folder, hashed on the fly,
+  and is renamed to its name once its sha256 matched.
+- No source can stall a pull (`TransferPolicy`): every wait is bounded by the stall timeout, a transfer
+  slower than the floor rate over a window is moved to another source (its bytes are kept and resumed with
+  `Range`), each file has a deadline over all its attempts, and the caller gives a deadline for the pull.
+  A file whose bytes came from several sources and fail the hash is started over from one source, so a
+  liar cannot hide behind a resume; a single source whose bytes fail the hash is banned.
 
-Shard bodies use `http.client` rather than httpx: `HTTPResponse.readinto` fills a reused buffer with no
-per-chunk allocation, which measured faster on the hot path. No torch here: volunteers import this.
+No torch here: volunteers import this.
 """
 
 from __future__ import annotations
 
-import errno
+import fcntl
 import hashlib
-import http.client
 import logging
+import mmap
 import os
 import queue
-import random
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -39,36 +38,37 @@ from shardcast.config import DEFAULTS
 from shardcast.connections import Http, TransferFailed
 from shardcast.files import disk_error, hash_prefix, write_all
 from shardcast.keys import ManifestError, parse_public_key, parse_verified_manifest
+from shardcast.sources import ServerStats, Sources, TransferPolicy
 
 log = logging.getLogger(__name__)
 
 CLIENT_BYTES = Counter("shardcast_client_shard_bytes", "verified shard bytes downloaded")
-CLIENT_FAILURES = Counter("shardcast_client_shard_failures", "failed shard transfers", ["reason"])
 
 MAX_MANIFEST_BYTES = 8 << 20
 MAX_LISTING_BYTES = 1 << 20
+# Body reads of 64 KiB: with 1 MiB reads and on-the-fly hashing, 4 concurrent clients on one loopback box
+# took 15-17 s for 4 x 1 GiB where 64 KiB reads took 3.7-4.2 s (128 KiB: 5.1-5.9 s).
+CHUNK_BYTES = 64 << 10
+SPLICE_BYTES = 1 << 20  # per splice call (the pipe's size)
+_THREAD = threading.local()
 
 
 class ShardcastError(RuntimeError):
-    """A version could not be fetched from any server."""
+    """A version could not be fetched from any server (or not in time)."""
 
 
 class BadServer(Exception):
     """The server sent something the signed manifest proves wrong: ban it."""
 
 
-@dataclass
-class ServerStats:
-    url: str
-    throughput: float | None = None  # EMA of bytes/s per transfer
-    bytes: int = 0
-    failures: int = 0
-    cooldown_until: float = 0.0
-    banned: str | None = None  # reason
+@dataclass(frozen=True)
+class FileJob:
+    """One signed file of one version, to be verified into `folder/<name>`."""
 
-
-# -------------------------------------------------------------------------------------------------
-# Server pool: listing, manifests, and shard downloads with throughput-weighted server choice
+    version: int
+    entry: ShardEntry
+    folder: Path
+    holders: frozenset[str] | None = None  # servers that list the version (None: unknown)
 
 
 class ServerPool:
@@ -76,150 +76,133 @@ class ServerPool:
         self,
         urls: Iterable[str],
         public_key_b64: str,
+        *,
+        run_id: str,
+        fallback_urls: Iterable[str] = (),
         parallelism: int = DEFAULTS.client_parallelism,
         retries: int = DEFAULTS.client_retries,
-        timeout_s: float = DEFAULTS.request_timeout_s,
-        explore: float = 0.1,
-        chunk_bytes: int = 1 << 20,
+        policy: TransferPolicy | None = None,
+        chunk_bytes: int = CHUNK_BYTES,
         durable: bool = False,
         on_progress: Callable[[str, str, int], None] | None = None,
         seed: int | None = None,
-        max_wait_s: float = 600.0,
     ):
-        self.urls = [u.rstrip("/") for u in urls]
-        if not self.urls:
-            raise ValueError("need at least one server URL")
+        self.sources = Sources(urls, fallback_urls, policy, seed=seed)
+        self.policy = self.sources.policy
+        self.urls = self.sources.urls
+        self.stats = self.sources.stats
         self.public_key = parse_public_key(public_key_b64)
+        self.run_id = run_id
         self.parallelism = parallelism
         self.retries = retries
-        self.explore = explore
         self.chunk_bytes = chunk_bytes
         self.durable = durable
-        self.max_wait_s = max_wait_s
         self.on_progress = on_progress
-        self.http = Http(timeout_s)
-        self.stats = {u: ServerStats(u) for u in self.urls}
-        self._lock = threading.Lock()
-        self._rng = random.Random(seed)
-
-    # -- server choice ----------------------------------------------------------------------------------
-
-    def _eligible(self, exclude: set[str]) -> list[ServerStats]:
-        return [s for s in self.stats.values() if s.banned is None and s.url not in exclude]
-
-    def choose(self, exclude: set[str]) -> ServerStats | None:
-        """Probability ∝ measured throughput; unmeasured servers count as the best seen (so get tried)."""
-        with self._lock:
-            candidates = self._eligible(exclude)
-            if not candidates:
-                return None
-            now = time.monotonic()
-            warm = [s for s in candidates if s.cooldown_until <= now] or sorted(candidates, key=lambda s: s.cooldown_until)[:1]
-            if self._rng.random() < self.explore:
-                return self._rng.choice(warm)
-            known = [s.throughput for s in warm if s.throughput]
-            default = max(known) if known else 1.0
-            weights = [s.throughput or default for s in warm]
-            return self._rng.choices(warm, weights=weights)[0]
-
-    def _record_success(self, s: ServerStats, nbytes: int, seconds: float) -> None:
-        with self._lock:
-            s.bytes += nbytes
-            if nbytes >= 64 << 10 and seconds > 0:
-                rate = nbytes / seconds
-                s.throughput = rate if s.throughput is None else 0.7 * s.throughput + 0.3 * rate
-
-    def _record_failure(self, s: ServerStats, reason: str) -> None:
-        with self._lock:
-            s.failures += 1
-            s.cooldown_until = time.monotonic() + min(10.0, 0.5 * 2 ** min(s.failures, 5))
-            s.throughput = None if s.throughput is None else s.throughput * 0.5
-        CLIENT_FAILURES.labels(reason).inc()
+        self.http = Http(self.policy.stall_timeout_s)
 
     def ban(self, url: str, reason: str) -> None:
-        with self._lock:
-            if self.stats[url].banned is None:
-                log.warning("banning shard server %s: %s", url, reason, extra={"server": url})
-                self.stats[url].banned = reason
+        self.sources.ban(url, reason)
 
     # -- listing and manifests --------------------------------------------------------------------------
 
-    def list_versions(self) -> dict[str, list[int]]:
-        """Version lists of every reachable, non-banned server (queried in parallel)."""
+    def list_versions(self, fallback: bool = False) -> dict[str, list[int]]:
+        """Version lists of the usable servers that answer within the request deadline (asked in parallel).
+        Fallback servers are asked only with `fallback=True` (relays carry the load)."""
         out: dict[str, list[int]] = {}
+        deadline = time.monotonic() + self.policy.request_timeout_s
 
         def one(url: str) -> None:
             try:
-                body = self.http.get_small(url, api.SHARDCAST_VERSIONS, MAX_LISTING_BYTES)
+                body = self.http.get_small(url, api.SHARDCAST_VERSIONS, MAX_LISTING_BYTES, deadline)
                 out[url] = VersionList.model_validate_json(body).versions
             except (TransferFailed, ValueError) as e:
+                if isinstance(e, TransferFailed) and e.slow:
+                    self.sources.record_failure(url, "slow")
                 log.info("cannot list versions on %s: %s", url, e)
 
-        threads = [threading.Thread(target=one, args=(s.url,)) for s in self._eligible(set())]
+        threads = [threading.Thread(target=one, args=(s.url,), daemon=True) for s in self.sources.usable() if fallback or not s.fallback]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()) + 0.5)
+        return dict(out)
+
+    def fetch_manifest(self, version: int, prefer: Iterable[str] = ()) -> PolicyManifest:
+        """The signed manifest of `version` (of this run) from the first server that gives one; liars are banned."""
+        errors = []
+        path = api.SHARDCAST_MANIFEST.format(version=version)
+        for url in self.sources.ordered(prefer):
+            deadline = time.monotonic() + self.policy.request_timeout_s
+            try:
+                body = self.http.get_small(url, path, MAX_MANIFEST_BYTES, deadline)
+                return parse_verified_manifest(body, self.public_key, version, run_id=self.run_id)
+            except ManifestError as e:
+                self.ban(url, str(e))
+                errors.append(f"{url}: {e}")
+            except TransferFailed as e:
+                if e.slow:
+                    self.sources.record_failure(url, "slow")
+                errors.append(f"{url}: {e}")
+        raise ShardcastError(f"no server gave a valid signed manifest for version {version} of run {self.run_id}: " + "; ".join(errors[-6:]))
+
+    def fetch_manifests(self, versions: Iterable[int], listings: dict[str, list[int]]) -> dict[int, PolicyManifest]:
+        """Several manifests at once; versions no server can prove are left out (a missing link)."""
+        out: dict[int, PolicyManifest] = {}
+        todo: queue.Queue[int] = queue.Queue()
+        for v in versions:
+            todo.put(v)
+
+        def worker() -> None:
+            while True:
+                try:
+                    v = todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    out[v] = self.fetch_manifest(v, prefer=[u for u, vs in listings.items() if v in vs])
+                except ShardcastError as e:
+                    log.info("%s", e)
+
+        threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(8, todo.qsize()))]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         return out
 
-    def fetch_manifest(self, version: int, prefer: Iterable[str] = ()) -> PolicyManifest:
-        """The signed manifest of `version` from the first server that gives a valid one; forgers are banned."""
-        prefer = [u for u in prefer if u in self.stats]
-        order = prefer + [u for u in self.urls if u not in prefer]
-        errors = []
-        for url in order:
-            if self.stats[url].banned:
-                continue
-            path = api.SHARDCAST_MANIFEST.format(version=version)
-            try:
-                body = self.http.get_small(url, path, MAX_MANIFEST_BYTES)
-                return parse_verified_manifest(body, self.public_key, version)
-            except ManifestError as e:
-                self.ban(url, str(e))
-                errors.append(f"{url}: {e}")
-            except TransferFailed as e:
-                errors.append(f"{url}: {e}")
-        raise ShardcastError(f"no server gave a valid signed manifest for version {version}: " + "; ".join(errors))
+    # -- files ------------------------------------------------------------------------------------------
 
-    # -- shards -----------------------------------------------------------------------------------------
-
-    def download_shards(
+    def download_files(
         self,
-        manifest: PolicyManifest,
-        shards: list[ShardEntry],
-        folder: Path,
-        on_verified: Callable[[ShardEntry], None] | None = None,
-        version_holders: Iterable[str] | None = None,
+        jobs: list[FileJob],
+        on_verified: Callable[[FileJob], None] | None = None,
         ordered: bool = False,
+        deadline: float | None = None,
     ) -> None:
-        """Download `shards` into `folder` (as `.<name>.part`, renamed to `<name>` once verified).
-
-        `ordered` keeps the given order (a relay: the first shards clients wait on come first); otherwise
-        the biggest go first, which packs the threads better.
-        """
-        todo: queue.Queue[ShardEntry] = queue.Queue()
-        for s in shards if ordered else sorted(shards, key=lambda s: -s.size):
-            todo.put(s)
+        """Verify every job's file into its folder (in parallel). `ordered` keeps the given order (a relay:
+        the files clients wait on first come first); otherwise the biggest go first (better packing)."""
+        deadline = deadline if deadline is not None else time.monotonic() + self.policy.pull_deadline_s
+        todo: queue.Queue[FileJob] = queue.Queue()
+        for j in jobs if ordered else sorted(jobs, key=lambda j: -j.entry.size):
+            todo.put(j)
         failure: list[BaseException] = []
-        # Servers known not to have this version are skipped for it (they 404), unless none is left.
-        lacking: set[str] = set(self.urls) - set(version_holders) if version_holders is not None else set()
 
         def worker() -> None:
             buf = bytearray(self.chunk_bytes)
             while not failure:
                 try:
-                    entry = todo.get_nowait()
+                    job = todo.get_nowait()
                 except queue.Empty:
                     return
                 try:
-                    self._fetch_one(manifest.version, entry, folder, buf, lacking)
+                    _FileFetch(self, job, buf, deadline).run()
                     if on_verified is not None:
-                        on_verified(entry)
+                        on_verified(job)
                 except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
                     failure.append(e)
                     return
 
-        threads = [threading.Thread(target=worker, name=f"shardcast-dl-{i}", daemon=True) for i in range(min(self.parallelism, max(1, len(shards))))]
+        threads = [threading.Thread(target=worker, name=f"shardcast-dl-{i}", daemon=True) for i in range(min(self.parallelism, max(1, len(jobs))))]
         for t in threads:
             t.start()
         for t in threads:
@@ -227,117 +210,185 @@ class ServerPool:
         if failure:
             raise failure[0]
 
-    def _fetch_one(self, version: int, entry: ShardEntry, folder: Path, buf: bytearray, lacking: set[str]) -> None:
-        final = folder / entry.name
-        part = folder / f".{entry.name}.part"
+
+class _FileFetch:
+    """One file: pick a server, stream, check, and on failure move to another server within the policy."""
+
+    def __init__(self, pool: ServerPool, job: FileJob, buf: bytearray, pull_deadline: float):
+        self.pool, self.job, self.buf = pool, job, buf
+        self.entry = job.entry
+        self.deadline = min(pull_deadline, time.monotonic() + pool.policy.shard_deadline_s)
+        self.final = job.folder / job.entry.name
+        self.part = job.folder / f".{job.entry.name}.part"
+        self.sources_of_part: set[str] = {"disk"} if self.part.exists() else set()  # who wrote the bytes in .part
+        self.fresh_only = False  # after a mixed-source hash mismatch: whole-file transfers only
+
+    def run(self) -> None:
+        pool, entry, version = self.pool, self.entry, self.job.version
+        # Servers that 404 this file are skipped for it. A listing is no reason to skip one: relays list a
+        # version moments after each other, and a server that lacks it answers a 404 in one round trip.
+        lacking: set[str] = set()
         tried: set[str] = set()
         errors: list[str] = []
         attempts = 0
         waiting_since: float | None = None
-        pauses = backoff_delays(0.1, 2.0, self._rng)  # after every server was tried once (protocol.retry)
+        pauses = backoff_delays(0.1, 2.0)  # after every server was tried once (protocol.retry)
         while True:
-            server = self.choose(tried | lacking) or self.choose(lacking) or self.choose(set())
+            if time.monotonic() >= self.deadline:
+                raise ShardcastError(f"file {entry.name} of version {version} not verified before its deadline: {'; '.join(errors[-4:])}")
+            # While relays only say "not yet", wait for them a little before falling back to the origin.
+            patient = waiting_since is not None and time.monotonic() - waiting_since < pool.policy.stall_timeout_s
+            server = pool.sources.choose(tried | lacking, allow_fallback=not patient) or pool.sources.choose(lacking) or pool.sources.choose(set())
             if server is None:
-                raise ShardcastError(f"shard {entry.name} of version {version}: every server is banned ({'; '.join(errors[-5:])})")
+                raise ShardcastError(f"file {entry.name} of version {version}: every server is banned ({'; '.join(errors[-4:])})")
             try:
-                self._transfer(server, version, entry, part, buf)
-                os.replace(part, final)
+                self._transfer(server)
+                os.replace(self.part, self.final)
                 CLIENT_BYTES.inc(entry.size)
                 return
             except BadServer as e:
-                self.ban(server.url, str(e))
-                CLIENT_FAILURES.labels("bad_hash").inc()
+                pool.ban(server.url, str(e))
                 errors.append(f"{server.url}: {e}")
             except TransferFailed as e:
                 errors.append(f"{server.url}: {e}")
-                tried.add(server.url)
-                if e.not_yet:  # not a failure: the relay will have it soon; wait (bounded) instead
+                if e.not_yet:  # not a failure: the relay will have it soon
                     waiting_since = waiting_since or time.monotonic()
-                    if time.monotonic() - waiting_since > self.max_wait_s:
-                        raise ShardcastError(f"shard {entry.name} of version {version}: still not available after {self.max_wait_s:.0f}s") from None
-                    if tried >= {s.url for s in self._eligible(lacking)}:
+                    tried.add(server.url)
+                    if tried >= {s.url for s in pool.sources.usable(lacking) if not s.fallback}:
                         tried.clear()
-                        time.sleep(next(pauses))
+                        time.sleep(min(next(pauses), max(0.0, self.deadline - time.monotonic())))
                     continue
                 if e.missing:
                     lacking.add(server.url)
-                self._record_failure(server, "missing" if e.missing else "transfer")
+                    if lacking >= {s.url for s in pool.sources.usable()}:  # every server says 404: pruned
+                        raise ShardcastError(f"file {entry.name} of version {version}: no server has it ({'; '.join(errors[-4:])})")
+                pool.sources.record_failure(server.url, "slow" if e.slow else "missing" if e.missing else "transfer", getattr(e, "rate", None))
             tried.add(server.url)
             attempts += 1
-            if attempts > self.retries + len(self.urls):
-                raise ShardcastError(f"shard {entry.name} of version {version} failed {attempts} times: {'; '.join(errors[-5:])}")
-            if tried >= {s.url for s in self._eligible(lacking)}:
+            if attempts > pool.retries + len(pool.urls):
+                raise ShardcastError(f"file {entry.name} of version {version} failed {attempts} times: {'; '.join(errors[-4:])}")
+            if tried >= {s.url for s in pool.sources.usable(lacking)}:
                 tried.clear()  # every server tried once: go round again after a pause
-                time.sleep(next(pauses))
+                time.sleep(min(next(pauses), max(0.0, self.deadline - time.monotonic())))
 
-    def _transfer(self, server: ServerStats, version: int, entry: ShardEntry, part: Path, buf: bytearray) -> None:
-        """Stream one shard into `part`, resuming what is there, and check its sha256 (raises on mismatch)."""
-        url = server.url
+    def _transfer(self, server: ServerStats) -> None:
+        """Stream the file into `.part`, resuming what is there, and check its sha256 (raises on mismatch)."""
+        pool, entry, url = self.pool, self.entry, server.url
         h = hashlib.sha256()
         try:
-            fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self.part, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise disk_error(e, part) from e
+            raise disk_error(e, self.part) from e
         try:
-            have = hash_prefix(fd, h, buf, entry.size)
+            if self.fresh_only:
+                os.ftruncate(fd, 0)
+                self.sources_of_part.clear()
+            have = hash_prefix(fd, h, self.buf, entry.size)
+            if have == 0:
+                self.sources_of_part.clear()
             if have < entry.size:
                 headers = {"Range": f"bytes={have}-"} if have else {}
-                t0 = time.perf_counter()
-                resp = self.http.request(url, api.SHARDCAST_SHARD.format(version=version, name=entry.name), headers)
-                got, h, resumed = self._read_body(url, resp, entry, have, fd, h, buf)
-                self._record_success(server, got, time.perf_counter() - t0)
-            else:
-                resumed = True
+                resp = pool.http.request(url, api.SHARDCAST_SHARD.format(version=self.job.version, name=entry.name), self.deadline, headers)
+                have, h = self._check_head(url, resp, have, fd, h)
+                self.sources_of_part.add(url)
+                t0 = time.monotonic()  # rates count from the head: a relay may hold a request for a file on its way
+                got = self._read_body(url, resp, have, fd, h, t0)
+                pool.sources.record_success(url, got, time.monotonic() - t0)
             if h.hexdigest() != entry.sha256:
                 os.ftruncate(fd, 0)
-                msg = f"shard {entry.name} of version {version} does not match its signed sha256"
-                if resumed:  # bytes from several transfers: no one to blame, start over
-                    raise TransferFailed(msg + " (after a resume; starting over)")
+                mixed = len(self.sources_of_part) > 1
+                self.sources_of_part.clear()
+                msg = f"file {entry.name} of version {self.job.version} does not match its signed sha256"
+                if mixed:  # bytes from several sources: no one to blame yet; start over from one source
+                    self.fresh_only = True
+                    raise TransferFailed(msg + " (bytes from several sources; starting over from one)")
                 raise BadServer(msg)
-            if self.durable:
+            if pool.durable:
                 os.fdatasync(fd)
         finally:
             os.close(fd)
 
-    def _read_body(self, url: str, resp: http.client.HTTPResponse, entry: ShardEntry, have: int, fd: int, h, buf: bytearray):
-        """Returns (bytes received, running hash, whether earlier bytes were kept)."""
-        status = resp.status
-        if status not in (200, 206):
-            detail = resp.read(4096).decode(errors="replace")[:200]
-            raise TransferFailed(f"HTTP {status} for {entry.name}: {detail}", missing=status == 404, not_yet=status == 503)
-        if status == 200 and have:  # the server ignored Range: start over
+    def _check_head(self, url: str, resp, have: int, fd: int, h):
+        size = self.entry.size
+        if resp.status not in (200, 206):
+            resp.discard()
+            raise TransferFailed(f"HTTP {resp.status} for {self.entry.name}", missing=resp.status == 404, not_yet=resp.status == 503)
+        if resp.status == 200 and have:  # the server ignored Range: start over
             os.ftruncate(fd, 0)
             h = hashlib.sha256()
             have = 0
-        length = resp.getheader("Content-Length")
-        if length is None or not length.isdigit() or int(length) != entry.size - have:
-            self.http.close(url)
-            raise BadServer(f"{entry.name}: Content-Length {length} where {entry.size - have} bytes were expected")
-        if status == 206 and not (resp.getheader("Content-Range") or "").startswith(f"bytes {have}-"):
-            self.http.close(url)
-            raise BadServer(f"{entry.name}: wrong Content-Range {resp.getheader('Content-Range')!r}")
-        os.lseek(fd, have, os.SEEK_SET)
-        view = memoryview(buf)
-        left = entry.size - have
+            self.sources_of_part.clear()
+        if resp.length != size - have:
+            resp.discard()
+            raise BadServer(f"{self.entry.name}: Content-Length {resp.length} where {size - have} bytes were expected")
+        if resp.status == 206 and not (resp.header("Content-Range") or "").startswith(f"bytes {have}-{size - 1}/"):
+            resp.discard()
+            raise BadServer(f"{self.entry.name}: wrong Content-Range {(resp.header('Content-Range') or '')[:80]!r}")
+        return have, h
+
+    def _read_body(self, url: str, resp, have: int, fd: int, h, t0: float) -> int:
+        """Receive the body into the file, hashing as it comes; leave a source slower than the floor rate.
+
+        On plain HTTP the bytes go socket -> pipe -> file in the kernel and are hashed from the file's pages
+        (mapped): one copy of each byte instead of two (recv, then write). Measured with 4 concurrent
+        clients of 1 GiB each: 1.07 vs 1.45 CPU-s per client."""
+        pool, policy = self.pool, self.pool.policy
+        size = self.entry.size
+        left = size - have
         got = 0
+        mark_t, mark_got = t0, 0
+        spliced = resp.can_splice and left > 0
+        if spliced:
+            os.ftruncate(fd, size)
+            mapped = mmap.mmap(fd, size)
+            pages = memoryview(mapped)
+        else:
+            os.lseek(fd, have, os.SEEK_SET)
+            view = memoryview(self.buf)
         try:
             while left > 0:
-                n = resp.readinto(view[: min(len(view), left)])
-                if not n:
-                    raise TransferFailed(f"{url}: connection closed after {have + got} of {entry.size} bytes of {entry.name}")
-                chunk = view[:n]
-                h.update(chunk)
-                write_all(fd, chunk)
+                if spliced:
+                    n = resp.splice_into(fd, have + got, min(SPLICE_BYTES, left), self._pipe(), self.deadline)
+                    h.update(pages[have + got : have + got + n])
+                else:
+                    n = resp.readinto(view[: min(len(view), left)], self.deadline)
+                    chunk = view[:n]
+                    h.update(chunk)
+                    write_all(fd, chunk)
                 got += n
                 left -= n
-                if self.on_progress is not None:
-                    self.on_progress(url, entry.name, have + got)
-        except (OSError, http.client.HTTPException) as e:
-            self.http.close(url)
-            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-                raise
-            raise TransferFailed(f"{url}: transfer of {entry.name} broke after {have + got} bytes: {e!r}") from None
-        except TransferFailed:
-            self.http.close(url)
+                if pool.on_progress is not None:
+                    pool.on_progress(url, self.entry.name, have + got)
+                now = time.monotonic()
+                if left and now - mark_t >= policy.rate_window_s:
+                    rate = (got - mark_got) / (now - mark_t)
+                    floor = pool.sources.floor_rate(url)
+                    if rate < floor:
+                        e = TransferFailed(f"{url}: {rate / 1e3:.1f} kB/s for {self.entry.name}, below {floor / 1e3:.1f} kB/s", slow=True)
+                        e.rate = rate  # type: ignore[attr-defined]
+                        raise e
+                    mark_t, mark_got = now, got
+        except BaseException:
+            resp.discard()
+            pool.sources.add_bytes(url, got)
+            if spliced:
+                os.ftruncate(fd, have + got)  # the file holds what arrived, for a resume
+                for end in _THREAD.__dict__.pop("pipe", ()):  # it may hold bytes of this body: a new one next time
+                    os.close(end)
             raise
-        return got, h, have > 0
+        finally:
+            if spliced:
+                pages.release()
+                mapped.close()
+        return got
+
+    def _pipe(self) -> tuple[int, int]:
+        """This thread's pipe for splice, made once (1 MiB where the system allows)."""
+        pipe = getattr(_THREAD, "pipe", None)
+        if pipe is None:
+            pipe = _THREAD.pipe = os.pipe()
+            try:
+                fcntl.fcntl(pipe[1], 1031, SPLICE_BYTES)  # F_SETPIPE_SZ
+            except OSError:
+                pass
+        return pipe

@@ -92,7 +92,7 @@ def build_orchestrator(
     return Orchestrator(
         cfg.orchestrator, Database(db_path(cfg)), prompts, verifier, shape=cfg.step_shape(), task_name=data.reward or data.task,
         task_params=data.reward_params if data.reward else data.task_params, run_name=cfg.name, relay_urls=relay_urls,
-        manifest_public_key=manifest_public_key, **kwargs,
+        manifest_public_key=manifest_public_key, run_id=cfg.shardcast.run_id, **kwargs,
     )
 
 
@@ -100,18 +100,19 @@ class ShardcastWeights:
     """`weights_for_version` for a verifier: pull (and check) version v from shardcast servers into a
     local folder once, then reuse it. Picklable, so it can travel to a Ray actor."""
 
-    def __init__(self, urls: list[str], public_key_b64: str, dest_root: str):
+    def __init__(self, urls: list[str], public_key_b64: str, dest_root: str, run_id: str):
         self.urls = list(urls)
         self.public_key_b64 = public_key_b64
         self.dest_root = dest_root
+        self.run_id = run_id  # manifests of another run are refused
         self._client: Any = None
         self._paths: dict[int, Path] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"urls": self.urls, "public_key_b64": self.public_key_b64, "dest_root": self.dest_root}
+        return {"urls": self.urls, "public_key_b64": self.public_key_b64, "dest_root": self.dest_root, "run_id": self.run_id}
 
     def __setstate__(self, d: dict[str, Any]) -> None:
-        self.__init__(d["urls"], d["public_key_b64"], d["dest_root"])  # type: ignore[misc]
+        self.__init__(d["urls"], d["public_key_b64"], d["dest_root"], d["run_id"])  # type: ignore[misc]
 
     def __call__(self, version: int) -> Path:
         path = self._paths.get(version)
@@ -119,7 +120,7 @@ class ShardcastWeights:
             if self._client is None:
                 from shardcast.client import ShardcastClient
 
-                self._client = ShardcastClient(self.urls, self.public_key_b64, Path(self.dest_root))
+                self._client = ShardcastClient(self.urls, self.public_key_b64, Path(self.dest_root), run_id=self.run_id)
             path = self._paths[version] = Path(self._client.pull(version).path)
         return path
 
@@ -223,10 +224,12 @@ class OrchestratorActor:
     a verifier pool, and the trainer's batch interface. Created with max_concurrency > 1 (see
     `start_orchestrator_actor`), so a trainer blocked in `take_batch` does not stop `status`."""
 
-    def __init__(self, config: RunConfig, verifier_actors: list[Any], *, relay_urls: list[str] | None = None, manifest_public_key: str = ""):
+    def __init__(self, config: RunConfig, verifier_actors: list[Any], *, relay_urls: list[str] | None = None, manifest_public_key: str = "", origin_url: str = ""):
         component_logging(RunDir(config.run_dir), "orchestrator", config.log_level)
         pin_to_cpus(config.resources.cpu_affinity.get("orchestrator"))
-        self.orch = build_orchestrator(config, RayVerifierPool(verifier_actors), relay_urls=relay_urls, manifest_public_key=manifest_public_key)
+        self.orch = build_orchestrator(
+            config, RayVerifierPool(verifier_actors), relay_urls=relay_urls, manifest_public_key=manifest_public_key, origin_url=origin_url,
+        )
         self.server = OrchestratorServer(self.orch).start()
         self.started_at = time.time()
 

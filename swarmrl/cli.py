@@ -79,6 +79,7 @@ def orchestrator(
     origin_url: list[str] = typer.Option([], "--origin-url", help="shardcast server(s) the verifiers pull weights from"),
     public_key: str = typer.Option("", "--public-key", help="the run's manifest public key (base64)"),
     relay_url: list[str] = typer.Option([], "--relay-url", help="relays that workers are told to pull from"),
+    run_id: str = typer.Option("", "--run-id", help="the run id the origin signs into manifests (default: shardcast.run_id)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved config and exit"),
 ) -> None:
     """Serve the orchestrator's HTTP API on its own (with a Ray verifier pool), until SIGTERM.
@@ -92,6 +93,10 @@ def orchestrator(
         return
     if not origin_url:
         raise typer.BadParameter("at least one --origin-url is needed for the verifiers' weights", param_hint="--origin-url")
+    run_id = run_id or cfg.shardcast.run_id
+    if not run_id:
+        raise typer.BadParameter("the run id is needed (the origin signs it into every manifest): --run-id or --shardcast.run_id", param_hint="--run-id")
+    cfg = cfg.model_copy(update={"shardcast": cfg.shardcast.model_copy(update={"run_id": run_id})})
     configure_logging(cfg.log_level)
     from orchestrator.server import OrchestratorServer
     from swarmrl.actors import RayVerifierPool, ShardcastWeights, build_orchestrator, init_ray
@@ -99,10 +104,11 @@ def orchestrator(
 
     # The verifier pool's actors pull each claimed version's weights from the shardcast servers.
     init_ray(cfg.ray_address)
-    weights = ShardcastWeights(origin_url, public_key, str(RunDir(cfg.run_dir).verifier_weights))
+    weights = ShardcastWeights(origin_url, public_key, str(RunDir(cfg.run_dir).verifier_weights), run_id)
     pool = RayVerifierPool.start(cfg.verifier, weights, str(Path(cfg.model.path) if cfg.model.path else RunDir(cfg.run_dir).model_dir))
     try:
-        OrchestratorServer(build_orchestrator(cfg, pool, relay_urls=relay_url or origin_url, manifest_public_key=public_key)).run()
+        orch = build_orchestrator(cfg, pool, relay_urls=relay_url or origin_url, manifest_public_key=public_key, origin_url=origin_url[0])
+        OrchestratorServer(orch).run()
     finally:
         pool.shutdown()
 

@@ -116,6 +116,8 @@ class Run:
         cfg, ports = fix_ports(self.cfg, rd)
         self.cfg = cfg
         rd.write_config(dump_toml(cfg))
+        if not cfg.shardcast.run_id:  # made once per run folder; every component checks manifests against it
+            cfg = self.cfg = cfg.model_copy(update={"shardcast": cfg.shardcast.model_copy(update={"run_id": rd.run_id(cfg.name)})})
         model_dir = ensure_model(cfg, rd)
         key_path = Path(cfg.shardcast.signing_key_path or rd.signing_key)
         self._started_ray = not ray.is_initialized() and not cfg.ray_address
@@ -142,14 +144,14 @@ class Run:
         relay_urls = relay_urls or [info["origin_url"]]
 
         log.info("starting verifier pool", extra={"actors": cfg.verifier.num_actors})
-        weights = ShardcastWeights([info["origin_url"]], info["public_key"], str(rd.verifier_weights))
+        weights = ShardcastWeights([info["origin_url"]], info["public_key"], str(rd.verifier_weights), cfg.shardcast.run_id)
         self.pool = RayVerifierPool.start(
             cfg.verifier, weights, str(model_dir), num_cpus=0, num_gpus=cfg.resources.verifier_gpus, resources=cfg.resources.verifier_resources,
             max_restarts=-1, cpus=cfg.resources.cpu_affinity.get("verifier"), run_dir=str(rd.root),
         )
 
         log.info("starting orchestrator")
-        self.orch = start_orchestrator_actor(cfg, self.pool.actors, relay_urls=relay_urls, manifest_public_key=info["public_key"])
+        self.orch = start_orchestrator_actor(cfg, self.pool.actors, relay_urls=relay_urls, manifest_public_key=info["public_key"], origin_url=cfg.shardcast.public_origin_url or info["origin_url"])
         self.url = ray.get(self.orch.url.remote())
         ray.get(self.orch.publish_version.remote(info["version"], info["model_hash"]))
         self.progress.reward_totals = ray.get(self.orch.reward_totals.remote())  # a resumed run starts from here
@@ -242,8 +244,6 @@ class Run:
     def _update_reward(self, min_completions: int) -> None:
         """The mean reward of every rollout accepted since the last update, zero-signal groups included
         (the trained samples alone leave out the groups that are all wrong or all right)."""
-        import ray
-
         p = self.progress
         reward_sum, completions = self._orch("reward_totals", p.reward_totals)
         if completions - p.reward_totals[1] >= min_completions:

@@ -110,6 +110,7 @@ def start_relay(origin_url: str, public_key: str, rd: RunDir, index: int, cfg: R
         "--upstream", origin_url,
         "--root", str(rd.relay_dir(index)),
         "--public-key", public_key,
+        "--run-id", sc.run_id,
         "--host", sc.host,
         "--port", str(port),
         "--keep-versions", str(sc.keep_versions),

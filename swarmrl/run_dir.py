@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -64,6 +65,20 @@ class RunDir:
 
     def close_session(self) -> None:
         self.write_json(self.session_path, {**self.read_json(self.session_path), "ended_at": time.time()})
+
+    run_id_path = property(lambda self: self.root / "run_id")
+
+    def run_id(self, name: str) -> str:
+        """This run's id, `<name>-<12 hex>`: made once, then read back (a resumed run keeps it). Signed into
+        every policy manifest, so a manifest of another run (even with the same key) is refused."""
+        path = self.run_id_path
+        if path.is_file():
+            return path.read_text().strip()
+        run_id = f"{name}-{uuid.uuid4().hex[:12]}"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(run_id + "\n")
+        os.replace(tmp, path)
+        return run_id
 
     def relay_dir(self, index: int) -> Path:
         return self.weights / f"relay-{index}"

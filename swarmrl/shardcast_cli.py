@@ -49,10 +49,14 @@ def keygen(out: Path = typer.Option(..., "--out", help="where to write the new e
     _announce(public_key=public_key_b64(generate_signing_key(out)), key_path=str(out))
 
 
+RUN_ID_HELP = "the run id signed into (and required of) every manifest"
+
+
 @app.command()
 def origin(
     root: Path = typer.Option(..., help="folder holding the published versions"),
     key: Path = typer.Option(..., help="ed25519 signing key (PEM); created if missing"),
+    run_id: str = typer.Option(..., help=RUN_ID_HELP),
     host: str = typer.Option(DEFAULTS.host),
     port: int = typer.Option(0, help="0 picks a free port"),
     keep_versions: int = typer.Option(DEFAULTS.keep_versions, min=1),
@@ -68,7 +72,7 @@ def origin(
     from shardcast.origin import Origin
     from shardcast.server import serve_origin
 
-    store = Origin(root, load_or_generate_signing_key(key), keep_versions=keep_versions, shard_bytes=shard_bytes, grace_s=grace_s)
+    store = Origin(root, load_or_generate_signing_key(key), run_id=run_id, keep_versions=keep_versions, shard_bytes=shard_bytes, grace_s=grace_s)
     if publish is not None:
         from shardcast.weights import load_version_dir
 
@@ -83,6 +87,7 @@ def relay(
     upstream: list[str] = typer.Option(..., help="upstream server URL (origin or relay); repeat for several"),
     root: Path = typer.Option(..., help="folder for mirrored versions"),
     public_key: str = typer.Option(..., help="the run's public key (base64 raw ed25519)"),
+    run_id: Optional[str] = typer.Option(None, help=RUN_ID_HELP + "; default: follow the run of the newest version upstream signs"),
     host: str = typer.Option(DEFAULTS.host),
     port: int = typer.Option(0),
     keep_versions: int = typer.Option(DEFAULTS.keep_versions, min=1),
@@ -98,7 +103,7 @@ def relay(
     from shardcast.server import serve_relay
 
     try:
-        r = Relay(upstream, root, public_key, keep_versions=keep_versions, poll_interval_s=poll_interval_s, parallelism=parallelism, grace_s=grace_s)
+        r = Relay(upstream, root, public_key, run_id=run_id, keep_versions=keep_versions, poll_interval_s=poll_interval_s, parallelism=parallelism, grace_s=grace_s)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--public-key") from None
     server = serve_relay(r, host, port, shard_wait_s=shard_wait_s)
@@ -114,8 +119,10 @@ def relay(
 
 @app.command()
 def pull(
-    server: list[str] = typer.Option(..., help="shard server URL; repeat for several"),
+    server: list[str] = typer.Option(..., help="shard server URL (relays); repeat for several"),
     public_key: str = typer.Option(..., help="the run's public key (base64 raw ed25519)"),
+    run_id: str = typer.Option(..., help=RUN_ID_HELP),
+    fallback: list[str] = typer.Option([], help="server used only when the others fail or are too slow (the origin); repeat for several"),
     dest: Path = typer.Option(..., help="folder that receives v<version>/"),
     version: Optional[int] = typer.Option(None, min=0, help="default: the newest"),
     parallelism: int = typer.Option(DEFAULTS.client_parallelism, min=1, max=64),
@@ -130,7 +137,9 @@ def pull(
     from shardcast.store import DiskFullError
 
     try:
-        client = ShardcastClient(server, public_key, dest, parallelism=parallelism, retries=retries, keep_versions=keep_versions)
+        client = ShardcastClient(
+            server, public_key, dest, run_id=run_id, fallback_urls=fallback, parallelism=parallelism, retries=retries, keep_versions=keep_versions, keep_state=False,
+        )
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--public-key") from None
     try:
@@ -138,4 +147,4 @@ def pull(
     except (ShardcastError, ManifestError, DiskFullError) as e:
         sys.stderr.write(f"shardcast pull failed: {e}\n")
         raise typer.Exit(1) from None
-    _announce(version=pulled.version, path=str(pulled.path), model_hash=pulled.manifest.model_hash)
+    _announce(version=pulled.version, path=str(pulled.path), model_hash=pulled.manifest.model_hash, wire_bytes=pulled.wire_bytes, steps=pulled.steps)

@@ -47,6 +47,9 @@ class TrainerConfig(BaseModel):
     micro_batch_tokens: int = Field(4096, ge=16, description="token budget of one packed micro-batch")
     grad_clip: float = Field(1.0, gt=0)
     bf16: bool = Field(False, description="bf16 autocast (CPU and GPU)")
+    publish_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="precision of the published weights (the master stays float32; bfloat16 deltas are ~10x smaller)"
+    )
     max_staleness: int = Field(2, ge=0, description="samples older than this many versions are dropped")
     checkpoint_every: int = Field(10, ge=1)
     background_checkpoints: bool = Field(

@@ -214,8 +214,14 @@ class Trainer:
         )
 
     def state_dict_for_publish(self) -> dict[str, torch.Tensor]:
+        """The weights as published: a cast of the float32 master to `publish_dtype` (a fresh copy)."""
         state = dist_utils.full_model_state(self.model, self.env)
-        return ckpt.publishable_state(state, getattr(self.model_config, "tie_word_embeddings", False))
+        state = ckpt.publishable_state(state, getattr(self.model_config, "tie_word_embeddings", False))
+        if self.config.publish_dtype != "float32":
+            from shardcast.precision import cast_for_publishing
+
+            state = cast_for_publishing(state, getattr(torch, self.config.publish_dtype))
+        return state
 
     def export(self, out_dir: Path) -> Path:
         """Write the current weights as a plain transformers folder (via a checkpoint of this version)."""

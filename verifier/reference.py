@@ -55,6 +55,8 @@ def load_reference_model(config_dir: Path, weights_dir: Path | None, dtype: str 
         state: dict[str, torch.Tensor] = {}
         for f in files:
             state.update(load_file(str(f)))
+        if (Path(weights_dir) / "manifest.json").is_file():
+            _check_published_precision(state, DTYPES[dtype], weights_dir)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         missing, unexpected = model.load_state_dict(state, strict=False)
         tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -66,6 +68,17 @@ def load_reference_model(config_dir: Path, weights_dir: Path | None, dtype: str 
         model = model.to(DTYPES[dtype])
     model.eval()
     return model
+
+
+def _check_published_precision(state: dict[str, torch.Tensor], dtype: torch.dtype, weights_dir: Path) -> None:
+    """A shardcast version is checked at its published precision: a dtype that rounds the signed weights
+    (e.g. verifying float32 weights in bfloat16) would check other weights than the ones workers received."""
+    for name, t in state.items():
+        if t.is_floating_point() and t.dtype != dtype and not (dtype == torch.float32 and t.dtype in (torch.bfloat16, torch.float16)):
+            raise ValueError(
+                f"verifier dtype {dtype} would round the published {t.dtype} weights of {weights_dir} ({name}); "
+                f"verify in {t.dtype} (or float32), or publish in {dtype} (trainer.publish_dtype)"
+            )
 
 
 def eos_token_ids(config_dir: Path) -> set[int]:

@@ -17,7 +17,7 @@ MAY_IMPORT = {
     "shardcast": {"protocol"},
     "verifier": {"protocol"},
     "inference_worker": {"protocol", "shardcast.client", "shardcast.config", "verifier.proofs"},
-    "trainer": {"protocol", "shardcast.origin"},
+    "trainer": {"protocol", "shardcast.origin", "shardcast.precision"},  # precision: the published cast of the master
     "orchestrator": {"protocol", "verifier", "trainer.advantages"},
     "swarmrl": {"protocol", "shardcast", "verifier", "inference_worker", "trainer", "orchestrator"},
 }

@@ -58,6 +58,7 @@ class Knobs:
     heartbeat_interval_s: float = 0.3
     relay_urls: list[str] = field(default_factory=list)
     public_key: str = ""
+    run_id: str = "test-run"  # the run the shardcast manifests are signed for
     vocab_size: int = 64
 
     @property
@@ -134,7 +135,7 @@ def make_app(knobs: Knobs, rec: Record) -> FastAPI:
         rec.registrations.append(reg.name)
         return ok(m.WorkerRegistered(
             worker_id=wid, secret=secret, heartbeat_interval_s=knobs.heartbeat_interval_s, async_level=knobs.async_level,
-            policy_version=knobs.policy_version, relay_urls=knobs.relay_urls, manifest_public_key=knobs.public_key,
+            policy_version=knobs.policy_version, relay_urls=knobs.relay_urls, manifest_public_key=knobs.public_key, run_id=knobs.run_id,
         ))
 
     @app.post(api.HEARTBEAT.path)

@@ -18,6 +18,8 @@ from contract_server import JOIN_TOKEN, ContractServer, Knobs, free_port
 from inference_worker.config import WorkerConfig
 from inference_worker.loop import EXIT_BANNED, Worker
 
+RUN = "test-run"  # the run id signed into the test origin's manifests
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -39,7 +41,7 @@ def origin(tmp_path_factory, tiny_model_dir):
     from shardcast.server import serve_origin
 
     root = tmp_path_factory.mktemp("origin")
-    org = Origin(root / "store", generate_signing_key(root / "key.pem"), keep_versions=4, shard_bytes=50_000)
+    org = Origin(root / "store", generate_signing_key(root / "key.pem"), run_id=RUN, keep_versions=4, shard_bytes=50_000)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     m0 = org.publish(0, model.state_dict())
     with torch.no_grad():

@@ -49,8 +49,11 @@ def lease(**kw) -> dict:
 
 def manifest(**kw) -> dict:
     out = dict(
+        run_id="demo-0123456789ab",
         version=1,
         model_hash="cd" * 32,
+        anchor_version=1,
+        full_bytes=123,
         shards=[dict(name="model-00001.safetensors", sha256="ef" * 32, size=123)],
         created_at=1.7e9,
         signature=base64.b64encode(b"s" * 64).decode(),
@@ -71,6 +74,8 @@ VALID = [
             policy_version=0,
             relay_urls=["http://127.0.0.1:9000"],
             manifest_public_key="k" * 44,
+            run_id="demo-0123456789ab",
+            origin_url="http://10.0.0.1:9000",
         ),
     ),
     (p.Heartbeat, dict(state="generating", loaded_policy_version=3, tokens_per_s=120.5)),
@@ -235,11 +240,34 @@ def test_manifest_signing_payload_is_canonical_and_excludes_signature():
     a = p.PolicyManifest.model_validate(manifest())
     b = p.PolicyManifest.model_validate(manifest(signature=""))
     assert a.signing_payload() == b.signing_payload()
-    c = p.PolicyManifest.model_validate(manifest(version=2))
+    c = p.PolicyManifest.model_validate(manifest(version=2, anchor_version=2))
     assert c.signing_payload() != a.signing_payload()
+    d = p.PolicyManifest.model_validate(manifest(run_id="demo-ffffffffffff"))
+    assert d.signing_payload() != a.signing_payload()  # the run id is signed
     assert a.signature_bytes() == b"s" * 64
     with pytest.raises(ValidationError, match="not unique"):
         p.PolicyManifest.model_validate(manifest(shards=[dict(name="a", sha256="ef" * 32, size=1)] * 2))
+
+
+def test_manifest_deltas_name_their_own_files_and_earlier_bases():
+    delta = dict(name="delta-from-v0000000004.swdelta", sha256="ab" * 32, size=9)
+    ref = dict(base_version=4, base_model_hash="ee" * 32, file=delta["name"])
+    only_delta = p.PolicyManifest.model_validate(manifest(version=5, anchor_version=0, shards=[delta], deltas=[ref]))
+    assert only_delta.full_shards == [] and only_delta.file(delta["name"]).size == 9
+    anchor = p.PolicyManifest.model_validate(manifest(version=5, anchor_version=5, shards=[manifest()["shards"][0], delta], deltas=[ref]))
+    assert [s.name for s in anchor.full_shards] == ["model-00001.safetensors"]
+    bad = [
+        manifest(version=5, anchor_version=5, shards=[delta], deltas=[ref]),  # no full shards, yet an anchor
+        manifest(version=5, anchor_version=0),  # full shards, yet not an anchor
+        manifest(version=5, anchor_version=6, shards=[delta], deltas=[ref]),  # anchor after the version
+        manifest(version=4, anchor_version=0, shards=[delta], deltas=[ref]),  # base not earlier
+        manifest(version=5, anchor_version=0, shards=[delta], deltas=[{**ref, "file": "missing"}]),
+        manifest(version=5, anchor_version=0, shards=[delta], deltas=[ref, ref]),
+        manifest(run_id="a/b"),
+    ]
+    for m in bad:
+        with pytest.raises(ValidationError):
+            p.PolicyManifest.model_validate(m)
 
 
 def test_heartbeat_rejects_nan():

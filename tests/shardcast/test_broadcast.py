@@ -22,7 +22,7 @@ from shardcast.relay import Relay
 from shardcast.server import REQUESTS, SHARD_BYTES_SERVED, ShardServer, serve_origin, serve_relay
 from shardcast.store import MANIFEST_FILE, DiskFullError, VersionStore
 from shardcast.weights import load_version_dir, model_hash
-from shardcast_helpers import start_cli, state_dict, stop_proc, tmpfs
+from shardcast_helpers import RUN, start_cli, state_dict, stop_proc, tmpfs
 
 
 def wait_until(cond, timeout=30.0, what="condition"):
@@ -47,7 +47,7 @@ def files_of(path: Path) -> dict[str, bytes]:
 
 @pytest.fixture
 def origin(tmp_path, key):
-    o = Origin(tmp_path / "origin", key, keep_versions=3, shard_bytes=1 << 20)
+    o = Origin(tmp_path / "origin", key, run_id=RUN, keep_versions=3, shard_bytes=1 << 20)
     o.publish(0, state_dict(seed=0, layers=8))
     server = serve_origin(o)
     yield o, server
@@ -64,7 +64,7 @@ def running():
 
 
 def start_relay(running, upstream: list[str], root: Path, pub: str, **kw) -> tuple[Relay, ShardServer]:
-    relay = Relay(upstream, root, pub, poll_interval_s=0.05, **kw)
+    relay = Relay(upstream, root, pub, run_id=RUN, poll_interval_s=0.05, **kw)
     server = serve_relay(relay)
     relay.start()
     running += [relay, server]
@@ -77,7 +77,7 @@ def test_origin_two_relays_three_clients(tmp_path, pub, origin, running):
     # The second relay mirrors the first (a relay of a relay) and starts empty.
     relay2, r2 = start_relay(running, [r1.url], tmp_path / "relay2", pub)
     orders = [[r1.url, r2.url, origin_server.url], [r2.url, r1.url], [r2.url]]
-    clients = [ShardcastClient(urls, pub, tmp_path / f"client{i}", parallelism=4, seed=i) for i, urls in enumerate(orders)]
+    clients = [ShardcastClient(urls, pub, tmp_path / f"client{i}", run_id=RUN, parallelism=4, seed=i) for i, urls in enumerate(orders)]
     wait_until(lambda: relay_has(r2.url, 0), what="relay2 to list version 0")
 
     results: dict[int, object] = {}
@@ -128,7 +128,7 @@ def test_relay_killed_mid_download_client_finishes_elsewhere(tmp_path, pub, orig
                 proc.wait()
                 killed.set()
 
-        client = ShardcastClient([doomed, healthy.url], pub, tmp_path / "client", parallelism=2, seed=0, on_progress=on_progress, chunk_bytes=64 << 10)
+        client = ShardcastClient([doomed, healthy.url], pub, tmp_path / "client", run_id=RUN, parallelism=2, seed=0, on_progress=on_progress, chunk_bytes=64 << 10)
         client.stats[doomed].throughput = 1e12  # it looks fastest, so it is picked first
         client.stats[healthy.url].throughput = 1.0
         pulled = client.pull()
@@ -151,7 +151,7 @@ def test_tampering_relay_is_detected_per_shard_and_avoided(tmp_path, pub, origin
             f.seek(s.size // 2)
             f.write(bytes([byte[0] ^ 0xFF]))
     parallelism = 2
-    client = ShardcastClient([bad.url, origin_server.url], pub, tmp_path / "client", parallelism=parallelism, seed=0)
+    client = ShardcastClient([bad.url, origin_server.url], pub, tmp_path / "client", run_id=RUN, parallelism=parallelism, seed=0)
     client.stats[bad.url].throughput = 1e12
     client.stats[origin_server.url].throughput = 1.0
     pulled = client.pull()
@@ -163,7 +163,7 @@ def test_tampering_relay_is_detected_per_shard_and_avoided(tmp_path, pub, origin
 
 
 def _unsigned_server(tmp_path, running) -> str:
-    forger = Origin(tmp_path / "unsigned", Ed25519PrivateKey.generate(), shard_bytes=1 << 20)
+    forger = Origin(tmp_path / "unsigned", Ed25519PrivateKey.generate(), run_id=RUN, shard_bytes=1 << 20)
     m = forger.publish(6, state_dict(seed=66, layers=2))
     (forger.version_dir(6) / MANIFEST_FILE).write_text(m.model_copy(update={"signature": ""}).model_dump_json())
     server = ShardServer(VersionStore(tmp_path / "unsigned", keep_versions=3))
@@ -174,26 +174,26 @@ def _unsigned_server(tmp_path, running) -> str:
 def test_forged_and_unsigned_manifests_are_rejected(tmp_path, pub, origin, running):
     o, origin_server = origin
     # A forger signs a newer "version" with its own key; another server offers an unsigned one.
-    forger = Origin(tmp_path / "forger", Ed25519PrivateKey.generate(), shard_bytes=1 << 20)
+    forger = Origin(tmp_path / "forger", Ed25519PrivateKey.generate(), run_id=RUN, shard_bytes=1 << 20)
     forger.publish(5, state_dict(seed=55, layers=2))
     forged = serve_origin(forger)
     running.append(forged)
     unsigned = _unsigned_server(tmp_path, running)
 
-    client = ShardcastClient([forged.url, unsigned, origin_server.url], pub, tmp_path / "client", seed=0)
+    client = ShardcastClient([forged.url, unsigned, origin_server.url], pub, tmp_path / "client", run_id=RUN, seed=0)
     pulled = client.pull()
     assert pulled.version == 0 and files_of(pulled.path) == files_of(o.version_dir(0))
     assert "forged" in client.stats[forged.url].banned
     assert "unsigned" in client.stats[unsigned].banned
     assert not (tmp_path / "client" / "v0000000005").exists() and not (tmp_path / "client" / "v0000000006").exists()
 
-    lone = ShardcastClient([forged.url], pub, tmp_path / "lone")
+    lone = ShardcastClient([forged.url], pub, tmp_path / "lone", run_id=RUN)
     with pytest.raises(ShardcastError, match="forged"):
         lone.pull()
     assert list((tmp_path / "lone").iterdir()) == []
 
     # A relay never lists (so never serves) a version whose manifest does not verify.
-    relay = Relay([forged.url, unsigned], tmp_path / "relay", pub)
+    relay = Relay([forged.url, unsigned], tmp_path / "relay", pub, run_id=RUN)
     assert relay.sync_once() == [] and relay.versions() == []
 
 
@@ -202,7 +202,7 @@ def test_client_disk_full_is_a_clear_error_and_leaves_nothing(tmp_path, pub, ori
     total = o.manifest(0).total_bytes
     # Not enough room from the start: refused before downloading.
     with tmpfs(total // 2) as small:
-        client = ShardcastClient([origin_server.url], pub, small / "dest")
+        client = ShardcastClient([origin_server.url], pub, small / "dest", run_id=RUN)
         with pytest.raises(DiskFullError, match="needs"):
             client.pull()
         assert list((small / "dest").iterdir()) == []
@@ -220,12 +220,12 @@ def test_client_disk_full_is_a_clear_error_and_leaves_nothing(tmp_path, pub, ori
                     except OSError as e:
                         assert e.errno == errno.ENOSPC
 
-        client = ShardcastClient([origin_server.url], pub, fs / "dest", on_progress=fill_disk, chunk_bytes=256 << 10)
+        client = ShardcastClient([origin_server.url], pub, fs / "dest", run_id=RUN, on_progress=fill_disk, chunk_bytes=256 << 10)
         with pytest.raises(DiskFullError, match="no space left"):
             client.pull()
         assert list((fs / "dest").iterdir()) == [], "a half-written version was left behind"
         filler.unlink()
-        plain = ShardcastClient([origin_server.url], pub, fs / "dest")
+        plain = ShardcastClient([origin_server.url], pub, fs / "dest", run_id=RUN)
         assert files_of(plain.pull().path) == files_of(o.version_dir(0))
 
 
@@ -244,7 +244,7 @@ def test_resume_partial_download(tmp_path, pub, origin):
 
     sent_before = SHARD_BYTES_SERVED._value.get()
     ranged_before = REQUESTS.labels("shard", "206")._value.get()
-    client = ShardcastClient([origin_server.url], pub, tmp_path / "client", parallelism=1)
+    client = ShardcastClient([origin_server.url], pub, tmp_path / "client", run_id=RUN, parallelism=1)
     pulled = client.pull()
     assert files_of(pulled.path) == files_of(src)
     assert REQUESTS.labels("shard", "206")._value.get() - ranged_before == 2
@@ -255,7 +255,7 @@ def test_resume_partial_download(tmp_path, pub, origin):
 
 
 def test_origin_keeps_a_version_that_is_being_downloaded(tmp_path, pub, key):
-    o = Origin(tmp_path / "origin", key, keep_versions=1, shard_bytes=1 << 20)  # default grace period
+    o = Origin(tmp_path / "origin", key, run_id=RUN, keep_versions=1, shard_bytes=1 << 20)  # default grace period
     o.publish(0, state_dict(layers=6))
     published = threading.Event()
 
@@ -266,7 +266,7 @@ def test_origin_keeps_a_version_that_is_being_downloaded(tmp_path, pub, key):
             o.publish(2, state_dict(seed=2, layers=2))
 
     with serve_origin(o) as server:
-        client = ShardcastClient([server.url], pub, tmp_path / "client", parallelism=1, on_progress=publish_more, chunk_bytes=64 << 10)
+        client = ShardcastClient([server.url], pub, tmp_path / "client", run_id=RUN, parallelism=1, on_progress=publish_more, chunk_bytes=64 << 10)
         pulled = client.pull(0)
         assert published.is_set() and pulled.version == 0
         assert files_of(pulled.path) == files_of(o.version_dir(0))
@@ -280,11 +280,12 @@ def test_cli_origin_relay_pull(tmp_path, tiny_model_dir):
     from shardcast.keys import load_or_generate_signing_key
 
     # Published here (torch is already loaded); the origin process then serves the folder without torch.
-    Origin(tmp_path / "origin", load_or_generate_signing_key(tmp_path / "key.pem"), shard_bytes=64 << 10).publish(4, load_version_dir(tiny_model_dir))
-    origin_proc, origin_info = start_cli("origin", "--root", str(tmp_path / "origin"), "--key", str(tmp_path / "key.pem"))
+    Origin(tmp_path / "origin", load_or_generate_signing_key(tmp_path / "key.pem"), run_id=RUN, shard_bytes=64 << 10).publish(4, load_version_dir(tiny_model_dir))
+    origin_proc, origin_info = start_cli("origin", "--root", str(tmp_path / "origin"), "--key", str(tmp_path / "key.pem"), "--run-id", RUN)
     try:
         pub = origin_info["public_key"]
         assert origin_info["versions"] == [4]
+        # No --run-id: the relay follows the run its upstream signs.
         relay_proc, relay_info = start_cli("relay", "--upstream", origin_info["url"], "--root", str(tmp_path / "relay"), "--public-key", pub, "--poll-interval-s", "0.05")
         try:
             wait_until(lambda: relay_has(relay_info["url"], 4), what="the relay to list version 4")
@@ -293,7 +294,7 @@ def test_cli_origin_relay_pull(tmp_path, tiny_model_dir):
             import json
 
             out = subprocess.run(
-                [sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", "pull", "--server", relay_info["url"], "--public-key", pub, "--dest", str(tmp_path / "dest")],
+                [sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", "pull", "--server", relay_info["url"], "--public-key", pub, "--run-id", RUN, "--dest", str(tmp_path / "dest")],
                 capture_output=True, text=True, timeout=120, check=True,
             )
             result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -303,12 +304,17 @@ def test_cli_origin_relay_pull(tmp_path, tiny_model_dir):
             assert set(pulled) == set(original) and all((pulled[k] == original[k]).all() for k in original)
             assert result["model_hash"] == model_hash(original)
             bad = subprocess.run(
-                [sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", "pull", "--server", relay_info["url"], "--public-key", public_key_b64(Ed25519PrivateKey.generate()), "--dest", str(tmp_path / "dest2")],
+                [sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", "pull", "--server", relay_info["url"], "--public-key", public_key_b64(Ed25519PrivateKey.generate()), "--run-id", RUN, "--dest", str(tmp_path / "dest2")],
                 capture_output=True, text=True, timeout=120,
             )
             assert bad.returncode == 1 and "forged" in bad.stderr and not (tmp_path / "dest2" / "v0000000004").exists()
+            other_run = subprocess.run(
+                [sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", "pull", "--server", relay_info["url"], "--public-key", pub, "--run-id", "a-later-run", "--dest", str(tmp_path / "dest4")],
+                capture_output=True, text=True, timeout=120,
+            )
+            assert other_run.returncode == 1 and f"belongs to run '{RUN}'" in other_run.stderr and not (tmp_path / "dest4" / "v0000000004").exists()
             garbled = subprocess.run(
-                [sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", "pull", "--server", relay_info["url"], "--public-key", "A" * 44, "--dest", str(tmp_path / "dest3")],
+                [sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", "pull", "--server", relay_info["url"], "--public-key", "A" * 44, "--run-id", RUN, "--dest", str(tmp_path / "dest3")],
                 capture_output=True, text=True, timeout=120,
             )
             assert garbled.returncode == 2 and "public-key" in garbled.stderr
@@ -329,11 +335,11 @@ def _flip_byte(path: Path) -> None:
 def test_restarted_relay_rehashes_its_disk_before_serving(tmp_path, pub, origin):
     o, origin_server = origin
     m = o.manifest(0)
-    first = Relay([origin_server.url], tmp_path / "relay", pub)
+    first = Relay([origin_server.url], tmp_path / "relay", pub, run_id=RUN)
     assert first.sync_once() == [0]
     _flip_byte(tmp_path / "relay" / "v0000000000" / m.shards[1].name)  # damaged while the relay was down
 
-    again = Relay([origin_server.url], tmp_path / "relay", pub)
+    again = Relay([origin_server.url], tmp_path / "relay", pub, run_id=RUN)
     assert again.versions() == [0]  # the manifest re-verified; no shard is served before it is re-hashed
     with ShardServer(again.store) as server, httpx.Client(base_url=server.url) as c:
         assert c.get(api.SHARDCAST_SHARD.format(version=0, name=m.shards[0].name)).status_code == 503
@@ -349,17 +355,17 @@ def test_restarted_relay_rehashes_its_disk_before_serving(tmp_path, pub, origin)
 def test_client_rechecks_a_version_folder_from_an_earlier_process(tmp_path, pub, origin):
     o, origin_server = origin
     m = o.manifest(0)
-    pulled = ShardcastClient([origin_server.url], pub, tmp_path / "client").pull()
+    pulled = ShardcastClient([origin_server.url], pub, tmp_path / "client", run_id=RUN).pull()
     _flip_byte(pulled.path / m.shards[2].name)  # e.g. unsynced pages lost in a power cut
     sent_before = SHARD_BYTES_SERVED._value.get()
-    again = ShardcastClient([origin_server.url], pub, tmp_path / "client").pull()
+    again = ShardcastClient([origin_server.url], pub, tmp_path / "client", run_id=RUN).pull()
     assert again.path == pulled.path and files_of(again.path) == files_of(o.version_dir(0))
     assert SHARD_BYTES_SERVED._value.get() - sent_before == m.shards[2].size
 
 
 def test_readers_never_see_a_half_published_version(tmp_path, key, pub):
     """While versions are being published, every listed version has a signed manifest and all its shards."""
-    o = Origin(tmp_path / "origin", key, keep_versions=10, shard_bytes=256 << 10)
+    o = Origin(tmp_path / "origin", key, run_id=RUN, keep_versions=10, shard_bytes=256 << 10)
     seen: list[int] = []
     problems: list[str] = []
     done = threading.Event()
@@ -372,7 +378,7 @@ def test_readers_never_see_a_half_published_version(tmp_path, key, pub):
                 for v in c.get(api.SHARDCAST_VERSIONS).json()["versions"]:
                     if v in seen:
                         continue
-                    m = parse_verified_manifest(c.get(api.SHARDCAST_MANIFEST.format(version=v)).content, pub, v)
+                    m = parse_verified_manifest(c.get(api.SHARDCAST_MANIFEST.format(version=v)).content, pub, v, run_id=RUN)
                     for s in m.shards:
                         r = c.get(api.SHARDCAST_SHARD.format(version=v, name=s.name))
                         if r.status_code != 200 or hashlib.sha256(r.content).hexdigest() != s.sha256:
@@ -392,7 +398,7 @@ def test_readers_never_see_a_half_published_version(tmp_path, key, pub):
 
 def test_client_keeps_only_its_newest_versions(tmp_path, pub, origin):
     o, origin_server = origin
-    client = ShardcastClient([origin_server.url], pub, tmp_path / "client", keep_versions=1)
+    client = ShardcastClient([origin_server.url], pub, tmp_path / "client", run_id=RUN, keep_versions=1)
     first = client.pull()
     o.publish(1, state_dict(seed=1, layers=2))
     second = client.pull()

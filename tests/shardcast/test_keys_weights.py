@@ -21,11 +21,14 @@ from shardcast.keys import (
 )
 from shardcast.origin import Origin
 from shardcast.weights import load_version_dir, model_hash, split_aliases
-from shardcast_helpers import state_dict
+from shardcast_helpers import RUN, state_dict
 
 
-def _manifest(version=3) -> PolicyManifest:
-    return PolicyManifest(version=version, model_hash="ab" * 32, shards=[ShardEntry(name="model-00001-of-00001.safetensors", sha256="cd" * 32, size=10)], created_at=1.0)
+def _manifest(version=3, run_id=RUN) -> PolicyManifest:
+    return PolicyManifest(
+        run_id=run_id, version=version, model_hash="ab" * 32, anchor_version=version, full_bytes=10,
+        shards=[ShardEntry(name="model-00001-of-00001.safetensors", sha256="cd" * 32, size=10)], created_at=1.0,
+    )
 
 
 def test_key_file_is_private_and_reloads(tmp_path, key):
@@ -37,7 +40,7 @@ def test_key_file_is_private_and_reloads(tmp_path, key):
 def test_signed_manifest_verifies_and_every_change_breaks_it(key, pub):
     signed = sign_manifest(_manifest(), key)
     verify_manifest(signed, pub)
-    for change in ({"version": 4}, {"model_hash": "ef" * 32}, {"created_at": 2.0},
+    for change in ({"version": 4}, {"model_hash": "ef" * 32}, {"created_at": 2.0}, {"run_id": "another-run"}, {"full_bytes": 11},
                    {"shards": [ShardEntry(name="model-00001-of-00001.safetensors", sha256="ce" * 32, size=10)]}):
         with pytest.raises(ManifestError, match="forged"):
             verify_manifest(signed.model_copy(update=change), pub)
@@ -52,9 +55,18 @@ def test_unsigned_forged_and_malformed_manifests_are_rejected(key, pub):
     with pytest.raises(ManifestError, match="malformed"):
         verify_manifest(_manifest().model_copy(update={"signature": "AAAA"}), pub)
     with pytest.raises(ManifestError, match="malformed manifest"):
-        parse_verified_manifest(b"{not json", pub)
+        parse_verified_manifest(b"{not json", pub, run_id=RUN)
     with pytest.raises(ManifestError, match="asked for version 9"):
-        parse_verified_manifest(sign_manifest(_manifest(3), key).model_dump_json().encode(), pub, version=9)
+        parse_verified_manifest(sign_manifest(_manifest(3), key).model_dump_json().encode(), pub, version=9, run_id=RUN)
+
+
+def test_a_manifest_signed_in_another_run_with_the_same_key_is_refused(key, pub):
+    """The replay of the issue: same key, earlier run. The signature checks out; the run id does not."""
+    earlier = sign_manifest(_manifest(3, run_id="demo-aaaaaaaaaaaa"), key).model_dump_json().encode()
+    verify_manifest(PolicyManifest.model_validate_json(earlier), pub)  # a valid signature...
+    with pytest.raises(ManifestError, match="belongs to run 'demo-aaaaaaaaaaaa'"):
+        parse_verified_manifest(earlier, pub, version=3, run_id="demo-bbbbbbbbbbbb")  # ...of another run
+    assert parse_verified_manifest(earlier, pub, version=3, run_id="demo-aaaaaaaaaaaa").run_id == "demo-aaaaaaaaaaaa"
 
 
 @pytest.mark.parametrize("name", ["../../etc/passwd", "a/b.safetensors", ".hidden", "..", "x..y", "/abs", "a\\b"])
@@ -67,15 +79,15 @@ def test_signed_manifest_with_path_traversal_names_is_rejected(key, pub, name):
 
     body["signature"] = base64.b64encode(key.sign(payload)).decode()
     with pytest.raises(ManifestError, match="malformed"):
-        parse_verified_manifest(json.dumps(body).encode(), pub)
+        parse_verified_manifest(json.dumps(body).encode(), pub, run_id=RUN)
 
 
 def test_model_hash_is_independent_of_sharding_and_sensitive_to_content(tmp_path, key):
     sd = state_dict(layers=4, mb_per_layer=0.25)
     h = model_hash(sd)
     assert model_hash(dict(reversed(list(sd.items())))) == h
-    small = Origin(tmp_path / "a", key, shard_bytes=100_000).publish(0, sd)
-    big = Origin(tmp_path / "b", key, shard_bytes=1 << 30).publish(0, sd)
+    small = Origin(tmp_path / "a", key, run_id=RUN, shard_bytes=100_000).publish(0, sd)
+    big = Origin(tmp_path / "b", key, run_id=RUN, shard_bytes=1 << 30).publish(0, sd)
     assert len(small.shards) > len(big.shards) == 1
     assert small.model_hash == big.model_hash == h
     assert model_hash(load_version_dir(tmp_path / "a" / "v0000000000")) == h
@@ -95,7 +107,7 @@ def test_tied_alias_is_written_once_and_restored(tmp_path, key):
     untied = {**sd, "lm_head.weight": emb.clone()}  # equal values, separate memory: not tied
     assert split_aliases(untied)[1] == {}
     assert model_hash(untied) != model_hash(sd)
-    origin = Origin(tmp_path / "o", key, shard_bytes=1 << 20)
+    origin = Origin(tmp_path / "o", key, run_id=RUN, shard_bytes=1 << 20)
     m = origin.publish(0, sd)
     from safetensors import safe_open
 
@@ -119,7 +131,7 @@ def test_published_version_loads_in_transformers(request, tmp_path, key, fixture
     torch.manual_seed(123)
     trained = Qwen2ForCausalLM(config).float().eval()  # fresh weights, unlike what is on disk
     sd = trained.state_dict()
-    origin = Origin(tmp_path / "origin", key, shard_bytes=64 << 10)
+    origin = Origin(tmp_path / "origin", key, run_id=RUN, shard_bytes=64 << 10)
     manifest = origin.publish(5, sd)
     assert len(manifest.shards) > 1
     loaded = load_version_dir(origin.version_dir(5))

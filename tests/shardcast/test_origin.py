@@ -6,14 +6,14 @@ import pytest
 
 from shardcast.origin import Origin
 from shardcast.store import DiskFullError, MANIFEST_FILE
-from shardcast_helpers import state_dict, tmpfs
+from shardcast_helpers import RUN, state_dict, tmpfs
 
 
 def test_publish_writes_signed_shards_and_reloads_after_restart(tmp_path, key, pub):
     from shardcast.keys import verify_manifest
     import hashlib
 
-    origin = Origin(tmp_path, key, keep_versions=3, shard_bytes=1 << 20)
+    origin = Origin(tmp_path, key, run_id=RUN, keep_versions=3, shard_bytes=1 << 20)
     m = origin.publish(7, state_dict(layers=3))
     verify_manifest(m, pub)
     folder = origin.version_dir(7)
@@ -24,13 +24,13 @@ def test_publish_writes_signed_shards_and_reloads_after_restart(tmp_path, key, p
     with pytest.raises(FileExistsError):
         origin.publish(7, state_dict(layers=1))
     (tmp_path / ".tmp-leftover-from-a-crash").mkdir()
-    again = Origin(tmp_path, key, keep_versions=3)
+    again = Origin(tmp_path, key, run_id=RUN, keep_versions=3)
     assert again.versions() == [7] and again.latest() == 7 and again.manifest(7) == m
     assert not (tmp_path / ".tmp-leftover-from-a-crash").exists()
 
 
 def test_failed_publish_leaves_no_version(tmp_path, key):
-    origin = Origin(tmp_path / "origin", key)
+    origin = Origin(tmp_path / "origin", key, run_id=RUN)
     with pytest.raises(TypeError, match="model.norm.weight.*expected a dense torch.Tensor"):
         origin.publish(1, {"model.norm.weight": "not a tensor"})
     with pytest.raises(ValueError):
@@ -39,7 +39,7 @@ def test_failed_publish_leaves_no_version(tmp_path, key):
 
 
 def test_keeps_last_k_but_never_deletes_a_version_being_downloaded(tmp_path, key):
-    origin = Origin(tmp_path, key, keep_versions=2, shard_bytes=1 << 20, grace_s=0)
+    origin = Origin(tmp_path, key, run_id=RUN, keep_versions=2, shard_bytes=1 << 20, grace_s=0)
     for v in range(3):
         origin.publish(v, state_dict(seed=v, layers=2))
     assert origin.versions() == [1, 2]
@@ -65,7 +65,7 @@ def test_keeps_last_k_but_never_deletes_a_version_being_downloaded(tmp_path, key
 
 
 def test_grace_period_spares_a_version_between_two_requests(tmp_path, key):
-    origin = Origin(tmp_path, key, keep_versions=1, shard_bytes=1 << 20, grace_s=3600)
+    origin = Origin(tmp_path, key, run_id=RUN, keep_versions=1, shard_bytes=1 << 20, grace_s=3600)
     origin.publish(0, state_dict(layers=2))
     origin.manifest_bytes(0)  # a client just started on version 0
     origin.publish(1, state_dict(seed=1, layers=2))
@@ -78,7 +78,7 @@ def test_grace_period_spares_a_version_between_two_requests(tmp_path, key):
 
 def test_disk_full_gives_a_clear_error_and_no_half_written_version(key):
     with tmpfs(3 << 20) as root:
-        origin = Origin(root, key, keep_versions=3, shard_bytes=1 << 20)
+        origin = Origin(root, key, run_id=RUN, keep_versions=3, shard_bytes=1 << 20)
         small = origin.publish(0, state_dict(layers=1))
         with pytest.raises(DiskFullError, match="no space left.*nothing was published"):
             origin.publish(1, state_dict(seed=1, layers=6))

@@ -14,12 +14,12 @@ from protocol.models import ErrorBody, VersionList
 from shardcast.origin import Origin
 from shardcast.server import ShardServer, serve_origin
 from shardcast.store import VersionStore
-from shardcast_helpers import state_dict
+from shardcast_helpers import RUN, state_dict
 
 
 @pytest.fixture
 def served(tmp_path, key):
-    origin = Origin(tmp_path / "origin", key, shard_bytes=1 << 20)
+    origin = Origin(tmp_path / "origin", key, run_id=RUN, shard_bytes=1 << 20)
     origin.publish(0, state_dict(layers=2))
     origin.publish(1, state_dict(seed=1, layers=2))
     server = serve_origin(origin)
@@ -119,7 +119,7 @@ def test_writes_are_refused_and_garbage_requests_never_500(served):
 
 def test_relay_store_lists_verified_manifest_and_serves_each_shard_once_verified(tmp_path, key):
     """A version is listed once its manifest is in; a shard is served only after add_shard (verified)."""
-    origin = Origin(tmp_path / "origin", key, shard_bytes=1 << 20)
+    origin = Origin(tmp_path / "origin", key, run_id=RUN, shard_bytes=1 << 20)
     m = origin.publish(3, state_dict(layers=3))
     store = VersionStore(tmp_path / "relay", keep_versions=2)
     folder = store.begin_partial(3, m, origin.manifest_bytes(3))
@@ -150,7 +150,7 @@ def test_relay_store_lists_verified_manifest_and_serves_each_shard_once_verified
 
 
 def test_connection_flood_is_refused_with_503_not_served_forever(tmp_path, key):
-    origin = Origin(tmp_path / "origin", key, shard_bytes=1 << 20)
+    origin = Origin(tmp_path / "origin", key, run_id=RUN, shard_bytes=1 << 20)
     origin.publish(0, state_dict(layers=1))
     with ShardServer(origin, max_connections=2) as server:
         host, port = server.url.removeprefix("http://").split(":")

@@ -8,6 +8,7 @@ import torch
 from shardcast.client import ShardcastClient
 from shardcast.origin import Origin
 from shardcast.server import serve_origin
+from shardcast_helpers import RUN
 
 
 @pytest.mark.slow  # ~45 s on 2 busy cores (vLLM start-up); result recorded in bench/results/shardcast_notes.md
@@ -17,10 +18,10 @@ def test_vllm_reloads_a_pulled_version(tmp_path, key, pub, tiny_model_dir):
 
     torch.manual_seed(7)
     trained = Qwen2ForCausalLM(AutoConfig.from_pretrained(tiny_model_dir)).float().eval()
-    origin = Origin(tmp_path / "origin", key, shard_bytes=64 << 10)
+    origin = Origin(tmp_path / "origin", key, run_id=RUN, shard_bytes=64 << 10)
     origin.publish(1, trained.state_dict())
     with serve_origin(origin) as server:
-        pulled = ShardcastClient([server.url], pub, tmp_path / "worker").pull()
+        pulled = ShardcastClient([server.url], pub, tmp_path / "worker", run_id=RUN).pull()
 
     from inference_worker.config import EngineConfig
     from inference_worker.engine import RolloutEngine

@@ -7,6 +7,8 @@ from trainer_helpers import random_samples
 from trainer.config import TrainerConfig
 from trainer.train import Trainer, load_model
 
+RUN = "test-run"  # the run id signed into the test origin's manifests
+
 origin_mod = pytest.importorskip("shardcast.origin")
 
 
@@ -15,7 +17,7 @@ def test_trainer_publishes_through_the_shardcast_origin(tiny_model_dir, tmp_path
     from shardcast.weights import load_version_dir, model_hash
 
     key = generate_signing_key(tmp_path / "key.pem")
-    origin = origin_mod.Origin(tmp_path / "origin", key, keep_versions=5, shard_bytes=64 << 10)
+    origin = origin_mod.Origin(tmp_path / "origin", key, run_id=RUN, keep_versions=5, shard_bytes=64 << 10)
     trainer = Trainer(TrainerConfig(lr=1e-2), tiny_model_dir, tmp_path / "run", publish=lambda v, sd: origin.publish(v, sd).model_hash)
     trainer.step(random_samples(4, seed=50))
     trainer.step(random_samples(4, seed=51, version=1))

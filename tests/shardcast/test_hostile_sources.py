@@ -1,0 +1,174 @@
+"""Relays cannot stall a worker: drip-feeding, stalling, head-dripping, size-lying and other-run relays, on
+real loopback servers. Every pull runs under the client's own pull deadline (the bound), must end with the
+published bytes from the healthy sources, and must have left the bad source for the reason it deserved."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from shardcast.client import ShardcastClient, ShardcastError
+from shardcast.origin import Origin
+from shardcast.relay import Relay
+from shardcast.server import serve_origin, serve_relay
+from shardcast.sources import TransferPolicy
+from shardcast_helpers import RUN, state_dict
+from hostile import HostileRelay
+
+# Tight enough that a test of a bad source takes seconds; the pull deadline is the bound every test keeps.
+POLICY = TransferPolicy(
+    stall_timeout_s=1.0, min_rate_bytes_per_s=64 << 10, rate_window_s=0.5, slow_factor=0.25, slow_cooldown_s=60.0,
+    shard_deadline_s=30.0, pull_deadline_s=45.0, request_timeout_s=3.0,
+)
+
+
+def files_of(path):
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+@pytest.fixture
+def origin(tmp_path, key):
+    o = Origin(tmp_path / "origin", key, run_id=RUN, keep_versions=3, shard_bytes=1 << 20)
+    o.publish(0, state_dict(seed=0, layers=8))  # 8 shards of 1 MiB
+    server = serve_origin(o)
+    yield o, server
+    server.stop()
+
+
+@pytest.fixture
+def hostile():
+    made: list[HostileRelay] = []
+
+    def make(upstream: str, mode: str, **kw) -> HostileRelay:
+        made.append(HostileRelay(upstream, mode, **kw))
+        return made[-1]
+
+    yield make
+    for h in made:
+        h.stop()
+
+
+def pull_within_deadline(client: ShardcastClient, version: int | None = None):
+    t0 = time.monotonic()
+    pulled = client.pull(version)
+    return pulled, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("mode", ["drip", "stall", "silent"])
+def test_a_relay_that_drips_or_stalls_is_left_and_the_origin_finishes_the_pull(tmp_path, pub, origin, hostile, mode):
+    o, server = origin
+    bad = hostile(server.url, mode, rate=1000)  # 1 KB/s: the relay of the issue
+    client = ShardcastClient([bad.url], pub, tmp_path / "client", run_id=RUN, fallback_urls=[server.url], parallelism=4, policy=POLICY, seed=0)
+    pulled, seconds = pull_within_deadline(client)
+    assert files_of(pulled.path) == files_of(o.version_dir(0)) | {"manifest.json": (pulled.path / "manifest.json").read_bytes()}
+    s = client.stats[bad.url]
+    assert s.slow >= 1 and s.banned is None  # left for being slow, not banned: its bytes were right
+    assert any("/shards/" in r for r in bad.requests)  # it was tried first (the only primary)
+    assert client.stats[server.url].bytes >= o.manifest(0).total_bytes - bad.bytes_sent
+    print(f"{mode}: pull done in {seconds:.1f}s, {bad.bytes_sent} bytes from the bad relay")
+
+
+def test_a_relay_just_above_the_floor_loses_to_a_faster_relay(tmp_path, pub, origin, hostile, running_relays):
+    """Dripping at 300 KB/s beats the absolute floor (64 KiB/s) but not a quarter of the healthy relay's rate."""
+    o, server = origin
+    slow = hostile(server.url, "drip", rate=300_000)
+    healthy = running_relays(server.url)
+    client = ShardcastClient([slow.url, healthy], pub, tmp_path / "client", run_id=RUN, parallelism=2, policy=POLICY, seed=1)
+    client.stats[healthy].throughput = 50e6  # as measured by an earlier pull
+    pulled, _ = pull_within_deadline(client)
+    assert files_of(pulled.path) == files_of(o.version_dir(0)) | {"manifest.json": (pulled.path / "manifest.json").read_bytes()}
+    if client.stats[slow.url].bytes or slow.bytes_sent:
+        assert client.stats[slow.url].slow >= 1
+    assert client.stats[healthy].bytes > o.manifest(0).total_bytes / 2
+
+
+def test_a_relay_that_drips_its_response_heads_cannot_hold_a_listing_or_a_file(tmp_path, pub, origin, hostile):
+    o, server = origin
+    bad = hostile(server.url, "drip_head", head_interval_s=0.3)  # never silent for a whole stall timeout
+    client = ShardcastClient([bad.url], pub, tmp_path / "client", run_id=RUN, fallback_urls=[server.url], parallelism=2, policy=POLICY)
+    t0 = time.monotonic()
+    assert client.latest_version() == 0  # its listing missed the request deadline: the origin's listing answered
+    assert time.monotonic() - t0 < POLICY.request_timeout_s + 2  # the listing is bounded by the request deadline
+    pulled, _ = pull_within_deadline(client, 0)
+    assert pulled.version == 0 and client.stats[bad.url].slow >= 1
+
+
+def test_size_lies_are_caught_before_any_body_is_read(tmp_path, pub, origin, hostile):
+    o, server = origin
+    huge = hostile(server.url, "huge")  # files claim a terabyte
+    client = ShardcastClient([huge.url], pub, tmp_path / "client", run_id=RUN, fallback_urls=[server.url], parallelism=2, policy=POLICY)
+    pulled, _ = pull_within_deadline(client)
+    assert pulled.version == 0 and "Content-Length" in (client.stats[huge.url].banned or "")
+
+    big_manifest = hostile(server.url, "huge_manifest")  # the manifest claims a gigabyte, and would send it
+    client = ShardcastClient([big_manifest.url], pub, tmp_path / "client2", run_id=RUN, fallback_urls=[server.url], policy=POLICY)
+    pulled, _ = pull_within_deadline(client, 0)
+    assert pulled.version == 0 and any(r.endswith("/manifest") for r in big_manifest.requests)
+    assert big_manifest.manifest_bytes_sent < 64 << 20  # refused at the head; what went out sits in socket buffers
+
+
+def test_another_runs_manifest_signed_with_the_same_key_is_refused(tmp_path, key, pub, origin):
+    o, server = origin
+    # An earlier run with the same key: its versions are newer and its version 0 is other weights.
+    earlier = Origin(tmp_path / "earlier", key, run_id="demo-earlier-run", shard_bytes=1 << 20)
+    earlier.publish(0, state_dict(seed=5, layers=2))
+    earlier.publish(9, state_dict(seed=9, layers=2))
+    stale = serve_origin(earlier)
+    try:
+        client = ShardcastClient([stale.url], pub, tmp_path / "client", run_id=RUN, fallback_urls=[server.url], policy=POLICY)
+        pulled, _ = pull_within_deadline(client, 0)
+        assert files_of(pulled.path) == files_of(o.version_dir(0)) | {"manifest.json": (pulled.path / "manifest.json").read_bytes()}
+        assert "belongs to run 'demo-earlier-run'" in (client.stats[stale.url].banned or "")
+
+        lone = ShardcastClient([stale.url], pub, tmp_path / "lone", run_id=RUN, policy=POLICY)
+        with pytest.raises(ShardcastError, match="belongs to run"):
+            lone.pull()
+        assert list((tmp_path / "lone").iterdir()) == []
+
+        # A relay of this run never lists the earlier run's versions; one that follows its upstream's run
+        # does, and drops them when the key signs a new run.
+        relay = Relay([stale.url], tmp_path / "relay", pub, run_id=RUN, policy=POLICY)
+        assert relay.sync_once() == [] and relay.versions() == []
+        follower = Relay([stale.url], tmp_path / "follower", pub, run_id=None, policy=POLICY)
+        assert follower.sync_once() == [0, 9] and follower.run_id == "demo-earlier-run"
+        follower.upstream = Relay([server.url], tmp_path / "x", pub, run_id=None, policy=POLICY).upstream  # the new run starts
+        assert follower.sync_once() == [0] and follower.run_id == RUN
+        assert follower.store.manifest(0).model_hash == o.manifest(0).model_hash
+    finally:
+        stale.stop()
+
+
+def test_version_folders_of_another_run_on_disk_are_not_trusted(tmp_path, key, pub, origin):
+    o, server = origin
+    other = Origin(tmp_path / "other", key, run_id="demo-earlier-run", shard_bytes=1 << 20)
+    other.publish(0, state_dict(seed=5, layers=2))
+    import shutil
+
+    (tmp_path / "client").mkdir()
+    shutil.copytree(other.version_dir(0), tmp_path / "client" / "v0000000000")  # left by the earlier run
+    client = ShardcastClient([server.url], pub, tmp_path / "client", run_id=RUN, policy=POLICY)
+    pulled = client.pull(0)
+    assert pulled.manifest.run_id == RUN and files_of(pulled.path) == files_of(o.version_dir(0)) | {"manifest.json": (pulled.path / "manifest.json").read_bytes()}
+    # The origin of this run, restarted on a folder holding another run's version, drops it.
+    assert Origin(tmp_path / "other", key, run_id=RUN).versions() == []
+
+
+@pytest.fixture
+def running_relays(tmp_path, pub):
+    made = []
+
+    def make(upstream: str) -> str:
+        relay = Relay([upstream], tmp_path / f"relay{len(made)}", pub, run_id=RUN, poll_interval_s=0.05, policy=POLICY)
+        server = serve_relay(relay, shard_wait_s=0.5)
+        relay.start()
+        made.append((relay, server))
+        deadline = time.monotonic() + 30
+        while relay.store.complete_versions() == [] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return server.url
+
+    yield make
+    for relay, server in made:
+        server.stop()
+        relay.stop()
