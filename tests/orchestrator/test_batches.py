@@ -14,7 +14,7 @@ from protocol.models import ErrorCode, LeaseRequest, WorkerRegistration
 
 def fill(orch, groups: int, seed: int = 0):
     """Accepted submissions until at least `groups` groups are ready; returns the worker id."""
-    wid = orch.authenticate(orch.register(WorkerRegistration(name="w")).secret)
+    wid = orch.authenticate(orch.register(WorkerRegistration(name="w"), orch.cfg.join_tokens[0].get_secret_value()).secret)
     rng = np.random.default_rng(seed)
     while orch.buffer.depth() < groups * 4:
         lease = orch.lease(wid, LeaseRequest(loaded_policy_version=0, max_prompts=2)).lease
