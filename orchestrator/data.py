@@ -144,7 +144,10 @@ def load_rows(config: DataConfig) -> list[dict[str, Any]]:
 def items_from_rows(rows: list[dict[str, Any]], config: DataConfig) -> list[Any]:
     from verifier.tasks import get_task
 
-    task = get_task(config.task, **config.task_params)
+    try:
+        task = get_task(config.task, **config.task_params)
+    except ValueError as exc:
+        raise DataError(str(exc)) from None
     items = []
     for i, row in enumerate(rows):
         try:
