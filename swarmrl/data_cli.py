@@ -6,7 +6,9 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.console import Console
 
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.toml"
 app = typer.Typer(help="Datasets: offline difficulty filtering.", no_args_is_help=True)
 
 
@@ -24,13 +26,17 @@ def filter_(
     """Sample every prompt of [data] k times with the model, score the samples with the task's trusted
     reward, and keep the prompts whose pass rate lies in [--min-pass, --max-pass] (INTELLECT-2's offline
     filter). Point `[data] path` at --out to train on them. Config fields can be overridden as in `run`."""
-    from rich.console import Console
-
     from orchestrator.data import DataError
-    from swarmrl.cli import _load
+    from swarmrl.config import RunConfig
+    from swarmrl.loading import ConfigError, load_config
     from swarmrl.logs import configure_logging
 
-    cfg = _load(config, list(ctx.args))
+    console = Console(stderr=True)
+    try:
+        cfg = load_config(config or DEFAULT_CONFIG, list(ctx.args), model=RunConfig)
+    except ConfigError as exc:
+        console.print(f"[red]config error:[/] {exc}")
+        raise typer.Exit(2) from None
     if min_pass > max_pass:
         raise typer.BadParameter(f"--min-pass {min_pass} is above --max-pass {max_pass}", param_hint="--min-pass")
     if out.exists() and any(out.iterdir()):
@@ -46,7 +52,7 @@ def filter_(
     try:
         res = filter_dataset(cfg, model, out, samples, min_pass, max_pass, pass_threshold)
     except DataError as exc:
-        Console(stderr=True).print(f"[red]data error:[/] {exc}")
+        console.print(f"[red]data error:[/] {exc}")
         raise typer.Exit(1) from None
     scored = [r for r in res.rates if r is not None]
     typer.echo(f"kept {res.kept} of {len(res.rates)} prompts (pass rate in [{min_pass}, {max_pass}]; {res.too_long} too long); "
