@@ -10,7 +10,6 @@ switched off: tracking must never stop a run.
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -46,8 +45,9 @@ class Tracker(Protocol):
 
 
 def scalars(metrics: dict[str, Any]) -> dict[str, float]:
-    """The plain numbers of a record (bools count as 0 / 1); everything else is left to metrics.jsonl."""
-    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))}
+    """The plain numbers of a record (bools count as 0 / 1; NaN stays: a NaN loss is worth seeing); everything
+    else is left to metrics.jsonl."""
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
 
 
 class JsonlTracker:
