@@ -84,7 +84,8 @@ def one_run(mode: str, warmup_steps: int, window_s: float, port: int) -> dict:
         deadline = time.time() + 600
         while len(steps(run_dir)) < warmup_steps:
             if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"{mode}: the run did not warm up; see {out / 'driver.log'}")
+                log = (out / "driver.log").read_text(errors="replace")[-3000:] if (out / "driver.log").exists() else "(no driver.log)"
+                raise RuntimeError(f"{mode}: the run did not warm up (exit code {proc.poll()}); the end of its driver.log:\n{log}")
             time.sleep(1)
         pid = listener_pid(port)
         cfg = load_run_config(REPO / "configs" / "demo.toml", environ={}).orchestrator
@@ -94,7 +95,7 @@ def one_run(mode: str, warmup_steps: int, window_s: float, port: int) -> dict:
                            ((Hoarder, "hoarder"), (Flooder, "flooder"), (SlowReward, "slow"), (Cheater, "cheater"))]
         with db(run_dir) as con:
             honest = con.execute("SELECT worker_id FROM workers WHERE name='local-0'").fetchone()[0]
-        t0, steps0 = time.time(), len(steps(run_dir))
+        t0, steps0, load0 = time.time(), len(steps(run_dir)), round(os.getloadavg()[0], 2)
         for a in adversaries:
             a.start()
         peak_rss, status_ms = 0, []
@@ -117,7 +118,7 @@ def one_run(mode: str, warmup_steps: int, window_s: float, port: int) -> dict:
         five_xx = sum(n for a in adversaries for code, n in a.statuses.items() if code >= 500)
         minutes = (t1 - t0) / 60
         return {
-            "mode": mode, "window_s": round(t1 - t0, 1), "honest_accepted_per_min": round(accepted / minutes, 1),
+            "mode": mode, "load_avg_1m_before_after": [load0, round(os.getloadavg()[0], 2)], "window_s": round(t1 - t0, 1), "honest_accepted_per_min": round(accepted / minutes, 1),
             "trainer_steps_per_min": round((steps1 - steps0) / minutes, 1), "orchestrator_peak_rss_mib": round(peak_rss / 2**20, 1),
             "status_p50_ms": round(statistics.median(status_ms), 1), "status_max_ms": round(max(status_ms), 1), "adversary_5xx": five_xx,
             "adversary_requests": {a.name: sum(a.statuses.values()) for a in adversaries},
@@ -140,13 +141,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--window-s", type=float, default=120.0)
     ap.add_argument("--warmup-steps", type=int, default=3)
-    ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--port", type=int, default=0, help="the orchestrator's port (0: a free one for each run)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = ap.parse_args()
     runs = []
     for r in range(args.repeats):
         for mode in ("clean", "attacked"):
-            result = one_run(mode, args.warmup_steps, args.window_s, args.port)
+            from swarmrl.processes import free_port
+
+            result = one_run(mode, args.warmup_steps, args.window_s, args.port or free_port("127.0.0.1"))
             result["repeat"] = r
             print(json.dumps(result), flush=True)
             runs.append(result)
@@ -155,6 +158,24 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "hostile_swarm_bench.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs, "ratio": ratio}, indent=1))
     print(json.dumps({"ratio_attacked_over_clean": ratio}, indent=1))
+    write_markdown(args, runs, ratio)
+
+
+def write_markdown(args, runs: list[dict], ratio: dict) -> None:
+    cols = ("repeat", "mode", "window_s", "honest_accepted_per_min", "trainer_steps_per_min", "orchestrator_peak_rss_mib", "status_p50_ms",
+            "status_max_ms", "adversary_5xx", "load_avg_1m_before_after")
+    lines = [
+        "# Honest throughput with and without a hostile swarm", "",
+        f"Command: `python bench/hostile_swarm_bench.py --repeats {args.repeats} --window-s {args.window_s:g}` "
+        f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}). The demo loop (small model, one honest local vLLM worker, real "
+        "verifier and trainer) on this 2-core machine; runs alternate clean / attacked; 'attacked' adds a hoarder, a flooder, a "
+        "slow-reward worker and a banned cheater coming back (tools/adversaries.py) for the whole window. Every run is listed.", "",
+        "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols),
+        *("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in runs), "",
+        f"Attacked / clean, per pair: honest accepted submissions/min {ratio['honest_accepted_per_min']}; "
+        f"trainer steps/min {ratio['trainer_steps_per_min']} (goal >= 0.8).", "",
+    ]
+    (args.out / "hostile_swarm_bench.md").write_text("\n".join(lines))
 
 
 if __name__ == "__main__":
