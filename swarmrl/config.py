@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from inference_worker.config import WorkerConfig
-from orchestrator.config import DataConfig, OrchestratorConfig, StepShape
+from orchestrator.config import DataConfig, EvalConfig, OrchestratorConfig, StepShape
 from shardcast.config import ShardcastConfig
 from trainer.config import TrainerConfig
 from verifier.config import VerifierConfig
@@ -68,6 +68,7 @@ class RunConfig(BaseModel):
     trainer: TrainerConfig = TrainerConfig()
     shardcast: ShardcastConfig = ShardcastConfig()
     worker: WorkerConfig = WorkerConfig()
+    eval: EvalConfig = EvalConfig()
 
     @property
     def run_dir(self) -> Path:
