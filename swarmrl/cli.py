@@ -194,7 +194,9 @@ def eval_(
     Config fields can be overridden as for `run`: --orchestrator.sampling.max_tokens 8
     """
     import json
+    import os
 
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries the JSON result only
     cfg = _load(config, list(ctx.args))
     configure_logging(cfg.log_level)
     from swarmrl.offline_eval import evaluate

@@ -43,7 +43,9 @@ def resolve_model(path: Path, base_model: Path | None = None) -> tuple[Path, Pat
     if any(path.glob("*.safetensors")):
         if base_model is None or not (Path(base_model) / "config.json").is_file():
             raise ValueError(f"{path} holds weights only (a published version): pass --base-model, a folder with its config and tokenizer")
-        return Path(base_model), path, None
+        manifest = path / "manifest.json"  # a shardcast version folder says which version it is
+        version = json.loads(manifest.read_text()).get("version") if manifest.is_file() else None
+        return Path(base_model), path, None if version is None else int(version)
     raise ValueError(f"{path} is neither a checkpoint, a run folder, a transformers folder nor a folder of safetensors weights")
 
 
@@ -112,6 +114,6 @@ def evaluate(
     )
     info = {
         "model": str(model_dir), "weights": None if weights_dir is None else str(weights_dir), "data": str(data or cfg.eval.path or "held-out slice"),
-        "task": task, "seed": seed, "generate_s": round(generated, 3), "reward_errors": sum(r.status.value != "ok" for r in scored),
+        "task": task, "seed": seed, "prompt_ids": [p.prompt_id for p in prompts], "generate_s": round(generated, 3), "reward_errors": sum(r.status.value != "ok" for r in scored),
     }
     return result, info

@@ -55,21 +55,32 @@ def test_run_with_eval_logs_held_out_results_per_version(tmp_path):
             "SELECT COUNT(*) FROM submissions s JOIN leases l ON l.lease_id = s.lease_id WHERE l.eval_version IS NOT NULL AND s.status = 'accepted'"
         ).fetchone()[0]
     held = {i for row in eval_leases for i in json.loads(row[0])}
+    held_ids = {p["prompt_id"] for row in eval_leases for p in json.loads(row[2])["prompts"]}
     trained_on = {i for row in train_leases for i in json.loads(row[0])}
     assert len(held) == 4 and not held & trained_on  # held out: never leased for training
     assert buffered_eval == 0 and accepted_eval >= 2  # verified like any lease, never buffered
     for _, version, body in eval_leases:  # each pinned to exactly the version it evaluates
         assert json.loads(body)["generation_version"] == version
 
-    # The same evaluation offline, on the run's last checkpoint, with the run's config (same held-out prompts).
-    out = tmp_path / "offline.json"
-    res = subprocess.run(
-        [sys.executable, "-m", "swarmrl", "eval", "--checkpoint", str(run_dir), "--samples", "4", "--out", str(out),
-         "--config", str(run_dir / "config.toml"), "--worker.engine.kv_cache_bytes", str(64 << 20)],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )
-    assert res.returncode == 0, res.stderr[-4000:]
-    offline = json.loads(out.read_text())
-    assert offline == json.loads(res.stdout)
+    # The same evaluation offline, with the run's config (so the same held-out prompts): on the run's last
+    # checkpoint, and on the published version folder of the same version (weights only, plus the base model).
+    def offline_eval(name: str, *args: str) -> dict:
+        out = tmp_path / f"{name}.json"
+        res = subprocess.run(
+            [sys.executable, "-m", "swarmrl", "eval", *args, "--samples", "4", "--out", str(out), "--config", str(run_dir / "config.toml"),
+             "--worker.engine.kv_cache_bytes", str(64 << 20)],
+            cwd=REPO, capture_output=True, text=True, timeout=600,
+        )
+        assert res.returncode == 0, res.stderr[-4000:]
+        result = json.loads(out.read_text())
+        assert result == json.loads(res.stdout)  # stdout is the JSON alone (vLLM logs to stderr)
+        return result
+
+    offline = offline_eval("checkpoint", "--checkpoint", str(run_dir))
     assert offline["policy_version"] == 6 and offline["prompts"] == 4 and offline["complete"]
+    assert set(offline["prompt_ids"]) == held_ids
     check_record(offline, k=4)
+    published = offline_eval("published", "--checkpoint", str(run_dir / "weights" / "origin" / "v0000000006"), "--base-model", str(run_dir / "base_model"))
+    # Same weights, same seeds: the same draws.
+    for key in ("policy_version", "avg_reward", "pass_at", "mean_completion_tokens", "prompt_ids"):
+        assert published[key] == offline[key], key
