@@ -38,3 +38,27 @@ def test_a_run_folder_means_its_latest_checkpoint(tmp_path):
         (ckpt / "trainer_state.json").write_text(f'{{"step": {step}, "published_version": {published}}}')
     model_dir, weights, version = resolve_model(tmp_path)
     assert weights is None and version == 2 and model_dir == Path(tmp_path / "checkpoints" / "step_00000002" / "model")
+
+
+def test_status_and_live_view_show_the_newest_evaluation():
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from protocol.models import EvalResult, RunStatus
+    from swarmrl.config import RunConfig
+    from swarmrl.driver import Progress
+    from swarmrl.live_view import render
+    from swarmrl.status_view import render_status
+
+    ev = EvalResult(policy_version=4, prompts=3, prompts_planned=4, samples_per_prompt=8, avg_reward=0.625, pass_at={"1": 0.5, "8": 0.75},
+                    mean_completion_tokens=6.5, complete=False, finished_at=1.0)
+    st = RunStatus(run_name="r", step=5, policy_version=5, async_level=1, buffer_depth=0, workers_online=1, acceptance_rate=1.0,
+                   submissions_accepted=1, submissions_rejected=0, groups_dropped_zero_signal=0, samples_dropped_stale=0,
+                   rollout_tokens_per_s=0.0, trained_samples_per_s=0.0, eval_latest=ev, evals_open=1)
+    want = "eval of version 4: avg@8 0.625, pass@1 0.500, pass@8 0.750, 6.5 tokens (partial: 3/4 prompts)"
+    for draw in (lambda c: render_status(st, c), lambda c: c.print(render(SimpleNamespace(progress=Progress(status=st), cfg=RunConfig(), url="u")))):
+        out = io.StringIO()
+        draw(Console(file=out, width=300))
+        assert want in out.getvalue()
