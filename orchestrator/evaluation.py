@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.config import EvalConfig
+from orchestrator.config import DataConfig, EvalConfig
 from orchestrator.data import DataError, Prompt, PromptSet
 from orchestrator.db import Database
 from protocol.models import EvalResult
@@ -70,9 +70,9 @@ class HeldOutPrompts(PromptSet):
         if not kept:
             raise DataError("no training prompts left after holding out the evaluation prompts")
         self.train = train if len(kept) == len(train.prompts) else PromptSet(kept, train.seed, train.vocab_size)
+        super().__init__(self.train.prompts + list(held_out), train.seed, train.vocab_size)
+        self.dropped = dict(getattr(train, "dropped", {}))
         self.num_train = len(self.train.prompts)
-        self.prompts = self.train.prompts + list(held_out)
-        self.seed, self.vocab_size = train.seed, train.vocab_size
         self.held_out = list(range(self.num_train, len(self.prompts)))
 
     def order(self, position: int) -> int:
@@ -85,6 +85,16 @@ def hold_out(prompts: PromptSet, num: int, seed: int) -> HeldOutPrompts:
         raise DataError(f"eval.num_prompts ({num}) must be below the number of prompts ({len(prompts)}): training needs some")
     chosen = set(np.random.default_rng([seed, 0xE7A1]).choice(len(prompts), size=num, replace=False).tolist())
     return HeldOutPrompts(prompts, [p for i, p in enumerate(prompts.prompts) if i in chosen])
+
+
+def held_out_data(data: DataConfig, config: EvalConfig) -> DataConfig | None:
+    """Where held-out prompts of their own come from (eval.path and/or eval.split, read like the run's data),
+    or None: a seeded slice of the run's prompts (`hold_out`)."""
+    if not config.path and not config.split:
+        return None
+    if not (config.path or data.path):
+        raise DataError("eval.split names a split of a dataset: set data.path or eval.path")
+    return data.model_copy(update={"path": config.path or data.path, "split": config.split or data.split})
 
 
 class EvalBook:

@@ -24,6 +24,7 @@ from typing import Any
 
 from orchestrator.data import PromptSet
 from orchestrator.db import Database
+from orchestrator.evaluation import held_out_data
 from orchestrator.server import OrchestratorServer
 from orchestrator.service import Orchestrator
 from orchestrator.verification import Verifier
@@ -89,9 +90,8 @@ def build_orchestrator(
     if prompts is None:
         prompts = PromptSet.from_config(cfg.data, model_dir(cfg), cfg.seed)
     data = cfg.data
-    eval_prompts = None
-    if cfg.eval.every_steps and cfg.eval.path:  # held-out prompts of their own (else a slice of the run's)
-        eval_prompts = PromptSet.from_config(data.model_copy(update={"path": cfg.eval.path}), model_dir(cfg), cfg.seed).prompts
+    held = held_out_data(data, cfg.eval) if cfg.eval.every_steps else None  # else a slice of the run's prompts
+    eval_prompts = PromptSet.from_config(held, model_dir(cfg), cfg.seed).prompts if held is not None else None
     return Orchestrator(
         cfg.orchestrator, Database(db_path(cfg)), prompts, verifier, shape=cfg.step_shape(), task_name=data.reward or data.task,
         task_params=data.reward_params if data.reward else data.task_params, run_name=cfg.name, relay_urls=relay_urls,

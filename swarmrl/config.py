@@ -13,6 +13,7 @@ from inference_worker.config import WorkerConfig
 from orchestrator.config import DataConfig, EvalConfig, OrchestratorConfig, StepShape
 from shardcast.config import ShardcastConfig
 from trainer.config import TrainerConfig
+from swarmrl.tracking import TrackingConfig
 from verifier.config import VerifierConfig
 
 
@@ -69,6 +70,7 @@ class RunConfig(BaseModel):
     shardcast: ShardcastConfig = ShardcastConfig()
     worker: WorkerConfig = WorkerConfig()
     eval: EvalConfig = EvalConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
     @property
     def run_dir(self) -> Path:

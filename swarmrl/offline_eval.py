@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from orchestrator.data import Prompt, PromptSet, load_tokenizer
-from orchestrator.evaluation import hold_out, summarize
+from orchestrator.evaluation import held_out_data, hold_out, summarize
 from protocol import limits
 from protocol.models import EvalResult, SamplingParams, TaskLease, TaskPrompt
 from swarmrl.config import RunConfig
@@ -50,10 +50,11 @@ def resolve_model(path: Path, base_model: Path | None = None) -> tuple[Path, Pat
 
 
 def eval_prompts(cfg: RunConfig, model_dir: Path, data: Path | None = None, limit: int = 0) -> list[Prompt]:
-    """`data` if given, else the run's eval.path, else the run's seeded held-out slice (what training evaluates)."""
-    path = str(data) if data else cfg.eval.path
-    if path:
-        prompts = PromptSet.from_config(cfg.data.model_copy(update={"path": path}), model_dir, cfg.seed).prompts
+    """`data` if given, else the run's held-out prompts: eval.path / eval.split, or its seeded held-out slice
+    (what training evaluates)."""
+    source = cfg.data.model_copy(update={"path": str(data), "split": cfg.eval.split or cfg.data.split}) if data else held_out_data(cfg.data, cfg.eval)
+    if source is not None:
+        prompts = PromptSet.from_config(source, model_dir, cfg.seed).prompts
     else:
         held = hold_out(PromptSet.from_config(cfg.data, model_dir, cfg.seed), cfg.eval.num_prompts, cfg.seed)
         prompts = [held.prompts[i] for i in held.held_out]
@@ -113,7 +114,7 @@ def evaluate(
         finished_at=time.time(),
     )
     info = {
-        "model": str(model_dir), "weights": None if weights_dir is None else str(weights_dir), "data": str(data or cfg.eval.path or "held-out slice"),
+        "model": str(model_dir), "weights": None if weights_dir is None else str(weights_dir), "data": str(data or cfg.eval.path or cfg.eval.split or "held-out slice"),
         "task": task, "seed": seed, "prompt_ids": [p.prompt_id for p in prompts], "generate_s": round(generated, 3), "reward_errors": sum(r.status.value != "ok" for r in scored),
     }
     return result, info

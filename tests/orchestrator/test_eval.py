@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from orch_fakes import HASH0, encode, make_orchestrator, make_prompts, make_submission, run_config
 
-from orchestrator.config import EvalConfig
-from orchestrator.evaluation import hold_out, pass_at_k, summarize
+from orchestrator.config import DataConfig, EvalConfig
+from orchestrator.data import DataError, PromptSet
+from orchestrator.evaluation import HeldOutPrompts, held_out_data, hold_out, pass_at_k, summarize
 from orchestrator.leases import GenerationBoundReached
 from orchestrator.server import OrchestratorServer
 from protocol import api
@@ -79,6 +80,24 @@ def test_held_out_prompts_are_never_in_the_training_order(tmp_path):
     again = hold_out(make_prompts(cfg), 4, cfg.seed)
     assert {again.prompts[i].prompt_id for i in again.held_out} == held
     orch.db.close()
+
+
+def test_a_held_out_split_of_a_dataset(tmp_path, tiny_model_dir):
+    import datasets
+
+    rows = [{"prompt": f"copy:{i:03d}=", "answer": f"{i:03d}"} for i in range(12)]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:9]), "test": datasets.Dataset.from_list(rows[9:])}).save_to_disk(str(tmp_path / "dd"))
+    data = DataConfig(task="toy", path=str(tmp_path / "dd"))
+    assert held_out_data(data, EvalConfig(every_steps=1)) is None  # no split or path of its own: a slice
+    with pytest.raises(DataError, match="data.path or eval.path"):
+        held_out_data(DataConfig(task="toy"), EvalConfig(every_steps=1, split="test"))
+    source = held_out_data(data, EvalConfig(every_steps=1, split="test"))
+    assert source.path == data.path and source.split == "test"
+    prompts = HeldOutPrompts(PromptSet.from_config(data, tiny_model_dir, 0), PromptSet.from_config(source, tiny_model_dir, 0).prompts)
+    assert prompts.num_train == 9 and [prompts.prompts[i].item.prompt for i in prompts.held_out] == [r["prompt"] for r in rows[9:]]
+    assert {prompts.order(pos) for pos in range(30)} == set(range(9))
+    with pytest.raises(DataError, match="no training prompts left"):  # the same split for both: nothing to train on
+        HeldOutPrompts(PromptSet.from_config(data, tiny_model_dir, 0), PromptSet.from_config(data, tiny_model_dir, 0).prompts)
 
 
 def test_eval_leases_go_first_pinned_to_the_version_and_outside_the_async_bound(tmp_path):
