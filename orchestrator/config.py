@@ -72,6 +72,23 @@ class DataConfig(BaseModel):
         return v
 
 
+class EvalConfig(BaseModel):
+    """Evaluation during training: held-out prompts leased to the swarm, pinned to the evaluated version,
+    verified like any task and never trained on (orchestrator/evaluation.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    every_steps: int = Field(0, ge=0, description="evaluate every policy version that is a multiple of this (version 0 included); 0: off")
+    num_prompts: int = Field(16, ge=1, description="held-out prompts per evaluation")
+    samples_per_prompt: int | None = Field(
+        None, ge=1, le=64, description="k: samples per held-out prompt; empty: orchestrator.samples_per_prompt (then eval leases look like training ones)"
+    )
+    path: str = Field("", description="a dataset of held-out prompts (read like data.path); empty: data.path with eval.split, or else num_prompts held out of the run's prompts")
+    split: str = Field("", description="the split of held-out prompts (e.g. 'test'): of eval.path, or of data.path when eval.path is empty")
+    pass_threshold: float = Field(1.0, description="a completion passes (for pass@k) when its reward is at least this")
+    pass_at: list[int] = Field(default_factory=lambda: [1], description="pass@k reported for these k (and for k = samples_per_prompt)")
+
+
 class OrchestratorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

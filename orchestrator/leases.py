@@ -27,6 +27,7 @@ from orchestrator.config import OrchestratorConfig, StepShape
 from orchestrator.data import PromptSet
 from orchestrator.db import Database
 from orchestrator.errors import ApiError
+from orchestrator.evaluation import EvalBook
 from orchestrator.tokens import JoinTokens
 from orchestrator.workers import Workers
 from protocol import staleness
@@ -43,7 +44,8 @@ CREATE TABLE IF NOT EXISTS leases (
     deadline REAL NOT NULL,
     status TEXT NOT NULL,           -- open | submitted | done | expired | released | rejected
     request_id TEXT,                -- the worker's idempotency key, if it sent one
-    token_id TEXT                   -- the worker's join token: shares and debts are per token
+    token_id TEXT,                  -- the worker's join token: shares and debts are per token
+    eval_version INTEGER            -- an eval lease: the version it evaluates (NULL: a training lease)
 );
 CREATE INDEX IF NOT EXISTS leases_by_worker ON leases (worker_id, status);
 CREATE INDEX IF NOT EXISTS leases_by_deadline ON leases (status, deadline);
@@ -82,6 +84,7 @@ class LeaseRow:
     status: str
     request_id: str | None = None
     token_id: str | None = None
+    eval_version: int | None = None
 
 
 def _row(r: sqlite3.Row) -> LeaseRow:
@@ -95,6 +98,7 @@ class LeaseBook:
         self, db: Database, prompts: PromptSet, config: OrchestratorConfig, shape: StepShape | None = None,
         workers: Workers | None = None, tokens: JoinTokens | None = None,
     ):
+        self.evals: EvalBook | None = None  # set by the orchestrator when the run evaluates
         self.db = db
         self.prompts = prompts
         self.config = config
@@ -103,19 +107,19 @@ class LeaseBook:
         self.tokens = tokens
         db.create(SCHEMA, counters=("lease_seq", "prompt_cursor"))
         columns = {r[1] for r in db.all("PRAGMA table_info(leases)")}
-        for column in ("request_id", "token_id"):  # a database from before idempotent leases / join tokens
+        for column, kind in (("request_id", "TEXT"), ("token_id", "TEXT"), ("eval_version", "INTEGER")):  # a database from before these
             if column not in columns:
                 with db.tx() as conn:
-                    conn.execute(f"ALTER TABLE leases ADD COLUMN {column} TEXT")
+                    conn.execute(f"ALTER TABLE leases ADD COLUMN {column} {kind}")
         db.create(
             "CREATE INDEX IF NOT EXISTS leases_by_request ON leases (worker_id, request_id);"
             "CREATE INDEX IF NOT EXISTS leases_by_token ON leases (token_id, status);"
         )
         with db.tx() as conn:
             conn.execute("INSERT OR IGNORE INTO seed_key (id, key) VALUES (0, ?)", (secrets.token_bytes(32),))
-            self._seed_key = bytes(conn.execute("SELECT key FROM seed_key").fetchone()[0])
+            self.seed_key = bytes(conn.execute("SELECT key FROM seed_key").fetchone()[0])
             leased = conn.execute(
-                "SELECT COALESCE(SUM(json_array_length(prompt_indices)), 0) FROM leases WHERE status IN ('open', 'submitted')"
+                "SELECT COALESCE(SUM(json_array_length(prompt_indices)), 0) FROM leases WHERE status IN ('open', 'submitted') AND eval_version IS NULL"
             ).fetchone()[0]
             db.set(conn, LEASED_PROMPTS, int(leased))
         # Leases whose deadline passed before this process served are not their workers' fault: no debt.
@@ -141,7 +145,7 @@ class LeaseBook:
         """Per-sample seeds of a lease. Unpredictable before the lease is issued (a keyed hash of the lease
         sequence under the run's secret), so that no worker can know a draw before it holds the lease;
         reproducible from the database. SHAKE-128 with the key first is a PRF (no length extension)."""
-        words = hashlib.shake_128(self._seed_key + lease_seq.to_bytes(8, "little")).digest(8 * n)
+        words = hashlib.shake_128(self.seed_key + lease_seq.to_bytes(8, "little")).digest(8 * n)
         return (np.frombuffer(words, dtype="<u8") >> np.uint64(1)).tolist()  # < 2**63, as the protocol wants
 
     def untrained_samples(self, db: sqlite3.Connection) -> int:
@@ -174,6 +178,13 @@ class LeaseBook:
                 wait = self.tokens.cooldown_left(token_id, now)
                 if wait > 0:
                     raise NoLeaseNow(f"join token {token_id} let leases go unsubmitted: cooling down", wait)
+            if self.evals is not None and loaded_version is not None and self.evals.waiting(db, loaded_version):
+                # Eval prompts of the version this worker holds go first, outside the async bound (they
+                # are never trained on, so they take no room from training).
+                self._check_open_cap(worker_id, now)
+                lease = self._issue_eval(db, worker_id, max_prompts, current_version, loaded_version, now, request_id, token_id)
+                self._open[lease.lease_id] = lease
+                return lease
             if shape is not None:
                 untrained = self.untrained_samples(db)
                 bound = staleness.max_untrained_samples(cfg.async_level, shape.samples_per_step) // k
@@ -193,13 +204,7 @@ class LeaseBook:
                     f"loaded policy version {loaded_version} would be stale by the time these samples are trained; pull version {min_version}",
                     min_policy_version=min_version,
                 )
-            # Counted inside the transaction: two concurrent requests cannot both pass the cap.
-            if self.open_leases(worker_id, now) >= cfg.max_open_leases_per_worker:
-                raise ApiError(
-                    ErrorCode.too_many_leases,
-                    f"worker already holds {cfg.max_open_leases_per_worker} open leases; submit or release one first",
-                    retry_after_s=1.0,
-                )
+            self._check_open_cap(worker_id, now)
             Database.add(db, "lease_seq", 1)
             seq = Database.read_int(db, "lease_seq")
             indices = self._take_reissue(db, n)
@@ -229,6 +234,46 @@ class LeaseBook:
         self._open[lease.lease_id] = lease
         return lease
 
+    def _check_open_cap(self, worker_id: str, now: float) -> None:
+        # Counted inside the transaction: two concurrent requests cannot both pass the cap.
+        if self.open_leases(worker_id, now) >= self.config.max_open_leases_per_worker:
+            raise ApiError(
+                ErrorCode.too_many_leases,
+                f"worker already holds {self.config.max_open_leases_per_worker} open leases; submit or release one first",
+                retry_after_s=1.0,
+            )
+
+    def _issue_eval(
+        self, db: sqlite3.Connection, worker_id: str, max_prompts: int, current_version: int, version: int, now: float,
+        request_id: str | None, token_id: str | None,
+    ) -> TaskLease:
+        """An eval lease of the round of `version`, pinned to it; built like a training lease (same id
+        sequence, sampling, deadline), with the held-out prompts' own seeds (evaluation.EvalBook.seeds)."""
+        assert self.evals is not None
+        Database.add(db, "lease_seq", 1)
+        seq = Database.read_int(db, "lease_seq")
+        indices = self.evals.take(db, version, min(max_prompts, self.evals.prompts_per_lease))
+        lease = TaskLease.model_construct(
+            lease_id=f"L{seq:08d}-{secrets.token_hex(4)}",
+            prompts=[self._task_prompt(i, self.evals.seeds(version, i)) for i in indices],
+            samples_per_prompt=self.evals.k,
+            sampling=self.config.sampling,
+            policy_version=current_version,
+            min_policy_version=min(version, staleness.min_policy_version(current_version, self.config.async_level)),
+            deadline=now + self.config.lease_timeout_s,
+            generation_version=version,
+        )
+        db.execute(
+            "INSERT INTO leases (lease_id, seq, worker_id, prompt_indices, body, issued_at, deadline, status, request_id, token_id, eval_version) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, 'open', ?, ?, ?)",
+            (lease.lease_id, seq, worker_id, json.dumps(indices), lease.model_dump_json(), now, lease.deadline, request_id, token_id, version),
+        )
+        return lease
+
+    def eval_in_flight(self, db: sqlite3.Connection) -> set[int]:
+        """Versions with eval leases open or submitted (not yet verified)."""
+        return {int(r[0]) for r in db.execute("SELECT DISTINCT eval_version FROM leases WHERE eval_version IS NOT NULL AND status IN ('open', 'submitted')")}
+
     def _token_room(self, db: sqlite3.Connection, token_id: str, bound_prompts: int, now: float) -> int:
         """Prompts this token may still lease: its fair share of the bound, less what its workers hold."""
         at, active = self._active_tokens
@@ -237,7 +282,7 @@ class LeaseBook:
             self._active_tokens = (now, active)
         share = max(1, math.ceil(bound_prompts / active))
         held = db.execute(
-            "SELECT COALESCE(SUM(json_array_length(prompt_indices)), 0) FROM leases WHERE token_id=? AND status='open'", (token_id,)
+            "SELECT COALESCE(SUM(json_array_length(prompt_indices)), 0) FROM leases WHERE token_id=? AND status='open' AND eval_version IS NULL", (token_id,)
         ).fetchone()[0]
         if held >= share:
             raise NoLeaseNow(f"join token {token_id} holds its share of the generation budget ({share} prompts)", 1.0)
@@ -285,9 +330,9 @@ class LeaseBook:
         if not accepted:
             self._end(db, lease_id, "rejected", "submitted")
             return
-        row = db.execute("SELECT status, json_array_length(prompt_indices) FROM leases WHERE lease_id=?", (lease_id,)).fetchone()
+        row = db.execute("SELECT status, json_array_length(prompt_indices), eval_version FROM leases WHERE lease_id=?", (lease_id,)).fetchone()
         db.execute("UPDATE leases SET status='done' WHERE lease_id=?", (lease_id,))
-        if row is not None and row[0] in ("open", "submitted"):
+        if row is not None and row[0] in ("open", "submitted") and row[2] is None:
             Database.add(db, LEASED_PROMPTS, -int(row[1]))
 
     def release(self, lease_id: str, worker_id: str) -> bool:
@@ -322,14 +367,19 @@ class LeaseBook:
         """Close a lease and queue its prompts for re-issue; a lease given back unsubmitted (`charge`)
         costs its worker's token."""
         row = db.execute(
-            "SELECT prompt_indices, worker_id, token_id, issued_at, deadline FROM leases WHERE lease_id=? AND status=?", (lease_id, from_status)
+            "SELECT prompt_indices, worker_id, token_id, issued_at, deadline, eval_version FROM leases WHERE lease_id=? AND status=?",
+            (lease_id, from_status),
         ).fetchone()
         if row is None:
             return False
         db.execute("UPDATE leases SET status=? WHERE lease_id=?", (status, lease_id))
         indices = json.loads(row[0])
-        db.executemany("INSERT INTO reissue (prompt_index) VALUES (?)", [(i,) for i in indices])
-        Database.add(db, LEASED_PROMPTS, -len(indices))  # from_status is open or submitted
+        if row[5] is not None:  # an eval lease: its held-out prompts wait for the same version again
+            if self.evals is not None:
+                self.evals.give_back(db, int(row[5]), indices)
+        else:
+            db.executemany("INSERT INTO reissue (prompt_index) VALUES (?)", [(i,) for i in indices])
+            Database.add(db, LEASED_PROMPTS, -len(indices))  # from_status is open or submitted
         if charge and row[2] is not None:
             self._charge(db, row[1], row[2], len(indices), row[3], row[4], time.time() if now is None else now)
         return True

@@ -13,6 +13,7 @@ actor, or directly in tests). Each concept keeps its own state and SQL:
     buffer.py        verified groups, batches for the trainer
     batches.py       the trainer's batches: taken -> trained -> committed, and reconciliation
     status.py        metrics, rates, history
+    evaluation.py    held-out prompts, eval rounds pinned to a version, avg@k / pass@k
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ import zstandard
 from orchestrator import admission
 from orchestrator.batches import BatchBook
 from orchestrator.buffer import RolloutBuffer
-from orchestrator.config import OrchestratorConfig, StepShape
-from orchestrator.data import PromptSet
+from orchestrator.config import EvalConfig, OrchestratorConfig, StepShape
+from orchestrator.data import Prompt, PromptSet
 from orchestrator.db import Database
 from orchestrator.errors import ApiError
+from orchestrator.evaluation import EvalBook, HeldOutPrompts, hold_out
 from orchestrator.leases import GenerationBoundReached, LeaseBook, NoLeaseNow
 from orchestrator.status import HISTORY_EVERY_S, Metrics, RunWindows
 from orchestrator.tokens import JoinTokens, TokenRow
@@ -50,6 +52,7 @@ from protocol.batches import Batch, Lineage, ReconcileFirst
 from protocol.models import (
     BanScope,
     ErrorCode,
+    EvalResult,
     Heartbeat,
     HeartbeatAck,
     JoinTokenList,
@@ -92,9 +95,14 @@ class Orchestrator:
         origin_url: str = "",
         make_job: Callable[..., Any] = default_make_job,
         verify_batch: int = 16,
+        evaluation: EvalConfig | None = None,
+        eval_prompts: list[Prompt] | None = None,
     ):
         self.cfg = config
         self.db = db
+        if evaluation is not None and evaluation.every_steps:
+            # Held-out prompts (from eval.path, or a seeded slice of the run's) are never in the training order.
+            prompts = HeldOutPrompts(prompts, eval_prompts) if eval_prompts else hold_out(prompts, evaluation.num_prompts, prompts.seed)
         self.prompts = prompts
         self.run_name = run_name
         self.relay_urls = list(relay_urls or [])
@@ -111,6 +119,10 @@ class Orchestrator:
         # no batch goes out until the trainer has reconciled (see reconcile_trainer).
         self.reconciled = not self.batches.unsettled()
         self.leases = LeaseBook(db, prompts, config, shape, self.workers, self.tokens)
+        if isinstance(prompts, HeldOutPrompts) and evaluation is not None:
+            self.leases.evals = EvalBook(
+                db, prompts, evaluation, train_k=config.samples_per_prompt, prompts_per_lease=config.prompts_per_lease, seed_key=self.leases.seed_key,
+            )
         self.verification = Verification(
             db, verifier=verifier, workers=self.workers, leases=self.leases, buffer=self.buffer, prompts=prompts, metrics=self.metrics,
             windows=self.windows, task_name=task_name, task_params=task_params or {}, advantage_std=shape.advantage_std,
@@ -264,7 +276,7 @@ class Orchestrator:
         dup = self.verification.enqueue(
             SubmissionRow(submission_id, worker_id, sub.lease_id, sub.policy_version, sub.num_tokens, now, "pending", stored, None),
             admission.fingerprint(sub),
-            Pending(worker_id, sub, lease, list(row.prompt_indices)),
+            Pending(worker_id, sub, lease, list(row.prompt_indices), row.eval_version),
         )
         if dup == "lease":
             raise ApiError(ErrorCode.duplicate, f"lease {sub.lease_id} already has a submission")
@@ -340,7 +352,13 @@ class Orchestrator:
             restarts=self._restarts(c),
             finished=self.finished,
             error=self.error,
+            eval_latest=self.leases.evals.latest() if self.leases.evals else None,
+            evals_open=self.leases.evals.open_rounds() if self.leases.evals else 0,
         )
+
+    def eval_results(self, after_version: int = -1) -> list[EvalResult]:
+        """Finished evaluations (held-out prompts, per policy version) of versions above `after_version`."""
+        return self.leases.evals.finished(after_version) if self.leases.evals else []
 
     def reward_totals(self) -> tuple[float, int]:
         """(reward sum, completions) of all accepted rollouts of the run, zero-signal groups included:
@@ -433,8 +451,25 @@ class Orchestrator:
         return {n: RestartCount(count=int(counters[f"restarts:{n}"]), seconds_lost=round(counters.get(f"restart_s:{n}", 0.0), 3)) for n in sorted(names)}
 
     def _advance(self, version: int) -> None:
-        self._version = max(self._version, version)
+        old, self._version = self._version, max(self._version, version)
         self.metrics.policy_version.set(self._version)
+        if self.leases.evals is not None:
+            # Every newly announced version still generatable (several at once with mini_batches > 1; a
+            # version announced before a crash of this process again, idempotently).
+            lo = max(staleness.min_policy_version(self._version, self.cfg.async_level), min(old + 1, self._version))
+            with self.db.tx() as db:
+                for v in range(lo, self._version + 1):
+                    if self.leases.evals.announce(db, v):
+                        log.info("evaluation opened", extra={"policy_version": v, "prompts": len(self.prompts.held_out)})
+                self._close_left_behind(db)
+
+    def _close_left_behind(self, db) -> None:
+        evals = self.leases.evals
+        assert evals is not None
+        min_version = staleness.min_policy_version(self._version, self.cfg.async_level)
+        for v in evals.close_left_behind(db, min_version, self.leases.eval_in_flight(db)):
+            self.verification.evals_finished.append(v)
+            log.warning("evaluation closed partial: its version was left behind before every prompt was verified", extra={"policy_version": v})
 
     # ---------------------------------------------------------------------------------------------
     # housekeeping: lease expiry, last-seen flush, dashboard history
@@ -446,6 +481,10 @@ class Orchestrator:
             self.metrics.leases_expired.inc(len(expired))
             log.info("leases expired; prompts queued for re-issue", extra={"leases": len(expired)})
         self.workers.flush_seen()
+        if self.leases.evals is not None:
+            with self.db.tx() as db:
+                self._close_left_behind(db)
+            self._log_finished_evals()
         st = self.status()
         rates = self.windows.rates(now)
         self.metrics.buffer_depth.set(st.buffer_depth)
@@ -464,6 +503,17 @@ class Orchestrator:
                 "buffer_depth": st.buffer_depth,
             }
         )
+
+    def _log_finished_evals(self) -> None:
+        """Evaluations finished since the last call: logged and exported to Prometheus."""
+        evals, done = self.leases.evals, self.verification.evals_finished
+        while evals is not None and done:
+            r = evals.result(done.pop(0))
+            if r is None:
+                continue
+            self.metrics.observe_eval(r)
+            log.info("evaluation finished", extra={"policy_version": r.policy_version, "avg_reward": r.avg_reward, "pass_at": r.pass_at,
+                                                    "mean_completion_tokens": r.mean_completion_tokens, "complete": r.complete})
 
     def _housekeeping_loop(self) -> None:
         while not self._stop.wait(min(HISTORY_EVERY_S, self.cfg.lease_timeout_s / 4)):

@@ -52,6 +52,22 @@ class Metrics:
         self.workers_online = Gauge("swarmrl_workers_online", "Workers seen recently", registry=r)
         self.verify_queue = Gauge("swarmrl_verify_queue", "Submissions waiting for verification", registry=r)
         self.verify_seconds = Histogram("swarmrl_verify_seconds", "Wall time of one verify_many call", registry=r)
+        # The newest finished evaluation on held-out prompts (orchestrator/evaluation.py).
+        self.eval_version = Gauge("swarmrl_eval_policy_version", "Policy version of the newest finished evaluation", registry=r)
+        self.eval_avg_reward = Gauge("swarmrl_eval_avg_reward", "avg@k: mean trusted reward of the held-out samples", registry=r)
+        self.eval_pass_at = Gauge("swarmrl_eval_pass_at_k", "pass@k on the held-out prompts (unbiased estimator)", ["k"], registry=r)
+        self.eval_completion_tokens = Gauge("swarmrl_eval_completion_tokens", "Mean completion length of the held-out samples (tokens)", registry=r)
+
+    def observe_eval(self, result: Any) -> None:
+        """A finished evaluation (protocol.models.EvalResult); versions finish in order, mostly: keep the newest."""
+        if result.policy_version < getattr(self, "_eval_newest", -1):
+            return
+        self._eval_newest = result.policy_version
+        self.eval_version.set(result.policy_version)
+        self.eval_avg_reward.set(result.avg_reward if result.avg_reward is not None else float("nan"))
+        for k, v in result.pass_at.items():
+            self.eval_pass_at.labels(k).set(v)
+        self.eval_completion_tokens.set(result.mean_completion_tokens if result.mean_completion_tokens is not None else float("nan"))
 
 
 class RunWindows:

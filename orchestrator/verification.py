@@ -10,6 +10,7 @@ Verification goes through anything with `verify_many(jobs) -> list[Verdict]`: Ra
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import sqlite3
 import threading
@@ -22,6 +23,7 @@ from orchestrator import admission
 from orchestrator.buffer import Groups, RolloutBuffer, build_groups
 from orchestrator.data import PromptSet
 from orchestrator.db import Database
+from orchestrator.evaluation import per_prompt_results
 from orchestrator.leases import LeaseBook
 from orchestrator.status import Metrics, RunWindows
 from orchestrator.workers import WorkerRow, Workers
@@ -100,6 +102,7 @@ class Pending:
     submission: RolloutSubmission
     lease: TaskLease
     prompt_indices: list[int]
+    eval_version: int | None = None  # an eval lease: its rollouts are scored for the evaluation, never buffered
 
 
 @dataclass
@@ -110,6 +113,8 @@ class Applied:
     accepted: bool
     rewards: list[float]
     groups: Groups | None
+    # an accepted eval submission: (version, held-out prompt index -> (rewards, completion lengths))
+    evaluation: tuple[int, dict[int, tuple[list[float], list[int]]]] | None = None
 
 
 class PolicyVersions:
@@ -182,6 +187,7 @@ class Verification:
         self._failures: dict[str, int] = {}  # submission -> failed verification attempts on its own
         self._queue: queue.Queue[str] = queue.Queue()
         self.stopping = threading.Event()
+        self.evals_finished: list[int] = []  # versions whose evaluation a verdict finished (the orchestrator logs them)
 
     # ---------------------------------------------------------------------------------------------
     # submissions in
@@ -232,7 +238,9 @@ class Verification:
         sub = RolloutSubmission.model_validate_json(raw, context={"vocab_size": self.prompts.vocab_size})
         lease_row = self.leases.get(row.lease_id)
         assert lease_row is not None
-        p = self._pending[submission_id] = Pending(row.worker_id, sub, TaskLease.model_validate_json(lease_row.body), list(lease_row.prompt_indices))
+        p = self._pending[submission_id] = Pending(
+            row.worker_id, sub, TaskLease.model_validate_json(lease_row.body), list(lease_row.prompt_indices), lease_row.eval_version
+        )
         return p
 
     # ---------------------------------------------------------------------------------------------
@@ -327,6 +335,13 @@ class Verification:
         if v.status != VerdictStatus.accepted:
             return Applied(submission_id, p.worker_id, v, False, [], None)
         rewards = list(v.rewards or [])
+        if p.eval_version is not None:  # scored for the evaluation; never a training group
+            if len(rewards) != len(p.submission.completions) or not all(map(math.isfinite, rewards)):
+                v = Verdict(submission_id=submission_id, status=VerdictStatus.rejected,
+                            rejections=[Rejection(code=RejectionCode.reward_error, message="unusable rewards for an eval lease")])
+                return Applied(submission_id, p.worker_id, v, False, [], None)
+            per_prompt = per_prompt_results(p.prompt_indices, p.submission.completions, rewards)
+            return Applied(submission_id, p.worker_id, v, True, rewards, None, (p.eval_version, per_prompt))
         try:
             groups = build_groups(submission_id, p.submission, p.lease, rewards, self.advantage_std, v.behaviour_logprobs)
         except ValueError as exc:  # no reward per completion, or one that is not finite: never pending forever
@@ -353,10 +368,14 @@ class Verification:
             if a.accepted and any(st in CHARGED_REWARD_STATUS for st in a.verdict.reward_status or ()):
                 # Text whose reward ran past its time limit (or killed its process): the worker's doing.
                 banned_now = self.workers.strike(db, row["worker_id"], "completions whose rewards ran out of time", self.strikes_to_ban) or banned_now
-            if a.accepted:
-                Database.add(db, "submissions_accepted", 1)
+            if a.accepted and a.evaluation is not None:
+                if self.leases.evals is not None and self.leases.evals.record(db, *a.evaluation):
+                    self.evals_finished.append(a.evaluation[0])
+            elif a.accepted:  # the run's reward totals are of training rollouts only
                 Database.add(db, "reward_sum", float(sum(a.rewards)))
                 Database.add(db, "reward_count", len(a.rewards))
+            if a.accepted:
+                Database.add(db, "submissions_accepted", 1)
                 Database.add(db, "verified_tokens", a.verdict.verified_tokens)
                 Database.add(db, "near_tie_tokens", a.verdict.near_ties)
                 if a.groups is not None:
@@ -371,7 +390,8 @@ class Verification:
             return
         self.metrics.verdicts.labels("accepted" if a.accepted else "rejected").inc()
         if a.accepted:
-            self.windows.accepted(a.verdict.verified_tokens, float(sum(a.rewards)), len(a.rewards))
+            training = a.evaluation is None
+            self.windows.accepted(a.verdict.verified_tokens, float(sum(a.rewards)) if training else 0.0, len(a.rewards) if training else 0)
             self.metrics.verified_tokens.inc(a.verdict.verified_tokens)
             self.metrics.near_tie_tokens.inc(a.verdict.near_ties)
             if a.verdict.near_ties:

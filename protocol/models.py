@@ -408,6 +408,20 @@ class RestartCount(WireModel):
     seconds_lost: float  # from its death (as last seen alive) to its answering again, summed
 
 
+class EvalResult(WireModel):
+    """One evaluation of a policy version on held-out prompts (never trained on), from verified rollouts."""
+
+    policy_version: Version  # the version every eval lease of this round was pinned to
+    prompts: int  # held-out prompts whose samples were all verified
+    prompts_planned: int
+    samples_per_prompt: int  # k
+    avg_reward: float | None  # avg@k: mean trusted reward over all samples
+    pass_at: dict[str, float] = {}  # "k" -> pass@k, the unbiased estimator (Chen et al. 2021), mean over prompts
+    mean_completion_tokens: float | None = None
+    complete: bool  # False: the version was left behind before every prompt was verified
+    finished_at: float | None = None  # unix seconds; None while the round is open
+
+
 class RunStatus(WireModel):
     run_name: str
     step: int  # optimizer steps done
@@ -433,6 +447,8 @@ class RunStatus(WireModel):
     restarts: dict[str, RestartCount] = {}
     finished: bool = False
     error: str | None = None
+    eval_latest: EvalResult | None = None  # the newest finished evaluation on held-out prompts
+    evals_open: int = 0  # evaluations whose eval leases are still going out or being verified
 
 
 class HealthStatus(WireModel):

@@ -24,6 +24,7 @@ from typing import Any
 
 from orchestrator.data import PromptSet
 from orchestrator.db import Database
+from orchestrator.evaluation import held_out_data
 from orchestrator.server import OrchestratorServer
 from orchestrator.service import Orchestrator
 from orchestrator.verification import Verifier
@@ -89,10 +90,12 @@ def build_orchestrator(
     if prompts is None:
         prompts = PromptSet.from_config(cfg.data, model_dir(cfg), cfg.seed)
     data = cfg.data
+    held = held_out_data(data, cfg.eval) if cfg.eval.every_steps else None  # else a slice of the run's prompts
+    eval_prompts = PromptSet.from_config(held, model_dir(cfg), cfg.seed).prompts if held is not None else None
     return Orchestrator(
         cfg.orchestrator, Database(db_path(cfg)), prompts, verifier, shape=cfg.step_shape(), task_name=data.reward or data.task,
         task_params=data.reward_params if data.reward else data.task_params, run_name=cfg.name, relay_urls=relay_urls,
-        manifest_public_key=manifest_public_key, run_id=cfg.shardcast.run_id, **kwargs,
+        manifest_public_key=manifest_public_key, run_id=cfg.shardcast.run_id, evaluation=cfg.eval, eval_prompts=eval_prompts, **kwargs,
     )
 
 
@@ -268,6 +271,9 @@ class OrchestratorActor:
 
     def reward_totals(self) -> tuple[float, int]:
         return self.orch.reward_totals()
+
+    def eval_results(self, after_version: int = -1) -> list[Any]:
+        return self.orch.eval_results(after_version)
 
     def set_finished(self, error: str | None = None) -> None:
         self.orch.set_finished(error)

@@ -173,6 +173,46 @@ def worker(
     raise typer.Exit(run_worker(cfg))
 
 
+@app.command("eval", context_settings=OVERRIDES)
+def eval_(
+    ctx: typer.Context,
+    checkpoint: Path = typer.Option(
+        ..., "--checkpoint", exists=True, file_okay=False,
+        help="a trainer checkpoint, a run folder (its latest checkpoint), a transformers folder, or a published version folder (with --base-model)",
+    ),
+    samples: Optional[int] = typer.Option(None, "--samples", "-k", min=1, max=64, help="samples per prompt; default eval.samples_per_prompt or the run's group size"),
+    data: Optional[Path] = typer.Option(None, "--data", exists=True, help="JSONL or datasets folder of prompts (the task's format); default: the run's held-out prompts"),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="run config (TOML) for the task, reward, sampling and held-out split; default configs/demo.toml"),
+    base_model: Optional[Path] = typer.Option(None, "--base-model", help="config and tokenizer for a folder of weights only"),
+    num_prompts: int = typer.Option(0, "--num-prompts", min=0, help="evaluate at most this many prompts (0: all)"),
+    seed: int = typer.Option(0, "--seed", help="the sampling seeds: the same seed draws the same samples"),
+    out: Path = typer.Option(Path("eval_result.json"), "--out", help="where the JSON result is written"),
+) -> None:
+    """Evaluate a model on held-out prompts on this machine: avg@k, pass@k (unbiased estimator) and mean
+    completion length, with the workers' vLLM engine and the task's trusted reward. Prints and writes JSON.
+
+    Config fields can be overridden as for `run`: --orchestrator.sampling.max_tokens 8
+    """
+    import json
+    import os
+
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries the JSON result only
+    cfg = _load(config, list(ctx.args))
+    configure_logging(cfg.log_level)
+    from swarmrl.offline_eval import evaluate
+
+    k = samples or cfg.eval.samples_per_prompt or cfg.orchestrator.samples_per_prompt
+    try:
+        result, info = evaluate(cfg, checkpoint, samples=k, data=data, base_model=base_model, num_prompts=num_prompts, seed=seed)
+    except (ValueError, FileNotFoundError) as exc:  # a folder that is not a model, prompts that cannot be loaded
+        console.print(f"[red]cannot evaluate:[/] {exc}")
+        raise typer.Exit(2) from None
+    text = json.dumps({**result.model_dump(), **info}, indent=2)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")
+    sys.stdout.write(text + "\n")
+
+
 @app.command("init-model")
 def init_model(
     out: Path = typer.Option(..., "--out", help="folder to write the model and tokenizer to"),

@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from inference_worker.config import WorkerConfig
-from orchestrator.config import DataConfig, OrchestratorConfig, StepShape
+from orchestrator.config import DataConfig, EvalConfig, OrchestratorConfig, StepShape
 from shardcast.config import ShardcastConfig
 from trainer.config import TrainerConfig
 from swarmrl.tracking import TrackingConfig
@@ -69,6 +69,7 @@ class RunConfig(BaseModel):
     trainer: TrainerConfig = TrainerConfig()
     shardcast: ShardcastConfig = ShardcastConfig()
     worker: WorkerConfig = WorkerConfig()
+    eval: EvalConfig = EvalConfig()
     tracking: TrackingConfig = TrackingConfig()
 
     @property

@@ -55,6 +55,8 @@ class Progress:
     events: list[str] = field(default_factory=list)
     restarts: dict[str, tuple[int, float]] = field(default_factory=dict)  # component -> (restarts, seconds lost)
     recorded_version: int = 0  # the newest version in metrics.jsonl: a restarted trainer may report a step again
+    recorded_eval_version: int = -1  # the newest evaluated version in eval.jsonl
+    last_eval: Any = None  # the newest protocol.models.EvalResult
 
 
 def ensure_model(cfg: RunConfig, rd: RunDir) -> Path:
@@ -139,6 +141,7 @@ class Run:
         info["origin_url"] = cfg.shardcast.advertise_origin_url or info["origin_url"]
         self.progress.version = info["version"]
         self.progress.recorded_version = max((int(r.get("version", 0)) for r in rd.read_metrics()), default=0)
+        self.progress.recorded_eval_version = max((int(r.get("policy_version", -1)) for r in rd.read_evals()), default=-1)
         self.supervisor.watch_actor("trainer", None, rd.logs / "trainer.log", info["pid"], info["started_at"])
 
         for i in range(cfg.shardcast.num_relays):
@@ -234,6 +237,23 @@ class Run:
                 self._record(step["metrics"], step["staleness"])
         except Exception as exc:  # a resumed run reconciles whatever this left in flight
             log.warning("could not finish the trainer's last steps (%s); a resumed run settles them", type(exc).__name__)
+        self._record_evals()
+
+    def _record_evals(self) -> None:
+        """Evaluations on held-out prompts finished since the last call, one eval.jsonl record per version."""
+        import ray
+
+        p = self.progress
+        if not self.cfg.eval.every_steps:
+            return
+        try:
+            results = ray.get(self.orch.eval_results.remote(p.recorded_eval_version), timeout=10)
+        except Exception:  # the orchestrator is restarting: the next step picks them up
+            return
+        for r in results:
+            self.rd.append_eval({"time": round(time.time(), 3), "step": p.step, **r.model_dump()})
+            p.recorded_eval_version, p.last_eval = r.policy_version, r
+            log.info("evaluation", extra={"policy_version": r.policy_version, "avg_reward": r.avg_reward, "pass_at": r.pass_at})
 
     def _orch(self, method: str, default: Any, timeout_s: float = 10.0) -> Any:
         """An orchestrator call for display or bookkeeping: it may be restarting; then `default`."""
@@ -291,6 +311,7 @@ class Run:
             )
         p.last_metrics = record
         self.tracker.log(p.step, record)
+        self._record_evals()
         log.info("step", extra={"step": p.step, "version": p.version, "reward": None if p.reward is None else round(p.reward, 3)})
 
     def _wait_for_trainer(self, exc: Exception) -> None:
@@ -343,6 +364,8 @@ class Run:
         self.rd.close_session()  # a clean end: the next start is not a restart
 
     def finish(self) -> None:
+        from swarmrl.live_view import eval_line
+
         p = self.progress
         self.rd.plot()
         minutes = (time.time() - p.started) / 60
@@ -361,11 +384,12 @@ class Run:
                 f"- groups dropped for zero signal: {st.groups_dropped_zero_signal}" if st else "",
                 f"- tokens accepted as near ties of the seeded draw: {st.near_tie_tokens} of {st.verified_tokens}" if st else "",
                 f"- staleness histogram (version gap: samples): {st.staleness_histogram}" if st else "",
+                f"- {eval_line(p.last_eval)}" if p.last_eval is not None else "",
                 f"- async_level: {self.cfg.orchestrator.async_level}, workers: {self.cfg.num_workers}",
                 *(f"- restarts of {name} this session: {n} ({lost:.1f} s lost)" for name, (n, lost) in sorted(p.restarts.items())),
                 *(f"- event: {e}" for e in p.events),
                 "",
-                "Files: config.toml, metrics.jsonl, reward.png, checkpoints/, logs/.",
+                "Files: config.toml, metrics.jsonl, eval.jsonl (with eval.every_steps), reward.png, checkpoints/, logs/.",
             ]
         )
 

@@ -28,6 +28,8 @@ def render(run: Any) -> Table:
         table.add_row("staleness (gap: samples)", ", ".join(f"{k}: {v}" for k, v in sorted(st.staleness_histogram.items())) or "—")
         table.add_row("buffer", f"{st.buffer_depth} samples; {st.groups_dropped_zero_signal} zero-signal groups dropped")
         table.add_row("workers online", str(st.workers_online))
+        if st.eval_latest is not None or st.evals_open:
+            table.add_row("eval (held out)", (eval_line(st.eval_latest) if st.eval_latest else "—") + f"; {st.evals_open} open")
         if st.restarts:  # over the whole run, driver restarts included
             table.add_row("restarts (time lost)", restarts_line(st.restarts))
     last = p.last_metrics
@@ -38,6 +40,15 @@ def render(run: Any) -> Table:
     for event in p.events[-3:]:
         table.add_row("event", event)
     return table
+
+
+def eval_line(r: Any) -> str:
+    """The newest evaluation on held-out prompts, for the summary and the live view."""
+    passes = ", ".join(f"pass@{k} {v:.3f}" for k, v in r.pass_at.items())
+    avg = "—" if r.avg_reward is None else f"{r.avg_reward:.3f}"
+    tokens = "—" if r.mean_completion_tokens is None else f"{r.mean_completion_tokens:.1f}"
+    partial = "" if r.complete else f" (partial: {r.prompts}/{r.prompts_planned} prompts)"
+    return f"eval of version {r.policy_version}: avg@{r.samples_per_prompt} {avg}, {passes}, {tokens} tokens{partial}"
 
 
 def restarts_line(restarts: dict[str, Any]) -> str:

@@ -96,10 +96,20 @@ class RunDir:
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record, default=float) + "\n")
 
-    def read_metrics(self) -> Iterator[dict[str, Any]]:
-        if not self.metrics_path.exists():
+    eval_path = property(lambda self: self.root / "eval.jsonl")  # one record per evaluated policy version
+
+    def append_eval(self, record: dict[str, Any]) -> None:
+        with self.eval_path.open("a") as f:
+            f.write(json.dumps(record, default=float) + "\n")
+
+    def read_evals(self) -> Iterator[dict[str, Any]]:
+        return self.read_metrics(self.eval_path)
+
+    def read_metrics(self, path: Path | None = None) -> Iterator[dict[str, Any]]:
+        path = path or self.metrics_path
+        if not path.exists():
             return
-        with self.metrics_path.open() as f:
+        with path.open() as f:
             for line in f:
                 line = line.strip()
                 if line:

@@ -44,6 +44,10 @@ def render_status(st: RunStatus, console: Any = None) -> None:
         ("near-tie tokens", f"{st.near_tie_tokens} of {st.verified_tokens} verified"),
         ("staleness (gap: samples)", ", ".join(f"{k}: {v}" for k, v in st.staleness_histogram.items()) or "–"),
     ]
+    if st.eval_latest is not None:
+        from swarmrl.live_view import eval_line
+
+        rows.append(("eval (held out)", eval_line(st.eval_latest)))
     if st.restarts:
         rows.append(("restarts (time lost)", ", ".join(f"{n} {r.count} ({r.seconds_lost:.0f} s)" for n, r in st.restarts.items())))
     if st.finished:

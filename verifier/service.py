@@ -72,6 +72,16 @@ class Replayed:
     max_margin: float = 0.0
 
 
+
+def decode_completion(tokenizer: Any, eos_ids: set[int], token_ids: np.ndarray) -> str:
+    """The text a completion's reward is computed on (also `swarmrl eval`'s): without its final EOS."""
+    ids = [int(t) for t in token_ids]
+    if ids and ids[-1] in eos_ids:
+        ids = ids[:-1]
+    vocab = len(tokenizer)
+    ids = [t for t in ids if t < vocab]  # padded-vocabulary ids decode to nothing
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
 class Verifier:
     def __init__(self, config: VerifierConfig, weights_for_version: Callable[[int], Path], tokenizer_dir: Path):
         from transformers import AutoTokenizer
@@ -111,12 +121,7 @@ class Verifier:
         return list(self._models)
 
     def decode(self, token_ids: np.ndarray) -> str:
-        ids = [int(t) for t in token_ids]
-        if ids and ids[-1] in self.eos_ids:
-            ids = ids[:-1]
-        vocab = len(self.tokenizer)
-        ids = [t for t in ids if t < vocab]  # padded-vocabulary ids decode to nothing
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return decode_completion(self.tokenizer, self.eos_ids, token_ids)
 
     # ------------------------------------------------------------------------------------------
     def verify(self, job: VerifyJob) -> Verdict:

@@ -122,7 +122,7 @@ def make_prompts(config: RunConfig) -> PromptSet:
 def make_orchestrator(config: RunConfig, verifier: Any = None) -> Orchestrator:
     orch = Orchestrator(
         config.orchestrator, Database(config.orchestrator.db_path), make_prompts(config), verifier or FakeVerifier(), shape=config.step_shape(),
-        task_name=config.data.task, run_name=config.name, make_job=make_job, verify_batch=8,
+        task_name=config.data.task, run_name=config.name, make_job=make_job, verify_batch=8, evaluation=config.eval,
     )
     orch.publish_version(0, HASH0)
     return orch
