@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 REPO = Path(__file__).resolve().parents[2]
 # A reward plug-in whose pass rate per row is known whatever the model writes: 1 for rows marked easy.
 PLUGIN = '''
