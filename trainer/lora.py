@@ -52,6 +52,24 @@ def adapter_state(peft_model, base_hash: str, dtype: torch.dtype = torch.float32
     return pack_adapter(tensors, adapter_config(peft_model), base_hash)
 
 
+def merged_state(state: dict[str, torch.Tensor], rank: int, alpha: float) -> dict[str, torch.Tensor]:
+    """A LoRA checkpoint's weights (peft-injected names) as plain transformers weights, the adapter merged:
+    W' = W + (alpha / r) * B A (Hu et al. 2021, "LoRA", eq. 3 with peft's alpha / r scaling)."""
+    scale = alpha / rank
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if ".lora_A." in name or ".lora_B." in name:
+            continue
+        if ".base_layer." in name:
+            prefix, suffix = name.split(".base_layer.", 1)
+            if suffix == "weight":
+                a, b = state[f"{prefix}.lora_A.default.weight"], state[f"{prefix}.lora_B.default.weight"]
+                t = (t.float() + scale * (b.float() @ a.float())).to(t.dtype)
+            name = f"{prefix}.{suffix}"
+        out[name] = t
+    return out
+
+
 def base_hash(model_dir: Path) -> str:
     from shardcast.adapter import base_model_hash
 

@@ -219,6 +219,7 @@ class Trainer:
                 "data_cursor": self.data_cursor,
                 "base_model_dir": str(self.model_dir.resolve()),
                 "totals": dict(self.totals),
+                **({"lora": {"rank": self.config.lora.rank, "alpha": self.config.lora.alpha}} if self.peft is not None else {}),
             }),
             keep=self.config.keep_checkpoints,
         )

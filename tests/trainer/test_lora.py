@@ -26,7 +26,7 @@ LORA = LoraConfig(enabled=True, rank=8, alpha=16.0)
 
 
 def lora_trainer(model_dir, run_dir, publish=None, **kw) -> Trainer:
-    return Trainer(TrainerConfig(lr=1e-2, lora=LORA, **kw), model_dir, run_dir, publish=publish)
+    return Trainer(TrainerConfig(**{"lr": 1e-2, "lora": LORA, **kw}), model_dir, run_dir, publish=publish)
 
 
 def test_lora_is_off_by_default():
@@ -78,6 +78,21 @@ def test_lora_checkpoint_resumes_the_adapter(tiny_model_dir, tmp_path):
     assert b.version == 1
     got = b.state_dict_for_publish()
     assert model_hash(got) == model_hash(want)
+
+
+def test_lora_export_is_a_plain_model_with_the_adapter_merged(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    trainer = lora_trainer(tiny_model_dir, tmp_path / "run", lr=5e-2)
+    trainer.step(random_samples(6, seed=3))
+    ids = torch.tensor([[1, 10, 11, 12, 13, 14]])
+    trainer.model.eval()
+    with torch.no_grad():
+        want = trainer.model(input_ids=ids).logits
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)(input_ids=ids).logits
+        got = AutoModelForCausalLM.from_pretrained(trainer.export(tmp_path / "export"))(input_ids=ids).logits
+    assert not torch.allclose(want, base, atol=1e-4)  # the adapter matters ...
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)  # ... and the export carries it
 
 
 # ------------------------------------------------------------------------------------------------
