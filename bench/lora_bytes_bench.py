@@ -4,8 +4,9 @@ The demo's model (configs/demo.toml: the small model, its echo pretraining) and 
 settings. Two runs of the same trajectory (the same batches of synthetic samples, seed fixed): the
 trainer as in the demo (full fine-tuning; the origin publishes deltas between anchors) and the trainer
 with `trainer.lora` on (rank 8 by default; the origin publishes whole adapters, no deltas, as the trainer
-actor does in a LoRA run). Each version's bytes are the sizes of its files on the origin (manifest sizes:
-the shards, or the delta, that a worker downloads for that version; the manifest itself is left out).
+actor does in a LoRA run). Per version: the bytes of its files on the origin (manifest sizes, the manifest
+itself left out), split into full shards and delta, and what a worker that holds the previous version
+downloads (the delta if there is one, else the shards).
 Bytes do not depend on the machine's load; the load is recorded anyway.
 
     python bench/lora_bytes_bench.py [--versions 6] [--rank 8]
@@ -52,7 +53,7 @@ def run(mode: str, cfg, model_dir: Path, work: Path, versions: int, rank: int) -
     if mode == "lora":
         trainer_cfg = trainer_cfg.model_copy(update={"lora": trainer_cfg.lora.model_copy(update={"enabled": True, "rank": rank})})
         shardcast_cfg = shardcast_cfg.model_copy(update={"deltas": False})  # as swarmrl/trainer_actor.py
-    origin = Origin.from_config(work / f"{mode}-origin", generate_signing_key(work / f"{mode}.pem"), shardcast_cfg.model_copy(update={"keep_versions": versions + 1}))
+    origin = Origin.from_config(work / f"{mode}-origin", generate_signing_key(work / f"{mode}.pem"), shardcast_cfg.model_copy(update={"keep_versions": versions + 1, "run_id": f"lora-bytes-{mode}"}))
     torch.manual_seed(0)
     trainer = Trainer(trainer_cfg, model_dir, work / f"{mode}-run", publish=lambda v, s: origin.publish(v, s).model_hash)
     for step in range(versions - 1):
@@ -60,7 +61,11 @@ def run(mode: str, cfg, model_dir: Path, work: Path, versions: int, rank: int) -
     rows = []
     for v in origin.versions():
         m = origin.manifest(v)
-        rows.append({"version": v, "bytes": m.total_bytes, "files": [s.name for s in m.shards], "anchor": m.anchor_version == v, "full_bytes": m.full_bytes})
+        full = sum(s.size for s in m.full_shards)
+        # A worker that holds the previous version downloads the delta when there is one, else the shards.
+        rows.append({"version": v, "bytes_on_origin": m.total_bytes, "full_shard_bytes": full, "delta_bytes": m.total_bytes - full,
+                     "follower_download_bytes": (m.total_bytes - full) if m.deltas else full, "anchor": m.anchor_version == v,
+                     "files": [s.name for s in m.shards]})
     return rows
 
 
@@ -90,7 +95,7 @@ def main() -> None:
     (RESULTS / "lora.json").write_text(json.dumps(result, indent=2))
     for mode in ("full", "lora"):
         for r in result[mode]:
-            print(mode, r["version"], r["bytes"], "anchor" if r["anchor"] else "delta")
+            print(mode, r["version"], r["bytes_on_origin"], r["full_shard_bytes"], r["delta_bytes"], "anchor" if r["anchor"] else "delta")
 
 
 if __name__ == "__main__":
