@@ -168,6 +168,17 @@ def test_worker_serves_adapter_versions_and_the_verifier_accepts_them(tiny_model
         assert verdict.status == VerdictStatus.accepted, verdict.rejections
     # The adapter changed what was sampled from the same seeds ...
     assert any(not np.array_equal(a.token_ids, b.token_ids) for a, b in zip(outs[0], outs[1]))
+    # ... and the verifier's replay of the seeded draws on base + adapter picks exactly the worker's tokens.
+    from verifier.reference import load_reference_model, prefill
+
+    tl, _ = lease(tiny_model_dir, 1)
+    seqs = [(tl.prompts[c.prompt_index].token_ids, c.token_ids) for c in outs[1]]
+    seeds = [tl.prompts[c.prompt_index].seeds[c.sample_index] for c in outs[1]]
+    for version, replays in ((1, True), (0, False)):
+        model = load_reference_model(tiny_model_dir, origin.version_dir(version), "float32")
+        draws = [p.draw for p in prefill(model, seqs, [tl.sampling] * len(seqs), seeds=seeds)]
+        same = all(np.array_equal(d.winner, c.token_ids) for d, c in zip(draws, outs[1]))
+        assert same == replays, version
     # ... and the verifier's draw replay and proofs use it: version 1's completions checked against the
     # base alone (version 0's folder under version 1's hash) are rejected.
     tl, items = lease(tiny_model_dir, 1)
