@@ -35,7 +35,12 @@ def test_lora_is_off_by_default():
 
 def test_lora_trains_only_the_adapter_and_publishes_it(tiny_model_dir, tmp_path):
     published: dict[int, dict] = {}
-    trainer = lora_trainer(tiny_model_dir, tmp_path / "run", publish=lambda v, s: published.setdefault(v, s) and model_hash(s))
+
+    def publish(version, state):
+        published[version] = state
+        return model_hash(state)
+
+    trainer = lora_trainer(tiny_model_dir, tmp_path / "run", publish=publish)
     base = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
     trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
