@@ -16,6 +16,10 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = True
     proofs: bool = Field(True, description="build TOPLOC-style proofs during generation")
     seeded_sampler: bool = Field(True, description="draw tokens with the seeded sampler; off (vLLM's own sampling) is for benchmarks only: verifiers reject it")
+    max_lora_rank: int = Field(
+        0, ge=0, le=512, description="0: full-weight versions only; >0: vLLM's LoRA on, for adapter versions up to this rank "
+        "(the worker turns it on by itself when the run publishes adapters)",
+    )
 
 
 class WorkerConfig(BaseModel):

@@ -13,6 +13,11 @@ What a completion carries, and what the verifier checks it against:
   (`inference_worker.capture`), inside vLLM's worker process; there is no second forward pass. Each
   full 32-token chunk is proven in a background thread while generation continues.
 
+LoRA runs (trainer.lora): a version is an adapter (`shardcast.adapter`). The engine runs the base with
+vLLM's LoRA support on, and `reload` of an adapter version only writes it as a peft folder and makes it the
+`LoRARequest` of later generate calls (a new int id per version): the base's weights are never reloaded.
+The captured hidden states are those of base + adapter, which is what the verifier recomputes.
+
 Seeds: every sample is its own vLLM request (vLLM's `n>1` cannot carry per-sample seeds). Its tokens
 are drawn by the seeded sampler (`inference_worker.seeded_sampler`, the draw of `protocol.sampling`):
 the request reaches vLLM as greedy and carries the lease's seed, temperature, top-k and top-p in
@@ -28,6 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -46,6 +52,8 @@ log = logging.getLogger(__name__)
 CAPTURE_EXTENSION = "inference_worker.capture.HiddenStateCapture"
 # With proofs off (benchmarks only) every chunk gets this placeholder; a verifier rejects it.
 NO_PROOF = b"\x00"
+# The ranks vLLM's `max_lora_rank` accepts (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class LeaseNotGeneratable(ValueError):
@@ -119,6 +127,13 @@ class RolloutEngine:
             seed=seed,
             enable_prefix_caching=True,
         )
+        self.lora_request = None  # the adapter version in use (LoRA runs), else None
+        self._adapters_dir: tempfile.TemporaryDirectory | None = None
+        self._base_hash: str | None = None
+        if self.config.max_lora_rank:
+            # One adapter at a time: a worker generates with one policy version between two reloads.
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= self.config.max_lora_rank))
+            self._adapters_dir = tempfile.TemporaryDirectory(prefix="swarmrl-adapters-")
         if current_platform.is_cpu():
             kwargs["kv_cache_memory_bytes"] = self.config.kv_cache_bytes
         else:
@@ -184,7 +199,7 @@ class RolloutEngine:
         if capture:
             self.llm.collective_rpc("swarmrl_capture_start", args=(self.config.proofs,))
         try:
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         except BaseException:
             if capture:  # stop the capture so that rows never pile up
                 self.llm.collective_rpc("swarmrl_capture_take", args=({}, False, False))
@@ -236,14 +251,21 @@ class RolloutEngine:
         (`HiddenStateCapture.swarmrl_reload`) and the prefix cache, which holds KV computed with the old
         weights, is cleared.
         """
+        from shardcast.adapter import is_adapter
+
         weights_dir = Path(weights_dir)
         started = time.perf_counter()
-        if state is not None and not self.config.multiprocess:
+        adapter = is_adapter(state if state is not None else weights_dir)
+        if adapter:
+            self._use_adapter(weights_dir, version, state)
+        elif state is not None and not self.config.multiprocess:
             self.llm.collective_rpc("swarmrl_reload", kwargs={"weights": list(state.items())})
         elif not any(weights_dir.glob("*.safetensors")):
             raise FileNotFoundError(f"no *.safetensors in {weights_dir}")
         else:
             self.llm.collective_rpc("swarmrl_reload", args=(str(weights_dir),))
+        if not adapter:
+            self._drop_adapter()  # a full version replaces base + adapter
         self.llm.reset_prefix_cache()
         self.policy_version = int(version)
         self.model_hash = model_hash
@@ -251,12 +273,47 @@ class RolloutEngine:
         log.info("reloaded policy version %d from %s in %.2f s", version, "memory" if state is not None and not self.config.multiprocess else weights_dir, took)
         return took
 
+    def _use_adapter(self, weights_dir: Path, version: int, state: dict[str, torch.Tensor] | None) -> None:
+        """Make an adapter version the one later generate calls use (vLLM loads it on first use)."""
+        from vllm.lora.request import LoRARequest
+
+        from shardcast.adapter import base_model_hash, load_version, unpack_adapter, write_peft_dir
+
+        if self._adapters_dir is None:
+            raise RuntimeError(f"version {version} is a LoRA adapter, but this engine runs without LoRA (EngineConfig.max_lora_rank = 0)")
+        state = state if state is not None else load_version(weights_dir)
+        _, adapter_config, base_hash = unpack_adapter(state)
+        if int(adapter_config["r"]) > self.config.max_lora_rank:
+            raise RuntimeError(f"version {version}'s adapter has rank {adapter_config['r']} > max_lora_rank {self.config.max_lora_rank}")
+        if isinstance(self.model_dir, Path):  # a local base: refuse an adapter trained on another one
+            self._base_hash = self._base_hash or base_model_hash(self.model_dir)
+            if base_hash != self._base_hash:
+                raise RuntimeError(f"version {version}'s adapter is for base {base_hash[:12]}..., this engine runs base {self._base_hash[:12]}...")
+        path = write_peft_dir(state, Path(self._adapters_dir.name) / f"v{version}")
+        self._drop_adapter()
+        # vLLM caches adapters by int id (> 0): a new id per version, never reused.
+        self.lora_request = LoRARequest(f"v{version}", int(version) + 1, str(path))
+
+    def _drop_adapter(self) -> None:
+        old, self.lora_request = self.lora_request, None
+        if old is None:
+            return
+        try:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+        except (AttributeError, KeyError, ValueError, RuntimeError):
+            pass  # not loaded yet (never generated with); vLLM's LRU would evict it anyway
+        import shutil
+
+        shutil.rmtree(old.lora_path, ignore_errors=True)
+
     def close(self) -> None:
         """Shut vLLM down (joins the engine core process in multiprocess mode)."""
         llm = getattr(self, "llm", None)
         if llm is None:
             return
         self.llm = None
+        if self._adapters_dir is not None:
+            self._adapters_dir.cleanup()
         engine = getattr(llm, "llm_engine", None)
         core = getattr(engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):

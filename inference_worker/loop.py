@@ -216,11 +216,18 @@ class Worker:
         model = self.config.model or str(version_dir)
         if not self.config.model and not (version_dir / "config.json").is_file():
             raise SystemExit("the weights folder has no config.json: pass --model <base model folder or hub id>")
+        engine_config = self.config.engine
+        from shardcast.adapter import is_adapter, load_version, unpack_adapter
+
+        if not engine_config.max_lora_rank and is_adapter(version_dir):
+            # The run publishes LoRA adapters: vLLM needs LoRA on from the start, at least at their rank.
+            _, adapter_config, _ = unpack_adapter(load_version(version_dir))
+            engine_config = engine_config.model_copy(update={"max_lora_rank": int(adapter_config["r"])})
         if self._engine_factory is not None:
-            return self._engine_factory(model, self.config.engine)
+            return self._engine_factory(model, engine_config)
         from inference_worker.engine import RolloutEngine
 
-        return RolloutEngine(model, self.config.engine)
+        return RolloutEngine(model, engine_config)
 
     # ----------------------------------------------------------------------------------------------
     # Tasks

@@ -68,7 +68,9 @@ class TrainerActor:
         if config.trainer.num_threads:
             torch.set_num_threads(config.trainer.num_threads)
         self.config = config
-        self.origin = Origin.from_config(rd.origin_dir, load_or_generate_signing_key(Path(key_path)), config.shardcast)
+        # LoRA versions are whole adapters (megabytes): no delta chains between them.
+        shardcast_config = config.shardcast.model_copy(update={"deltas": False}) if config.trainer.lora.enabled else config.shardcast
+        self.origin = Origin.from_config(rd.origin_dir, load_or_generate_signing_key(Path(key_path)), shardcast_config)
         self.server = serve_origin(self.origin, config.shardcast.host, config.shardcast.origin_port)
         self.trainer = Trainer(config.trainer, Path(model_dir), rd.root, publish=self._publish, defer_io=True,
                                sampling_temperature=config.orchestrator.sampling.temperature)

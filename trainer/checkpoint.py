@@ -192,6 +192,11 @@ def export_checkpoint(path: Path, out_dir: Path) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".tmp-{out_dir.name}-{uuid.uuid4().hex[:8]}"
     shutil.copytree(src, tmp)
+    lora = json.loads((path / "trainer_state.json").read_text()).get("lora")
+    if lora:  # a LoRA run's checkpoint holds base + adapter: export them merged
+        from trainer.lora import merged_state
+
+        save_file(merged_state(load_file(str(src / MODEL_FILE)), lora["rank"], lora["alpha"]), str(tmp / MODEL_FILE), metadata={"format": "pt"})
     if out_dir.exists():
         out_dir.rmdir()
     tmp.rename(out_dir)

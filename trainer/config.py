@@ -33,10 +33,26 @@ class LossConfig(BaseModel):
         return self
 
 
+class LoraConfig(BaseModel):
+    """LoRA (via peft): train low-rank adapters on a frozen base; each version publishes the adapter only."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="off: full fine-tuning (every version publishes the whole model)")
+    rank: int = Field(8, ge=1, le=512, description="r; vLLM serves ranks up to its max_lora_rank (the worker picks it)")
+    alpha: float = Field(16.0, gt=0, description="the adapter's update is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="on the adapter input while training (0 keeps proximal logprobs exact)")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1, description="linear layers (by module name) that get an adapter",
+    )
+
+
 class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     loss: LossConfig = LossConfig()
+    lora: LoraConfig = LoraConfig()
     lr: float = Field(1e-4, gt=0)
     betas: tuple[float, float] = (0.9, 0.99)
     weight_decay: float = Field(0.0, ge=0)

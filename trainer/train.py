@@ -139,6 +139,16 @@ class Trainer:
         torch.manual_seed(config.seed)
         model = load_model(self.model_dir, self.device, config.attention)
         self.model_config = model.config
+        # LoRA: adapters on the frozen base, trained in place (self.model stays the transformers module);
+        # `self.peft` extracts the adapter that each version publishes, bound to the base's model hash.
+        self.peft = None
+        if config.lora.enabled:
+            from trainer import lora
+
+            if self.env.enabled:
+                raise NotImplementedError("trainer.lora runs on one rank (the N-rank trainer trains the full model)")
+            self.base_hash = lora.base_hash(self.model_dir)
+            self.peft = lora.attach(model, config.lora)
         self.reference: nn.Module | None = None
         if config.loss.kl_coef > 0:
             # The frozen reference is the base model; every rank holds a full copy (forward only).
@@ -209,12 +219,18 @@ class Trainer:
                 "data_cursor": self.data_cursor,
                 "base_model_dir": str(self.model_dir.resolve()),
                 "totals": dict(self.totals),
+                **({"lora": {"rank": self.config.lora.rank, "alpha": self.config.lora.alpha}} if self.peft is not None else {}),
             }),
             keep=self.config.keep_checkpoints,
         )
 
     def state_dict_for_publish(self) -> dict[str, torch.Tensor]:
-        """The weights as published: a cast of the float32 master to `publish_dtype` (a fresh copy)."""
+        """The weights as published: a cast of the float32 master to `publish_dtype` (a fresh copy); with
+        LoRA, the adapter version (adapter tensors, config and base hash; trainer/lora.py)."""
+        if self.peft is not None:
+            from trainer import lora
+
+            return lora.adapter_state(self.peft, self.base_hash, getattr(torch, self.config.publish_dtype))
         state = dist_utils.full_model_state(self.model, self.env)
         state = ckpt.publishable_state(state, getattr(self.model_config, "tie_word_embeddings", False))
         if self.config.publish_dtype != "float32":

@@ -9,8 +9,10 @@ changes the real positions.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -37,13 +39,18 @@ class Prefill:
 
 def load_reference_model(config_dir: Path, weights_dir: Path | None, dtype: str = "float32"):
     """A transformers causal LM: architecture from `config_dir` (or `weights_dir` if it has a
-    config.json), weights from the `*.safetensors` in `weights_dir` (tensor names as transformers)."""
+    config.json), weights from the `*.safetensors` in `weights_dir` (tensor names as transformers).
+    A LoRA adapter version in `weights_dir` is applied to the base model in `config_dir` (`load_adapted`)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardcast.adapter import is_adapter
 
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     config_dir = Path(config_dir)
+    if weights_dir is not None and is_adapter(weights_dir):
+        return load_adapted(config_dir, Path(weights_dir), dtype)
     source = Path(weights_dir) if weights_dir is not None and (Path(weights_dir) / "config.json").exists() else config_dir
     config = AutoConfig.from_pretrained(source)
     if weights_dir is None:
@@ -66,6 +73,36 @@ def load_reference_model(config_dir: Path, weights_dir: Path | None, dtype: str 
         if tied:
             model.tie_weights()
         model = model.to(DTYPES[dtype])
+    model.eval()
+    return model
+
+
+@functools.lru_cache(maxsize=4)
+def _base_hash(base_dir: str) -> str:
+    from shardcast.adapter import base_model_hash
+
+    return base_model_hash(base_dir)
+
+
+def load_adapted(base_dir: Path, adapter_dir: Path, dtype: str = "float32"):
+    """The base model in `base_dir` with the LoRA adapter version in `adapter_dir` merged in by peft
+    (W + alpha/r * B A, in float32, then cast to `dtype`). The adapter must name this base's model hash:
+    one trained on another base is refused, never verified against the wrong weights."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from shardcast.adapter import load_version, unpack_adapter, write_peft_dir
+
+    state = load_version(adapter_dir)
+    _, _, base_hash = unpack_adapter(state)
+    if base_hash != _base_hash(str(Path(base_dir).resolve())):
+        raise ValueError(f"the adapter in {adapter_dir} is for base model {base_hash[:12]}..., not the base in {base_dir}")
+    if (Path(adapter_dir) / "manifest.json").is_file():
+        _check_published_precision(state, DTYPES[dtype], adapter_dir)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    with tempfile.TemporaryDirectory(prefix="swarmrl-adapter-") as tmp:
+        model = PeftModel.from_pretrained(base, write_peft_dir(state, Path(tmp)), is_trainable=False).merge_and_unload()
+    model = model.to(DTYPES[dtype])
     model.eval()
     return model
 

