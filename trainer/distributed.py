@@ -34,7 +34,8 @@ class DistEnv:
 
 
 def init_from_env(device: torch.device) -> DistEnv:
-    """Join the process group described by torchrun's env (RANK, WORLD_SIZE, MASTER_ADDR/PORT), if any."""
+    """Join the process group described by torchrun's env (RANK, WORLD_SIZE, MASTER_ADDR/PORT), if any.
+    The Ray launcher (swarmrl/trainer_actor.py) sets the same variables in each rank's actor."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistEnv()
@@ -43,6 +44,15 @@ def init_from_env(device: torch.device) -> DistEnv:
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size())
+
+
+def broadcast_object(obj: object, env: DistEnv) -> object:
+    """Rank 0's `obj` on every rank (pickled; the others pass anything)."""
+    if not env.enabled:
+        return obj
+    box = [obj if env.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def local_device(kind: str) -> torch.device:
