@@ -148,6 +148,7 @@ class Trainer:
         # Rank 0 of a Ray group announces its collective calls through this (trainer/ranks.py); else None.
         self.announce: Callable[[str, tuple], None] | None = None
         self._in_collective = False
+        self._shard_writes = 0  # names each checkpoint's folder of optimizer shards alike on every rank
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = dist_utils.local_device(
@@ -199,7 +200,9 @@ class Trainer:
 
     def _load(self, path: Path) -> None:
         model_state, train_state, trainer_state = ckpt.read_checkpoint(path)
-        dist_utils.load_full_state(self.model, self.optimizer, model_state, train_state["optimizer"], self.env)
+        dist_utils.load_full_state(self.model, self.optimizer, model_state, train_state.get("optimizer"), self.env)
+        if "optimizer" not in train_state:  # written by a group of ranks: each reads its shard
+            dist_utils.load_optimizer_shards(self.model, self.optimizer, Path(path) / ckpt.OPTIMIZER_DIR)
         self.scheduler.load_state_dict(train_state["scheduler"])
         ckpt.set_rng_state(train_state["rng"])
         self.version = int(trainer_state["step"])
@@ -218,8 +221,17 @@ class Trainer:
     def checkpoint_state(self) -> dict[str, Any] | None:
         """`checkpoint.save_checkpoint`'s arguments for the current state, as copies that the next step
         cannot change (every rank takes part; None off rank 0)."""
-        model_state = dist_utils.full_model_state(self.model, self.env)
-        optim_state = dist_utils.full_optimizer_state(self.model, self.optimizer, self.env)
+        model_state = dist_utils.full_model_state(self.model, self.env)  # the model/ folder: exportable, loads anywhere
+        train_state: dict[str, Any] = {"scheduler": self.scheduler.state_dict(), "rng": ckpt.rng_state()}
+        shards = None
+        if self.env.enabled:
+            # No rank gathers the whole optimizer state (twice the model): each writes its own shard now,
+            # into a folder that rank 0's checkpoint takes in when it is written (in the background).
+            self._shard_writes += 1
+            shards = self.ckpt_root / f"{ckpt.SHARDS_PREFIX}{self.version:08d}-{self._shard_writes}"
+            dist_utils.save_optimizer_shards(self.model, self.optimizer, shards)
+        else:
+            train_state["optimizer"] = self.optimizer.state_dict()
         if not self.env.is_main:
             return None
         return dict(
@@ -228,7 +240,8 @@ class Trainer:
             model_state=model_state,  # full_model_state made it a CPU copy already
             model_config=self.model_config,
             base_model_dir=self.model_dir,
-            train_state=ckpt.detached_copy({"optimizer": optim_state, "scheduler": self.scheduler.state_dict(), "rng": ckpt.rng_state()}),
+            train_state=ckpt.detached_copy(train_state),
+            optimizer_shards=shards,
             trainer_state=copy.deepcopy({
                 "step": self.version,
                 "published_version": self.published_version,

@@ -172,6 +172,11 @@ def test_two_ranks_train_publish_and_commit_as_one(ray_cluster, tiny_model_dir, 
         assert set(got) == set(want)
         for name in want:
             torch.testing.assert_close(got[name], want[name], atol=2e-4, rtol=0, msg=f"v{version} {name}")
+    # Each rank wrote its own shard of the optimizer state (the restart above resumed from them).
+    shards = ckpt.checkpoint_root(two.run_dir) / f"step_{STEPS:08d}" / ckpt.OPTIMIZER_DIR
+    assert sorted(p.name for p in shards.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert not (ckpt.checkpoint_root(one.run_dir) / f"step_{STEPS:08d}" / ckpt.OPTIMIZER_DIR).exists()
+    assert not list(ckpt.checkpoint_root(two.run_dir).glob(".*"))  # no shards left outside a checkpoint
     base = load_file(str(tiny_model_dir / "model.safetensors"))
     assert any(not torch.equal(weights(two, STEPS)[n], base[n]) for n in base)
 
