@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from swarmrl.config import RunConfig
+from swarmrl.processes import RunFailed
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class TrainerGroup:
         ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
         if not ready:
             ray.util.remove_placement_group(pg)
-            raise TrainerDied(f"the cluster could not place {self.world_size} trainer ranks of {bundle} ({res.trainer_placement}) within {timeout_s:.0f} s")
+            raise RunFailed(f"the cluster could not place {self.world_size} trainer ranks of {bundle} ({res.trainer_placement}) within {timeout_s:.0f} s")
         return pg
 
     def _wait_all(self, refs: list[Any], timeout_s: float) -> list[Any]:

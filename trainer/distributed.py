@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from datetime import timedelta
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -44,7 +45,9 @@ def init_from_env(device: torch.device) -> DistEnv:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        # One timeout for both backends (NCCL's default is 10 min): ranks > 0 of a Ray group wait in a
+        # collective for rank 0's next call while it waits for batches or for the orchestrator to answer.
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=30))
     return DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size())
 
 
