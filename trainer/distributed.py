@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from datetime import timedelta
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 

@@ -1,5 +1,6 @@
 """Rank 0 leads, the other ranks follow: how N trainer processes stay in step while only rank 0 talks
-to the outside (takes batches, publishes through the origin, commits, writes checkpoints).
+to the outside (takes batches, publishes through the origin, commits, writes each checkpoint's model and
+state; every rank writes its own shard of the optimizer state).
 
 Every call that all ranks must make together (a step and the collectives inside it, the state of a
 checkpoint, the weights to publish) is a `Trainer` method marked `@collective`. On rank 0, entering such
