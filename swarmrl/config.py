@@ -34,10 +34,13 @@ class ResourcesConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    trainer_gpus: float = Field(0.0, ge=0)
+    trainer_gpus: float = Field(0.0, ge=0, description="GPUs of each trainer rank (trainer.world_size ranks)")
     verifier_gpus: float = Field(0.0, ge=0)
     trainer_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources, e.g. {trainer = 1} to land on the trainer group")
     verifier_resources: dict[str, float] = Field(default_factory=dict)
+    trainer_placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement strategy of the trainer ranks' group (trainer.world_size > 1): PACK fills a node first"
+    )
     max_restarts: int = Field(
         5, ge=0, description="restarts of one component (an actor or a local process) within restart_window_s; one more stops the run"
     )

@@ -1,6 +1,6 @@
 """`swarmrl run`: the whole decentralized loop from one command.
 
-    Ray ─┬─ TrainerActor      (Trainer + shardcast Origin: the origin lives on trainer rank 0)
+    Ray ─┬─ TrainerActor × trainer.world_size (Trainer; rank 0 also the shardcast Origin: trainer_group.py)
          ├─ VerifierActor × N (verifier.service.Verifier; weights pulled from the origin, signature checked)
          └─ OrchestratorActor (SQLite state + the public HTTP API)
     relay processes           (`swarmrl shardcast relay`, mirroring the origin)
@@ -97,7 +97,8 @@ class Run:
         self.progress = Progress()
         res = cfg.resources
         self.supervisor = Supervisor(RestartPolicy(res.max_restarts, res.restart_window_s), on_restart=self._restarted)
-        self.trainer: Any = None
+        self.trainers: Any = None  # the TrainerGroup
+        self.trainer: Any = None  # its rank 0
         self.orch: Any = None
         self.pool: Any = None
         self.url = ""
@@ -113,7 +114,7 @@ class Run:
         import ray
 
         from swarmrl.actors import RayVerifierPool, ShardcastWeights, init_ray, start_orchestrator_actor
-        from swarmrl.trainer_actor import TrainerActor
+        from swarmrl.trainer_group import TrainerGroup
 
         rd = self.rd
         self._driver_down_since = self._open_session()
@@ -131,13 +132,10 @@ class Run:
             wait_until_free(cfg.orchestrator.host, ports["orchestrator"])
             wait_until_free(cfg.shardcast.host, ports["origin"])
 
-        log.info("starting trainer and shardcast origin")
-        # max_restarts=-1: Ray always restarts a dead actor; the supervisor decides when it died too often.
-        actor = ray.remote(
-            num_cpus=0, num_gpus=cfg.resources.trainer_gpus, resources=cfg.resources.trainer_resources or None, max_restarts=-1, max_task_retries=0,
-        )
-        self.trainer = actor(TrainerActor).remote(cfg, str(model_dir), str(rd.root), str(key_path))
-        info = ray.get(self.trainer.info.remote())
+        log.info("starting trainer and shardcast origin", extra={"world_size": cfg.trainer.world_size})
+        self.trainers = TrainerGroup(cfg, str(model_dir), str(rd.root), str(key_path)).start()
+        self.trainer = self.trainers.leader
+        info = self.trainers.call("info")
         info["origin_url"] = cfg.shardcast.advertise_origin_url or info["origin_url"]
         self.progress.version = info["version"]
         self.progress.recorded_version = max((int(r.get("version", 0)) for r in rd.read_metrics()), default=0)
@@ -201,8 +199,9 @@ class Run:
     # ---------------------------------------------------------------- watching the loop
 
     def train(self) -> None:
-        import ray
         from ray.exceptions import RayActorError
+
+        from swarmrl.trainer_group import TrainerDied
 
         cfg, p = self.cfg, self.progress
         deadline = time.time() + cfg.max_minutes * 60 if cfg.max_minutes else None
@@ -212,8 +211,8 @@ class Run:
                 break
             self.supervisor.check()
             try:
-                out = ray.get(self.trainer.train_step.remote())
-            except RayActorError as exc:
+                out = self.trainers.call("train_step")
+            except (RayActorError, TrainerDied) as exc:
                 self._wait_for_trainer(exc)
                 continue
             if self._driver_down_since is not None:  # the run works again after its driver was killed
@@ -230,10 +229,8 @@ class Run:
 
     def _finish_trainer(self) -> None:
         """Make the trainer's last steps durable and committed, and record them."""
-        import ray
-
         try:
-            for step in ray.get(self.trainer.finish.remote(), timeout=300):
+            for step in self.trainers.call("finish", timeout_s=300):
                 self._record(step["metrics"], step["staleness"])
         except Exception as exc:  # a resumed run reconciles whatever this left in flight
             log.warning("could not finish the trainer's last steps (%s); a resumed run settles them", type(exc).__name__)
@@ -315,18 +312,19 @@ class Run:
         log.info("step", extra={"step": p.step, "version": p.version, "reward": None if p.reward is None else round(p.reward, 3)})
 
     def _wait_for_trainer(self, exc: Exception) -> None:
-        """The trainer process died. Ray restarts it from its last durable checkpoint, and its first step
-        reconciles with the orchestrator (the batches that checkpoint holds are committed, the others go
-        back): wait until it answers again, and count the restart."""
-        import ray
-
+        """The trainer process died. Ray restarts it (a group of ranks: we restart them all) from its last
+        durable checkpoint, and its first step reconciles with the orchestrator (the batches that checkpoint
+        holds are committed, the others go back): wait until it answers again, and count the restart."""
         down_since = time.time()
         log.warning("trainer died (%s); waiting for it to resume from its last checkpoint", type(exc).__name__)
         deadline = down_since + self.supervisor.policy.down_timeout_s
         while True:
             self.supervisor.check()
             try:
-                info = ray.get(self.trainer.info.remote(), timeout=60)
+                if self.trainers.world_size > 1:
+                    self.trainers.restart()
+                    self.trainer = self.trainers.leader
+                info = self.trainers.call("info", timeout_s=60)
                 break
             except Exception as e:  # still restarting
                 if time.time() > deadline:

@@ -2,7 +2,8 @@
 
 Layout of `<run_dir>/checkpoints/step_00000010/`:
     model/             a plain transformers folder (config.json, model.safetensors, tokenizer files)
-    train_state.pt     optimizer, scheduler, RNG states
+    train_state.pt     optimizer (one process), scheduler, RNG states
+    optimizer/         a group of ranks: each rank's shard of the optimizer state (torch.distributed.checkpoint)
     trainer_state.json step, published version, data cursor, base model folder (human-readable)
 
 A checkpoint is written into a hidden temporary folder next to it, every file fsynced, and then renamed
@@ -32,6 +33,8 @@ log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 MODEL_FILE = "model.safetensors"
+OPTIMIZER_DIR = "optimizer"
+SHARDS_PREFIX = ".shards-step_"  # the ranks' optimizer shards, before the checkpoint that takes them in
 # Files we copy from the base model folder into every checkpoint's model/ (tokenizer, generation config).
 _SIDE_FILES = (
     "tokenizer.json",
@@ -124,8 +127,10 @@ def save_checkpoint(
     train_state: Mapping[str, Any],
     trainer_state: Mapping[str, Any],
     keep: int,
+    optimizer_shards: Path | None = None,
 ) -> Path:
-    """Write a complete checkpoint for `step` atomically; keep the newest `keep`. Returns its folder."""
+    """Write a complete checkpoint for `step` atomically; keep the newest `keep`. Returns its folder.
+    `optimizer_shards`: the folder the ranks wrote their optimizer shards to; it moves into the checkpoint."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
@@ -140,6 +145,8 @@ def save_checkpoint(
             if (Path(base_model_dir) / name).is_file():
                 shutil.copy2(Path(base_model_dir) / name, model_dir / name)
         torch.save(dict(train_state), tmp / "train_state.pt")
+        if optimizer_shards is not None:
+            os.rename(optimizer_shards, tmp / OPTIMIZER_DIR)  # the same file system: both are under root
         (tmp / "trainer_state.json").write_text(json.dumps(dict(trainer_state), indent=2, default=str))
         _fsync_tree(tmp)
         if final.exists():  # re-saving a step after a resume: swap the old one out
@@ -163,7 +170,7 @@ def remove_partial(root: Path) -> None:
     """Delete temporary folders left by a crash mid-write."""
     if root.is_dir():
         for p in root.iterdir():
-            if p.name.startswith((".tmp-", ".old-")):
+            if p.name.startswith((".tmp-", ".old-", SHARDS_PREFIX)):
                 shutil.rmtree(p, ignore_errors=True)
 
 

@@ -84,3 +84,6 @@ class TrainerConfig(BaseModel):
     )
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine schedule floor, as a fraction of lr")
     distributed: Literal["fsdp2", "ddp"] = Field("fsdp2", description="multi-process strategy when WORLD_SIZE > 1")
+    world_size: int = Field(
+        1, ge=1, description="trainer ranks that `swarmrl run` places in one Ray placement group (data parallel, FSDP2); 1: one process"
+    )

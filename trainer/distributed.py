@@ -1,4 +1,5 @@
-"""The multi-process path: torch.distributed process group, FSDP2 (`fully_shard`) or DDP, full state dicts.
+"""The multi-process path: torch.distributed process group, FSDP2 (`fully_shard`) or DDP, full model state
+dicts (what publishing needs), the optimizer state in per-rank shards (torch.distributed.checkpoint).
 
 Every rank receives the same list of samples and trains on its share (balanced by tokens); the loss is
 normalized by step-wide totals, so the gradients are *summed* across ranks. FSDP2 and DDP average
@@ -12,6 +13,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -34,15 +37,27 @@ class DistEnv:
 
 
 def init_from_env(device: torch.device) -> DistEnv:
-    """Join the process group described by torchrun's env (RANK, WORLD_SIZE, MASTER_ADDR/PORT), if any."""
+    """Join the process group described by torchrun's env (RANK, WORLD_SIZE, MASTER_ADDR/PORT), if any.
+    The Ray launcher (swarmrl/trainer_actor.py) sets the same variables in each rank's actor."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistEnv()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        # One timeout for both backends (NCCL's default is 10 min): ranks > 0 of a Ray group wait in a
+        # collective for rank 0's next call while it waits for batches or for the orchestrator to answer.
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=30))
     return DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size())
+
+
+def broadcast_object(obj: object, env: DistEnv) -> object:
+    """Rank 0's `obj` on every rank (pickled; the others pass anything)."""
+    if not env.enabled:
+        return obj
+    box = [obj if env.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def local_device(kind: str) -> torch.device:
@@ -109,16 +124,9 @@ def full_model_state(model: nn.Module, env: DistEnv) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()}
 
 
-def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv) -> dict:
-    if env.enabled:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return optimizer.state_dict()
-
-
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_state: Mapping, optim_state: dict | None, env: DistEnv) -> None:
-    """Load full (unsharded) states written by `full_model_state` / `full_optimizer_state`."""
+    """Load full (unsharded) states: a model state from `full_model_state`, an optimizer state from a
+    one-process checkpoint (a group's optimizer state comes in shards: `load_optimizer_shards`)."""
     if env.enabled:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
@@ -133,6 +141,27 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, m
         raise ValueError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
     if optimizer is not None and optim_state is not None:
         optimizer.load_state_dict(optim_state)
+
+
+def save_optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Every rank writes its own shard of the optimizer state into the folder `path` (shared by the ranks),
+    rank 0 the index of them: torch.distributed.checkpoint, fsynced. A collective call."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    path.mkdir(parents=True, exist_ok=True)
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(path))
+
+
+def load_optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Read `save_optimizer_shards`' folder: each rank reads its own shard (in one process, the whole)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    # A fresh optimizer has no state to load into: get_optimizer_state_dict makes it (a step at lr 0).
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
 def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float) -> float:

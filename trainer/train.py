@@ -22,6 +22,7 @@ separate no-grad pass, for one forward less). That is always true of the first o
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 import time
@@ -47,6 +48,25 @@ log = logging.getLogger(__name__)
 
 # Publishes (version, weights) and returns the published version's model hash (or None if it has none).
 PublishFn = Callable[[int, Mapping[str, torch.Tensor]], "str | None"]
+
+
+def collective(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A Trainer method that every rank must call together. On rank 0 of a Ray group (trainer/ranks.py),
+    a call from outside any other collective method first tells the other ranks to make it too."""
+
+    @functools.wraps(method)
+    def call(self: "Trainer", *args: Any) -> Any:
+        if self.announce is None or self._in_collective:
+            return method(self, *args)
+        self.announce(method.__name__, args)
+        self._in_collective = True
+        try:
+            return method(self, *args)
+        finally:
+            self._in_collective = False
+
+    call.collective = True  # type: ignore[attr-defined]
+    return call
 
 
 def load_model(model_dir: Path, device: torch.device, attention: str = "varlen") -> nn.Module:
@@ -125,6 +145,10 @@ class Trainer:
         self.model_dir = Path(model_dir)
         self.run_dir = Path(run_dir)
         self.publish_fn = publish
+        # Rank 0 of a Ray group announces its collective calls through this (trainer/ranks.py); else None.
+        self.announce: Callable[[str, tuple], None] | None = None
+        self._in_collective = False
+        self._shard_writes = 0  # names each checkpoint's folder of optimizer shards alike on every rank
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = dist_utils.local_device(
@@ -135,6 +159,7 @@ class Trainer:
         if self.env.is_main:
             ckpt.remove_partial(self.ckpt_root)
         latest = ckpt.latest_checkpoint(self.ckpt_root) if resume else None
+        latest = dist_utils.broadcast_object(latest, self.env)  # every rank resumes from rank 0's choice
 
         torch.manual_seed(config.seed)
         model = load_model(self.model_dir, self.device, config.attention)
@@ -185,7 +210,9 @@ class Trainer:
 
     def _load(self, path: Path) -> None:
         model_state, train_state, trainer_state = ckpt.read_checkpoint(path)
-        dist_utils.load_full_state(self.model, self.optimizer, model_state, train_state["optimizer"], self.env)
+        dist_utils.load_full_state(self.model, self.optimizer, model_state, train_state.get("optimizer"), self.env)
+        if "optimizer" not in train_state:  # written by a group of ranks: each reads its shard
+            dist_utils.load_optimizer_shards(self.model, self.optimizer, Path(path) / ckpt.OPTIMIZER_DIR)
         self.scheduler.load_state_dict(train_state["scheduler"])
         ckpt.set_rng_state(train_state["rng"])
         self.version = int(trainer_state["step"])
@@ -194,16 +221,27 @@ class Trainer:
         self.totals = Counter(trainer_state.get("totals", {}))
         log.info("resumed", extra={"checkpoint": str(path), "version": self.version})
 
+    @collective
     def save_checkpoint(self) -> Path | None:
         """Write a checkpoint of the current state (rank 0 writes; every rank must call it)."""
         state = self.checkpoint_state()
         return ckpt.save_checkpoint(**state) if state is not None else None
 
+    @collective
     def checkpoint_state(self) -> dict[str, Any] | None:
         """`checkpoint.save_checkpoint`'s arguments for the current state, as copies that the next step
         cannot change (every rank takes part; None off rank 0)."""
-        model_state = dist_utils.full_model_state(self.model, self.env)
-        optim_state = dist_utils.full_optimizer_state(self.model, self.optimizer, self.env)
+        model_state = dist_utils.full_model_state(self.model, self.env)  # the model/ folder: exportable, loads anywhere
+        train_state: dict[str, Any] = {"scheduler": self.scheduler.state_dict(), "rng": ckpt.rng_state()}
+        shards = None
+        if self.env.enabled:
+            # No rank gathers the whole optimizer state (twice the model): each writes its own shard now,
+            # into a folder that rank 0's checkpoint takes in when it is written (in the background).
+            self._shard_writes += 1
+            shards = self.ckpt_root / f"{ckpt.SHARDS_PREFIX}{self.version:08d}-{self._shard_writes}"
+            dist_utils.save_optimizer_shards(self.model, self.optimizer, shards)
+        else:
+            train_state["optimizer"] = self.optimizer.state_dict()
         if not self.env.is_main:
             return None
         return dict(
@@ -212,7 +250,8 @@ class Trainer:
             model_state=model_state,  # full_model_state made it a CPU copy already
             model_config=self.model_config,
             base_model_dir=self.model_dir,
-            train_state=ckpt.detached_copy({"optimizer": optim_state, "scheduler": self.scheduler.state_dict(), "rng": ckpt.rng_state()}),
+            train_state=ckpt.detached_copy(train_state),
+            optimizer_shards=shards,
             trainer_state=copy.deepcopy({
                 "step": self.version,
                 "published_version": self.published_version,
@@ -224,6 +263,7 @@ class Trainer:
             keep=self.config.keep_checkpoints,
         )
 
+    @collective
     def state_dict_for_publish(self) -> dict[str, torch.Tensor]:
         """The weights as published: a cast of the float32 master to `publish_dtype` (a fresh copy); with
         LoRA, the adapter version (adapter tensors, config and base hash; trainer/lora.py)."""
@@ -266,6 +306,7 @@ class Trainer:
 
     # ---------------------------------------------------------------- the step
 
+    @collective
     def step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
         """Train on one batch of verified samples; returns metrics. Every rank passes the same samples.
         The versions it publishes, with their model hashes, are in `last_published`."""
