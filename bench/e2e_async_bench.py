@@ -97,7 +97,15 @@ def compare_checkpoints(args) -> None:
         saved = json.loads((RESULTS / "checkpoint_step_time.json").read_text())
         runs, rev = [(r.pop("code"), r) for r in saved["runs"]], saved.get("after_rev", rev)
         args.pairs = len(runs) // 2
-    for i in range(0 if args.report_only else args.pairs):
+    if args.from_runs:  # re-derive from the run folders in --out (a comparison stopped early): complete pairs only
+        complete = [i for i in range(args.pairs) if all((out / f"{lb}{i}" / "metrics.jsonl").exists() for lb in ("before", "after"))]
+        for i in complete:
+            for label in ("before", "after"):
+                r = summarize_run(out / f"{label}{i}", 2)
+                r.update(step_times=step_times(out / f"{label}{i}"), load_avg_5min=(float("nan"), float("nan")))  # not recorded
+                runs.append((label, r))
+        args.pairs = len(complete)
+    for i in range(0 if args.report_only or args.from_runs else args.pairs):
         for label, code in (order if i % 2 == 0 else order[::-1]):
             subprocess.run(["sync"])
             time.sleep(5)
@@ -198,6 +206,7 @@ def main() -> None:
     ap.add_argument("--threshold", type=float, default=0.9, help="the reward that ends the learning window")
     ap.add_argument("--compare-ref", default="", help="measure step times: this git ref's code (before) against this checkout (after)")
     ap.add_argument("--pairs", type=int, default=2, help="with --compare-ref: before/after pairs, alternating which goes first")
+    ap.add_argument("--from-runs", action="store_true", help="with --compare-ref: re-derive the table from the run folders in --out")
     ap.add_argument("extra", nargs="*", help="more config overrides for both runs")
     args = ap.parse_args()
     out = Path(args.out)
