@@ -4,8 +4,10 @@ passes (the prompts are handed out again and a late submission is refused). Owns
 `reissue` tables, and the count of leased prompts behind the async bound.
 
 A lease is a budget. The async bound (generation at most async_level steps ahead of the trainer) is
-shared fairly: the open leases of one join token's workers hold at most bound / (join tokens with a live
-worker), however many leases they ask for. A lease that expires or is released unsubmitted costs its
+shared fairly: the open leases of one join token's workers hold at most bound / (join tokens with
+demand), however many leases they ask for. A token has demand while it holds a lease, or for
+DEMAND_WINDOW_S after it registered a worker or asked for a lease outside a cooldown: a token that only
+floods, is banned or cools down takes no share from the workers that generate. A lease that expires or is released unsubmitted costs its
 token debt in proportion to its prompts and the time it was held (orchestrator/tokens.py: a cooldown
 that doubles, then strikes), so hoarding loses its slot; a worker that crashes loses only the lease.
 """
@@ -62,6 +64,11 @@ FREE_HOLD = 0.1
 
 class GenerationBoundReached(Exception):
     """Generation is async_level steps ahead of the trainer; wait for it to consume a batch."""
+
+
+# How long a registration or a lease request counts as demand for a share of the bound: longer than an
+# honest worker's pause between leases (it asks again as soon as it submits, or after a refusal's retry_after).
+DEMAND_WINDOW_S = 10.0
 
 
 class NoLeaseNow(Exception):
@@ -124,7 +131,8 @@ class LeaseBook:
             db.set(conn, LEASED_PROMPTS, int(leased))
         # Leases whose deadline passed before this process served are not their workers' fault: no debt.
         self.serving_since = time.time()
-        self._active_tokens = (0.0, 1)  # (computed at, join tokens with a live worker), refreshed each second
+        self._demand: dict[str, float] = {}  # join token -> when it last registered a worker or asked for a lease
+        self._holding = (0.0, frozenset())  # (computed at, join tokens holding open training leases), refreshed each second
         # Open leases, parsed, so a submission does not re-parse its lease (a cache: SQLite is the truth).
         self._open: dict[str, TaskLease] = {}
         # Prompt index -> (prompt_id, token ids) as validated by the first lease that carried the prompt.
@@ -178,6 +186,7 @@ class LeaseBook:
                 wait = self.tokens.cooldown_left(token_id, now)
                 if wait > 0:
                     raise NoLeaseNow(f"join token {token_id} let leases go unsubmitted: cooling down", wait)
+                self.note_demand(token_id, now)
             if self.evals is not None and loaded_version is not None and self.evals.waiting(db, loaded_version):
                 # Eval prompts of the version this worker holds go first, outside the async bound (they
                 # are never trained on, so they take no room from training).
@@ -274,13 +283,19 @@ class LeaseBook:
         """Versions with eval leases open or submitted (not yet verified)."""
         return {int(r[0]) for r in db.execute("SELECT DISTINCT eval_version FROM leases WHERE eval_version IS NOT NULL AND status IN ('open', 'submitted')")}
 
+    def note_demand(self, token_id: str, now: float) -> None:
+        """The token registered a worker or asked for a lease: it counts in the fair share for a while."""
+        self._demand[token_id] = now
+
     def _token_room(self, db: sqlite3.Connection, token_id: str, bound_prompts: int, now: float) -> int:
         """Prompts this token may still lease: its fair share of the bound, less what its workers hold."""
-        at, active = self._active_tokens
-        if now - at > 1.0 and self.workers is not None:
-            active = max(1, self.workers.active_tokens(now))
-            self._active_tokens = (now, active)
-        share = max(1, math.ceil(bound_prompts / active))
+        at, holding = self._holding
+        if now - at > 1.0:
+            holding = frozenset(r[0] for r in db.execute("SELECT DISTINCT token_id FROM leases WHERE status='open' AND eval_version IS NULL AND token_id IS NOT NULL"))
+            self._holding = (now, holding)
+            self._demand = {t: t_at for t, t_at in self._demand.items() if now - t_at <= DEMAND_WINDOW_S}
+        wanting = {t for t, t_at in self._demand.items() if now - t_at <= DEMAND_WINDOW_S}
+        share = max(1, math.ceil(bound_prompts / len(wanting | holding | {token_id})))
         held = db.execute(
             "SELECT COALESCE(SUM(json_array_length(prompt_indices)), 0) FROM leases WHERE token_id=? AND status='open' AND eval_version IS NULL", (token_id,)
         ).fetchone()[0]

@@ -187,6 +187,7 @@ class Orchestrator:
             )
         self.registrations.check(token.token_id)
         worker_id, secret = self.workers.register(reg.name, reg.device, reg.client_version, token.token_id)
+        self.leases.note_demand(token.token_id, time.time())  # a new worker asks for its first lease next
         return WorkerRegistered(
             worker_id=worker_id,
             secret=secret,

@@ -132,10 +132,6 @@ class Workers:
         """Identities of a token that are not banned and were seen within dead_after_s."""
         return sum(1 for w, t in self._last_seen.items() if self._token_of.get(w) == token_id and now - t <= self.dead_after_s)
 
-    def active_tokens(self, now: float) -> int:
-        """Join tokens with at least one live identity: what a fair share of the generation budget divides by."""
-        return len({self._token_of.get(w) for w, t in self._last_seen.items() if now - t <= self.dead_after_s})
-
     def token_of(self, worker_id: str) -> str | None:
         return self._token_of.get(worker_id)
 

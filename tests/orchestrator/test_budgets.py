@@ -46,6 +46,22 @@ def test_one_token_holds_at_most_its_fair_share_of_the_bound(tmp_path):
     orch.db.close()
 
 
+def test_a_token_that_never_asks_for_leases_takes_no_share(tmp_path, monkeypatch):
+    """A flooder's token (it registered, then only sends junk) or a banned one stops counting once its demand
+    is old: the workers that generate share the bound among themselves."""
+    import orchestrator.leases
+
+    monkeypatch.setattr(orchestrator.leases, "DEMAND_WINDOW_S", 0.3)
+    orch = make_orchestrator(small_bound(tmp_path))
+    volunteer(orch, "flooder")  # registers, never asks for a lease
+    honest, _, _ = volunteer(orch, "honest")
+    assert len(ask(orch, honest).lease.prompts) == 2  # both just registered: half the bound of 4 each
+    assert ask(orch, honest).lease is None  # its half is held
+    time.sleep(0.4)
+    assert len(ask(orch, honest).lease.prompts) == 2  # the flooder's demand is old: the whole bound
+    orch.db.close()
+
+
 def test_a_token_alone_may_use_the_whole_bound(tmp_path):
     orch = make_orchestrator(small_bound(tmp_path))
     w, _, _ = volunteer(orch, "alone")
