@@ -66,6 +66,16 @@ def listener_pid(port: int) -> int | None:
     return None
 
 
+def cpu_seconds(pid: int | None) -> float:
+    import psutil
+
+    try:
+        t = psutil.Process(pid).cpu_times() if pid is not None else None
+    except psutil.Error:
+        return 0.0
+    return 0.0 if t is None else t.user + t.system
+
+
 def one_run(mode: str, warmup_steps: int, window_s: float, port: int) -> dict:
     import httpx
     import psutil
@@ -96,6 +106,9 @@ def one_run(mode: str, warmup_steps: int, window_s: float, port: int) -> dict:
         with db(run_dir) as con:
             honest = con.execute("SELECT worker_id FROM workers WHERE name='local-0'").fetchone()[0]
         t0, steps0, load0 = time.time(), len(steps(run_dir)), round(os.getloadavg()[0], 2)
+        # CPU seconds over the window: this process (the adversaries' threads: on this one machine the attack
+        # is paid from the same two cores as the run) and the orchestrator's process (what refusing it costs).
+        cpu0, orch_cpu0 = time.process_time(), cpu_seconds(pid)
         for a in adversaries:
             a.start()
         peak_rss, status_ms = 0, []
@@ -111,6 +124,7 @@ def one_run(mode: str, warmup_steps: int, window_s: float, port: int) -> dict:
             status_ms.append(1e3 * (time.perf_counter() - s))
             time.sleep(1)
         t1, steps1 = time.time(), len(steps(run_dir))
+        attacker_cpu, orch_cpu = time.process_time() - cpu0, cpu_seconds(pid) - orch_cpu0
         stop.set()
         with db(run_dir) as con:
             accepted = con.execute("SELECT COUNT(*) FROM submissions WHERE worker_id=? AND status='accepted' AND received_at BETWEEN ? AND ?",
@@ -118,7 +132,8 @@ def one_run(mode: str, warmup_steps: int, window_s: float, port: int) -> dict:
         five_xx = sum(n for a in adversaries for code, n in a.statuses.items() if code >= 500)
         minutes = (t1 - t0) / 60
         return {
-            "mode": mode, "load_avg_1m_before_after": [load0, round(os.getloadavg()[0], 2)], "window_s": round(t1 - t0, 1), "honest_accepted_per_min": round(accepted / minutes, 1),
+            "mode": mode, "load_avg_1m_before_after": [load0, round(os.getloadavg()[0], 2)],
+            "bench_process_cpu_per_s": round(attacker_cpu / (t1 - t0), 3), "orchestrator_cpu_per_s": round(orch_cpu / (t1 - t0), 3), "window_s": round(t1 - t0, 1), "honest_accepted_per_min": round(accepted / minutes, 1),
             "trainer_steps_per_min": round((steps1 - steps0) / minutes, 1), "orchestrator_peak_rss_mib": round(peak_rss / 2**20, 1),
             "status_p50_ms": round(statistics.median(status_ms), 1), "status_max_ms": round(max(status_ms), 1), "adversary_5xx": five_xx,
             "adversary_requests": {a.name: sum(a.statuses.values()) for a in adversaries},
@@ -163,13 +178,15 @@ def main() -> None:
 
 def write_markdown(args, runs: list[dict], ratio: dict) -> None:
     cols = ("repeat", "mode", "window_s", "honest_accepted_per_min", "trainer_steps_per_min", "orchestrator_peak_rss_mib", "status_p50_ms",
-            "status_max_ms", "adversary_5xx", "load_avg_1m_before_after")
+            "status_max_ms", "adversary_5xx", "bench_process_cpu_per_s", "orchestrator_cpu_per_s", "load_avg_1m_before_after")
     lines = [
         "# Honest throughput with and without a hostile swarm", "",
         f"Command: `python bench/hostile_swarm_bench.py --repeats {args.repeats} --window-s {args.window_s:g}` "
         f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}). The demo loop (small model, one honest local vLLM worker, real "
         "verifier and trainer) on this 2-core machine; runs alternate clean / attacked; 'attacked' adds a hoarder, a flooder, a "
-        "slow-reward worker and a banned cheater coming back (tools/adversaries.py) for the whole window. Every run is listed.", "",
+        "slow-reward worker and a banned cheater coming back (tools/adversaries.py) for the whole window. Every run is listed. "
+        "bench_process_cpu_per_s: cores used by this benchmark's process, i.e. by the adversaries' threads, taken from the same two "
+        "cores the run has (an attacker's own machine in a real swarm); orchestrator_cpu_per_s: cores the orchestrator's process used.", "",
         "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols),
         *("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in runs), "",
         f"Attacked / clean, per pair: honest accepted submissions/min {ratio['honest_accepted_per_min']}; "
