@@ -110,6 +110,7 @@ class Applied:
     accepted: bool
     rewards: list[float]
     groups: Groups | None
+    num_tokens: int = 0  # the submission's generated tokens (what the verifier's throughput counts)
 
 
 class PolicyVersions:
@@ -215,6 +216,7 @@ class Verification:
             self._pending[row.submission_id] = pending
         self._queue.put(row.submission_id)
         self.metrics.submissions.inc()
+        self.windows.arrived()
         return None
 
     def submission(self, submission_id: str) -> SubmissionRow | None:
@@ -325,7 +327,7 @@ class Verification:
     def _prepare(self, submission_id: str, p: Pending, v: Verdict) -> Applied:
         v = v.model_copy(update={"submission_id": submission_id})
         if v.status != VerdictStatus.accepted:
-            return Applied(submission_id, p.worker_id, v, False, [], None)
+            return Applied(submission_id, p.worker_id, v, False, [], None, p.submission.num_tokens)
         rewards = list(v.rewards or [])
         try:
             groups = build_groups(submission_id, p.submission, p.lease, rewards, self.advantage_std, v.behaviour_logprobs)
@@ -333,8 +335,8 @@ class Verification:
             log.error("accepted verdict with unusable rewards; recorded as rejected", extra={"submission_id": submission_id, "error": str(exc)})
             v = Verdict(submission_id=submission_id, status=VerdictStatus.rejected,
                         rejections=[Rejection(code=RejectionCode.reward_error, message=f"unusable rewards: {exc}"[:2000])])
-            return Applied(submission_id, p.worker_id, v, False, [], None)
-        return Applied(submission_id, p.worker_id, v, True, rewards, groups)
+            return Applied(submission_id, p.worker_id, v, False, [], None, p.submission.num_tokens)
+        return Applied(submission_id, p.worker_id, v, True, rewards, groups, p.submission.num_tokens)
 
     def _record(self, a: Applied) -> tuple[bool, bool]:
         """Apply a verdict atomically: submission, lease, worker ledger and strikes, buffer. Returns
@@ -370,6 +372,7 @@ class Verification:
         if not applied:
             return
         self.metrics.verdicts.labels("accepted" if a.accepted else "rejected").inc()
+        self.windows.verified(a.num_tokens)
         if a.accepted:
             self.windows.accepted(a.verdict.verified_tokens, float(sum(a.rewards)), len(a.rewards))
             self.metrics.verified_tokens.inc(a.verdict.verified_tokens)

@@ -151,7 +151,8 @@ class VerifierActor:
 
 class RayVerifierPool:
     """`verify_many` over a pool of VerifierActors: jobs are split evenly, verified in parallel, and
-    the verdicts come back in job order."""
+    the verdicts come back in job order. The actors may change between calls (`set_actors`: the driver
+    grows and shrinks the pool, swarmrl/verifier_pool.py); a call keeps the actors it started with."""
 
     def __init__(self, actors: list[Any], timeout_s: float = 600.0):
         if not actors:
@@ -193,14 +194,17 @@ class RayVerifierPool:
 
         if not jobs:
             return []
-        n = min(len(self.actors), len(jobs))
+        actors = self.actors  # this call's actors, whatever set_actors does meanwhile
+        if not actors:
+            raise RuntimeError("no verifier actor is live")
+        n = min(len(actors), len(jobs))
         parts = [jobs[i::n] for i in range(n)]
-        futures = [self.actors[i].verify_many.remote(parts[i]) for i in range(n)]
+        futures = [actors[i].verify_many.remote(parts[i]) for i in range(n)]
         done, late = ray.wait(futures, num_returns=len(futures), timeout=self.timeout_s)
         if late:  # a stuck actor would keep every later call waiting behind it: restart it (Ray's max_restarts)
             for i, f in enumerate(futures):
                 if f in late:
-                    ray.kill(self.actors[i], no_restart=False)
+                    ray.kill(actors[i], no_restart=False)
             raise TimeoutError(f"{len(late)} verifier actor(s) did not answer within {self.timeout_s:g} s; restarted")
         results = ray.get(futures)
         out: list[Any] = [None] * len(jobs)
@@ -210,6 +214,9 @@ class RayVerifierPool:
             for j, v in enumerate(verdicts):
                 out[i + j * n] = v
         return out
+
+    def set_actors(self, actors: list[Any]) -> None:
+        self.actors = list(actors)
 
     def shutdown(self) -> None:
         import ray
@@ -227,9 +234,11 @@ class OrchestratorActor:
     def __init__(self, config: RunConfig, verifier_actors: list[Any], *, relay_urls: list[str] | None = None, manifest_public_key: str = "", origin_url: str = ""):
         component_logging(RunDir(config.run_dir), "orchestrator", config.log_level)
         pin_to_cpus(config.resources.cpu_affinity.get("orchestrator"))
+        self.pool = RayVerifierPool(verifier_actors)
         self.orch = build_orchestrator(
-            config, RayVerifierPool(verifier_actors), relay_urls=relay_urls, manifest_public_key=manifest_public_key, origin_url=origin_url,
+            config, self.pool, relay_urls=relay_urls, manifest_public_key=manifest_public_key, origin_url=origin_url,
         )
+        self.orch.set_verifier_actors(len(verifier_actors), 0)
         self.server = OrchestratorServer(self.orch).start()
         self.started_at = time.time()
 
@@ -238,6 +247,12 @@ class OrchestratorActor:
 
     def ping(self) -> tuple[int, float]:
         return os.getpid(), self.started_at
+
+    def set_verifiers(self, actors: list[Any], pending: int = 0) -> None:
+        """The live verifier actors (the driver resized the pool; or, after this actor restarted with its
+        first arguments, the pool as it is now). Calls in flight finish on the actors they started on."""
+        self.pool.set_actors(actors)
+        self.orch.set_verifier_actors(len(actors), pending)
 
     def publish_version(self, version: int, model_hash: str) -> None:
         self.orch.publish_version(version, model_hash)
