@@ -181,7 +181,7 @@ class RayVerifierPool:
         import ray
 
         remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or None, max_restarts=max_restarts, max_task_retries=1)(VerifierActor)
-        n = num_actors or config.num_actors
+        n = num_actors or config.actor_bounds()[0]  # a pool that follows the load is swarmrl/verifier_pool.py (the driver's)
         actors = [
             remote.remote(config, weights_for_version, tokenizer_dir, cpus=cpus, log_to=(run_dir, f"verifier-{i}") if run_dir else None)
             for i in range(n)
