@@ -68,9 +68,12 @@ def test_pending_live_shrink_and_dispatch(ray_cluster, tiny_model_dir, jobs, tmp
         dispatch.set_actors(pool.handles())
         with pytest.raises(RuntimeError, match="no verifier actor"):
             dispatch.verify_many(jobs[:1])
-        pool.refresh()  # retire_after_s=0: killed now
+        pool.refresh()  # retire_after_s=0: killed now (ray.kill is asynchronous: a ping may still get through)
+        deadline = time.time() + 60
         with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(live.ping.remote(), timeout=60)
+            while time.time() < deadline:
+                ray.get(live.ping.remote(), timeout=60)
+                time.sleep(0.2)
 
         # The freed resource lets a new actor be placed: pending -> live.
         pool.grow(1)
@@ -100,3 +103,77 @@ def test_an_actor_that_cannot_start_is_reported_not_raised(ray_cluster, tmp_path
             pool.wait_live(1, timeout_s=120)
     finally:
         pool.shutdown()
+
+
+class ScriptedScaler:
+    """The sizing decision is tested on its own (tests/foundation/test_verifier_scaling.py); here it is
+    scripted, to test what the driver does with it for real: the orchestrator actor's status, the pool
+    and the supervisor."""
+
+    def __init__(self) -> None:
+        self.target = 1
+        self.loads: list = []
+
+    def desired(self, load, now):
+        self.loads.append(load)
+        return self.target
+
+
+def test_the_driver_tick_resizes_the_pool_and_tells_the_orchestrator(ray_cluster, tiny_model_dir, tmp_path):
+    ray = ray_cluster
+    from orch_fakes import run_config
+
+    from swarmrl.actors import start_orchestrator_actor
+    from swarmrl.driver import Run
+    from swarmrl.verifier_pool import VerifierPool
+    from verifier.config import VerifierConfig
+
+    cfg = run_config(tmp_path, admin_token="adm", join_tokens=["join"])
+    cfg.model.path = str(tiny_model_dir)
+    run = Run(cfg)
+    run.pool = VerifierPool(VerifierConfig(), lambda v: tiny_model_dir, str(tiny_model_dir), resources={"verifier": 1}, run_dir=str(run.rd.root), retire_after_s=0.0)
+    run.scaler = scripted = ScriptedScaler()
+    orch = None
+    try:
+        run.pool.grow(1)
+        run.pool.wait_live(1, timeout_s=120)
+        orch = run.orch = start_orchestrator_actor(cfg, run.pool.handles(), max_restarts=0)
+        ray.get(orch.ping.remote(), timeout=120)
+
+        def tick(until, timeout_s: float = 120.0):
+            deadline = time.time() + timeout_s
+            while True:
+                run._next_scale = 0.0
+                run._scale_verifiers()
+                st = ray.get(orch.status.remote())
+                if until(st) or time.time() > deadline:
+                    return st
+                time.sleep(0.5)
+
+        # The tick read the orchestrator's queue and rates, and told it the pool (1 live).
+        st = tick(lambda st: st.verifier_actors == 1)
+        assert (st.verifier_actors, st.verifier_actors_pending) == (1, 0)
+        assert scripted.loads and scripted.loads[-1].live == 1 and scripted.loads[-1].queue == st.verify_queue == 0
+
+        # Grow to 2: the second actor cannot be placed (one "verifier" unit): pending, in the status too.
+        scripted.target = 2
+        st = tick(lambda st: st.verifier_actors_pending == 1)
+        assert (st.verifier_actors, st.verifier_actors_pending) == (1, 1) and run.supervisor.failure is None
+
+        # Shrink to 0 (below any min: scripted): the pending actor goes first, then verifier-0 leaves the
+        # orchestrator's list and the supervisor's watch.
+        scripted.target = 0
+        st = tick(lambda st: st.verifier_actors == 0)
+        assert (st.verifier_actors, st.verifier_actors_pending) == (0, 0)
+        assert not any(n.startswith("verifier-") for n in run.supervisor.components)
+
+        # Grow again: the freed unit takes the new actor, which turns live and is watched.
+        scripted.target = 1
+        st = tick(lambda st: st.verifier_actors == 1)
+        assert (st.verifier_actors, st.verifier_actors_pending) == (1, 0)
+        assert [n for n in run.supervisor.components if n.startswith("verifier-")] == ["verifier-2"]
+    finally:
+        if orch is not None:
+            ray.get(orch.stop.remote(), timeout=60)
+            ray.kill(orch)
+        run.pool.shutdown()

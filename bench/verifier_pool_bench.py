@@ -1,0 +1,144 @@
+"""Verifier pool benchmark: verified tokens/s with 1 and with 2 verifier actors, one core each (Ray
+`num_cpus=1`, torch threads = 1, the production `VerifierActor`), side by side in one run on the same
+honest rollouts (generated once by the real vLLM worker engine, seeded draws, proofs).
+
+    python bench/verifier_pool_bench.py [--size small] [--seqs 48] [--max-tokens 128] [--runs 4]
+
+Each run verifies every rollout once with 1 actor and once with 2 (the order alternates between runs),
+through `RayVerifierPool.verify_many`, the orchestrator's dispatch. Wall time: the pool's throughput is
+what parallel actors buy. The 1-minute load average is recorded before and after each measurement: the
+project machine has 2 cores shared with other jobs, so the ratio is only as good as the load allows;
+all runs are reported. Results: bench/results/verifier_pool.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def measure(dispatch, jobs: list, tokens: int) -> dict:
+    before = load()
+    t = time.perf_counter()
+    verdicts = dispatch.verify_many(jobs)
+    wall = time.perf_counter() - t
+    accepted = sum(v.status.value == "accepted" for v in verdicts)
+    return {"wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1), "submissions_per_s": round(len(jobs) / wall, 2),
+            "accepted": accepted, "load_before": before, "load_after": load()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", default="small", choices=["tiny", "small"])
+    ap.add_argument("--seqs", type=int, default=48)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=4)
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "verifier_pool"))
+    args = ap.parse_args()
+
+    import ray
+
+    from protocol.models import SamplingParams
+    from swarmrl.actors import RayVerifierPool
+    from swarmrl.verifier_pool import VerifierPool
+    from tools.verifier_calibration import honest_jobs
+    from trainer.tiny_model import init_model
+    from verifier.config import VerifierConfig
+
+    work = Path(tempfile.mkdtemp(prefix="vpool-bench-"))
+    model_dir = init_model(work / args.size, args.size, seed=0)
+    t = time.perf_counter()
+    jobs = honest_jobs(model_dir, args.seqs, SamplingParams(temperature=1.0, max_tokens=args.max_tokens, stop_token_ids=[]))
+    gen_s = time.perf_counter() - t
+    tokens = sum(j.submission.num_tokens for j in jobs)
+    print(f"generated {len(jobs)} honest rollouts, {tokens} tokens, in {gen_s:.1f} s", flush=True)
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    pool = VerifierPool(VerifierConfig(num_threads=1), lambda v: model_dir, str(model_dir), num_cpus=1, retire_after_s=0)
+    try:
+        pool.grow(2)
+        pool.wait_live(2, timeout_s=600)
+        actors = pool.handles()
+        for a in actors:  # load the model in each actor before timing
+            ray.get(a.verify_many.remote(jobs[:2]))
+        runs = []
+        for r in range(args.runs):
+            row: dict = {"run": r}
+            for k in ((1, 2) if r % 2 == 0 else (2, 1)):
+                row[f"actors_{k}"] = measure(RayVerifierPool(actors[:k], timeout_s=3600), jobs, tokens)
+            row["ratio"] = round(row["actors_2"]["tokens_per_s"] / row["actors_1"]["tokens_per_s"], 3)
+            runs.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        pool.shutdown()
+        ray.shutdown()
+
+    ratios = [r["ratio"] for r in runs]
+    loads = [m[k] for r in runs for m in (r["actors_1"], r["actors_2"]) for k in ("load_before", "load_after")]
+    result = {
+        "model": args.size,
+        "completions": len(jobs),
+        "tokens": tokens,
+        "max_tokens": args.max_tokens,
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "runs": runs,
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "load_min": min(loads),
+        "load_max": max(loads),
+        "accepted_all": all(r[f"actors_{k}"]["accepted"] == len(jobs) for r in runs for k in (1, 2)),
+        "command": "python bench/verifier_pool_bench.py " + " ".join(sys.argv[1:]),
+    }
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = [
+        "# Verifier pool: verified tokens/s with 1 and 2 actors",
+        "",
+        f"`{result['command']}` — {len(jobs)} honest rollouts of the `{args.size}` model ({tokens} generated tokens, real vLLM worker "
+        f"engine, seeded draws and proofs), each verified by the production `VerifierActor` (Ray num_cpus=1, torch threads 1) "
+        f"through `RayVerifierPool.verify_many`. Wall time; the order of 1 and 2 actors alternates between runs. Machine: "
+        f"{os.cpu_count()} cores shared with other jobs, 1-minute load average {result['load_min']}–{result['load_max']} during the runs.",
+        "",
+        "| run | 1 actor tok/s | 2 actors tok/s | ratio 2/1 | load (1 actor) | load (2 actors) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        a1, a2 = r["actors_1"], r["actors_2"]
+        lines.append(f"| {r['run']} | {a1['tokens_per_s']} | {a2['tokens_per_s']} | {r['ratio']} | "
+                     f"{a1['load_before']}→{a1['load_after']} | {a2['load_before']}→{a2['load_after']} |")
+    lines += [
+        "",
+        f"Ratio 2 actors / 1 actor: median **{result['ratio_median']}**, min {result['ratio_min']}, max {result['ratio_max']} "
+        f"over {len(runs)} runs. Every verdict accepted: {result['accepted_all']}.",
+        "",
+        "Reading it: two one-core actors can at best double the throughput when two cores are free for them. With the load "
+        "average above the core count, the two actors compete with other jobs for the same 2 cores, so the measured ratio is a "
+        "lower bound on what a second actor (a second GPU, a second pod) adds on a machine of its own.",
+    ]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
