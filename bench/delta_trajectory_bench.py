@@ -56,7 +56,7 @@ def run_loop(work: Path, base: Path, tag: str, dtype: str, lr: str, steps: int, 
 
 
 def published(run_dir: Path) -> dict[int, dict]:
-    from protocol.models import PolicyManifest
+    from protocol.manifests import PolicyManifest
 
     out = {}
     for p in sorted((run_dir / "weights" / "origin").glob("v*/manifest.json")):

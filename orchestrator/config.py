@@ -4,11 +4,12 @@ orchestrator must know of how the trainer consumes samples.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import ipaddress
+import re
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from protocol.models import BanScope, SamplingParams
 
@@ -17,11 +18,38 @@ DEMO_JOIN_TOKEN = "demo-join-token"
 DEMO_ADMIN_TOKEN = "demo-admin-token"
 
 
+class FieldMap(BaseModel):
+    """Which columns of a dataset row are the prompt, the answer, the system prompt, the id and the metadata."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = "prompt"
+    answer: str = "answer"
+    system: str = Field("", description="a column with a per-row system prompt; empty: data.system_prompt for every row")
+    id: str = Field("", description="a column with a stable prompt id; empty: `prompt_id` or `id` if present, else a hash of the prompt")
+    meta: list[str] | None = Field(None, description="columns the reward sees as item.meta; None: every other column")
+
+
 class DataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     task: str = Field("toy", description="task in verifier's registry that scores completions")
-    path: str = Field("", description="JSONL or datasets folder; empty: generate the task's synthetic prompts")
+    path: str = Field(
+        "", description="a JSONL, JSON, parquet or arrow file, a folder of such files (split by file name), or a "
+        "`datasets.save_to_disk` folder; empty: generate the task's synthetic prompts",
+    )
+    split: str = Field("train", description="the split to read from a folder with splits")
+    fields: FieldMap = FieldMap()
+    answer_pattern: str = Field(
+        "", description="a regex over the answer column whose group 1 (or whole match) is the final answer, "
+        "e.g. '####\\s*(.+)' for GSM8K; empty: the whole answer",
+    )
+    system_prompt: str = Field("", description="system prompt of every row (unless fields.system names a column)")
+    chat_template: Literal["auto", "on", "off"] = Field(
+        "auto", description="render prompts with tokenizer.apply_chat_template; auto: if the tokenizer has a chat template",
+    )
+    chat_template_jinja: str = Field("", description="a Jinja chat template that replaces the tokenizer's own (or gives one to a tokenizer without)")
+    max_prompt_tokens: int = Field(0, ge=0, description="prompts longer than this (after the chat template) are dropped and counted; 0: the protocol's limit")
     num_prompts: int = Field(4096, ge=1, description="synthetic prompts to generate")
     pass_rate_column: str = "pass_rate"
     min_pass_rate: float | None = Field(None, ge=0, le=1, description="offline difficulty filter")
@@ -32,6 +60,16 @@ class DataConfig(BaseModel):
         description="a reward plug-in `module:function` ((text, item) -> float in [0, 1]), run sandboxed with a time limit; empty: the task's own reward",
     )
     reward_params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the reward plug-in")
+
+    @field_validator("answer_pattern")
+    @classmethod
+    def _compiles(cls, v: str) -> str:
+        if v:
+            try:
+                re.compile(v)
+            except re.error as exc:
+                raise ValueError(f"not a regular expression: {exc}") from None
+        return v
 
 
 class OrchestratorConfig(BaseModel):

@@ -3,3 +3,4 @@
 from protocol import api, limits
 from protocol.arrays import PackedArray, pack, unpack
 from protocol.models import *  # noqa: F401,F403
+from protocol.manifests import DeltaRef, PolicyManifest, ShardEntry, VersionList  # noqa: F401

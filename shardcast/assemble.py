@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from protocol.models import PolicyManifest
+from protocol.manifests import PolicyManifest
 from shardcast.files import file_matches
 from shardcast.plan import Step
 from shardcast.store import MANIFEST_FILE, fsync_dir

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from protocol.models import PolicyManifest
+from protocol.manifests import PolicyManifest
 from shardcast import assemble
 from shardcast.config import DEFAULTS
 from shardcast.files import file_matches

@@ -8,7 +8,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from protocol.models import ShardEntry
+from protocol.manifests import ShardEntry
 from shardcast.store import DiskFullError
 
 

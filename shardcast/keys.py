@@ -15,7 +15,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from protocol.models import PolicyManifest
+from protocol.manifests import PolicyManifest
 
 
 class ManifestError(ValueError):

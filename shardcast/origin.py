@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client import Counter, Gauge
 
-from protocol.models import DeltaRef, PolicyManifest, ShardEntry
+from protocol.manifests import DeltaRef, PolicyManifest, ShardEntry
 from shardcast.config import DEFAULTS, ShardcastConfig
 from shardcast.keys import public_key_b64, sign_manifest
 from shardcast.store import MANIFEST_FILE, DiskFullError, VersionStore

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol.models import DeltaRef, PolicyManifest, ShardEntry
+from protocol.manifests import DeltaRef, PolicyManifest, ShardEntry
 
 FULL = "full"  # the edge name of a version's full shards in `avoid`
 

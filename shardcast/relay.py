@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from protocol import api
-from protocol.models import PolicyManifest
+from protocol.manifests import PolicyManifest
 from shardcast.config import DEFAULTS
 from shardcast.files import file_matches
 from shardcast.keys import ManifestError, check_run, verify_manifest

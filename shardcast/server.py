@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, generate_latest, CONTENT_TYPE_LATEST
 
-from protocol.models import VersionList
+from protocol.manifests import VersionList
 from shardcast.config import DEFAULTS
 from shardcast.store import ShardUnavailable, VersionStore
 
@@ -35,7 +35,7 @@ REQUESTS = Counter("shardcast_server_requests", "requests by outcome", ["route",
 _VERSIONS = re.compile(r"^/v1/versions/?$")
 _MANIFEST = re.compile(r"^/v1/versions/(\d{1,10})/manifest$")
 _SHARD = re.compile(r"^/v1/versions/(\d{1,10})/shards/(.*)$")
-_SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")  # protocol.models.ShardName
+_SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")  # protocol.manifests.ShardName
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
 

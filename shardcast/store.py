@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from protocol.models import PolicyManifest, ShardEntry
+from protocol.manifests import PolicyManifest, ShardEntry
 
 log = logging.getLogger(__name__)
 

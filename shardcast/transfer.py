@@ -32,7 +32,7 @@ from pathlib import Path
 from prometheus_client import Counter
 
 from protocol import api
-from protocol.models import PolicyManifest, ShardEntry, VersionList
+from protocol.manifests import PolicyManifest, ShardEntry, VersionList
 from protocol.retry import backoff_delays
 from shardcast.config import DEFAULTS
 from shardcast.connections import Http, TransferFailed

@@ -192,10 +192,12 @@ def init_model(
 
 def _add_component_clis() -> None:
     """The commands of each component, mounted as subcommands (each imports its heavy modules lazily)."""
+    from swarmrl.data_cli import app as data_app
     from swarmrl.shardcast_cli import app as shardcast_app
     from swarmrl.trainer_cli import app as trainer_app
     from swarmrl.verifier_cli import app as verifier_app
 
+    app.add_typer(data_app, name="data")
     app.add_typer(shardcast_app, name="shardcast")
     app.add_typer(trainer_app, name="trainer")
     app.add_typer(verifier_app, name="verifier")

@@ -13,6 +13,7 @@ from inference_worker.config import WorkerConfig
 from orchestrator.config import DataConfig, OrchestratorConfig, StepShape
 from shardcast.config import ShardcastConfig
 from trainer.config import TrainerConfig
+from swarmrl.tracking import TrackingConfig
 from verifier.config import VerifierConfig
 
 
@@ -71,6 +72,7 @@ class RunConfig(BaseModel):
     trainer: TrainerConfig = TrainerConfig()
     shardcast: ShardcastConfig = ShardcastConfig()
     worker: WorkerConfig = WorkerConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
     @property
     def run_dir(self) -> Path:

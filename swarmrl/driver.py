@@ -36,6 +36,7 @@ from swarmrl.loading import dump_toml
 from swarmrl.processes import RunFailed, free_port, start_relay, start_worker, wait_until_free
 from swarmrl.run_dir import RunDir
 from swarmrl.supervisor import RestartPolicy, Supervisor
+from swarmrl.tracking import JsonlTracker, Trackers, make_trackers
 from swarmrl.verifier_scaling import PoolLoad, VerifierAutoscaler
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,7 @@ class Run:
         self._started_ray = False
         self._driver_down_since: float | None = None  # a previous driver of this run died at about this time
         self._pids: dict[str, Any] = {}
+        self.tracker = Trackers([JsonlTracker(self.rd)])  # the configured backends join in start()
 
     # ---------------------------------------------------------------- start
 
@@ -120,6 +122,7 @@ class Run:
         cfg, ports = fix_ports(self.cfg, rd)
         self.cfg = cfg
         rd.write_config(dump_toml(cfg))
+        self.tracker = make_trackers(cfg.tracking, rd, cfg.name, cfg.model_dump(mode="json"))
         if not cfg.shardcast.run_id:  # made once per run folder; every component checks manifests against it
             cfg = self.cfg = cfg.model_copy(update={"shardcast": cfg.shardcast.model_copy(update={"run_id": rd.run_id(cfg.name)})})
         model_dir = ensure_model(cfg, rd)
@@ -331,7 +334,7 @@ class Run:
                 groups_dropped_zero_signal=st.groups_dropped_zero_signal,
             )
         p.last_metrics = record
-        self.rd.append_metrics(record)
+        self.tracker.log(p.step, record)
         log.info("step", extra={"step": p.step, "version": p.version, "reward": None if p.reward is None else round(p.reward, 3)})
 
     def _wait_for_trainer(self, exc: Exception) -> None:
@@ -380,6 +383,7 @@ class Run:
                 pass
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
+        self.tracker.close()
         self.rd.close_session()  # a clean end: the next start is not a restart
 
     def finish(self) -> None:

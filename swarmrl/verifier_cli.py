@@ -39,6 +39,8 @@ def calibrate(
     completions: int = typer.Option(2000, min=1, help="draws: honest completions per setting"),
     max_tokens: int = typer.Option(48, min=1, help="draws: max_tokens of every completion"),
     models: str = typer.Option(",".join(DRAW_MODELS), help=f"draws: which of {', '.join(DRAW_MODELS)}"),
+    seed: int = typer.Option(0, help="draws: the prompts' and seeds' random source"),
+    accumulate: bool = typer.Option(False, help="draws: add this run to the results already in --out (a different --seed each time)"),
 ) -> None:
     """Honest vLLM output against the real verifier: the attack matrix (fp32, bf16; every attack must be
     rejected, every honest rollout accepted) and the seeded-draw calibration (every setting of dtype,
@@ -76,14 +78,20 @@ def calibrate(
             console.print(table_markdown(result))
             console.print(f"wrote {path}")
         if part in ("draws", "all"):
-            from tools.draw_calibration import calibrate_draws, table_markdown as draw_table, write_results as write_draws
+            from tools.draw_calibration import calibrate_draws, merge_rows, read_results
+            from tools.draw_calibration import table_markdown as draw_table
+            from tools.draw_calibration import write_results as write_draws
 
+            old_rows, old_meta = read_results(out) if accumulate else ([], {})
+            if seed in old_meta.get("seeds", []):
+                raise typer.BadParameter(f"seed {seed} is already in {out}: the same prompts and draws again would count twice")
             made = {name: init_model(work / "models" / f"draw-{name}", DRAW_MODELS[name][0], seed=0, pretrain_steps=DRAW_MODELS[name][1])
                     for name in models.split(",")}
-            rows = calibrate_draws(made, completions=completions, max_tokens=max_tokens, progress=console.print)
+            rows = merge_rows(old_rows, calibrate_draws(made, completions=completions, max_tokens=max_tokens, seed=seed, progress=console.print))
+            command = f"swarmrl verifier calibrate --part draws --completions {completions} --max-tokens {max_tokens} --models {models} --seed {seed}"
             path = write_draws(rows, out, {"models": {k: {"size": DRAW_MODELS[k][0], "pretrain_steps": DRAW_MODELS[k][1]} for k in made},
-                                           "completions_per_setting": completions, "max_tokens": max_tokens,
-                                           "command": f"swarmrl verifier calibrate --part draws --completions {completions} --max-tokens {max_tokens} --models {models}"})
+                                           "max_tokens": max_tokens, "seeds": [*old_meta.get("seeds", []), seed],
+                                           "commands": [*old_meta.get("commands", [old_meta["command"]] if "command" in old_meta else []), command]})
             console.print(draw_table(rows))
             console.print(f"wrote {path}")
 

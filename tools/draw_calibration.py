@@ -185,6 +185,46 @@ def _choices(logits: torch.Tensor, seed: int, positions: torch.Tensor, sampling:
     return acceptable.sum(-1)
 
 
+SETTING_KEYS = ("model", "dtype", "batch", "sampling", "max_tokens")
+TOLERANCE_KEYS = ("draw_margin", "draw_margin_rel", "draw_logit_slack", "draw_top_p_slack")
+SUMMED = ("completions", "tokens", "false_rejections", "near_tie_tokens", "strict_not_winner", "strict_outside", "slack_outside",
+          "free_positions", "seconds")
+MAXED = ("max_margin_accepted", "strict_max_margin", "max_abs_logit", "max_margin_over_tolerance")
+
+
+def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
+    """Rows of several runs (different seeds, so different prompts and draws) as one: counts add up, maxima
+    are the largest. A setting's runs must have used the same tolerances, or their counts would not mean
+    the same thing."""
+    merged = {tuple(r[k] for k in SETTING_KEYS): dict(r) for r in old}
+    for r in new:
+        key = tuple(r[k] for k in SETTING_KEYS)
+        if key not in merged:
+            merged[key] = dict(r)
+            continue
+        m = merged[key]
+        if any(m[k] != r[k] for k in TOLERANCE_KEYS):
+            raise ValueError(f"setting {key}: the runs used different tolerances; recalibrate from scratch")
+        for k in SUMMED:
+            m[k] = round(m[k] + r[k], 1) if k == "seconds" else m[k] + r[k]
+        for k in MAXED:
+            m[k] = max(m[k], r[k])
+        m["rejection_codes"] = {c: m["rejection_codes"].get(c, 0) + r["rejection_codes"].get(c, 0) for c in {**m["rejection_codes"], **r["rejection_codes"]}}
+        m["rejection_examples"] = (m["rejection_examples"] + r["rejection_examples"])[:4]
+        m["near_tie_share"] = m["near_tie_tokens"] / max(m["tokens"], 1)
+        m["free_share"] = m["free_positions"] / max(m["tokens"], 1)
+    return list(merged.values())
+
+
+def read_results(out_dir: Path) -> tuple[list[dict], dict]:
+    """The rows and meta of an earlier run in `out_dir` (none: [], {})."""
+    path = Path(out_dir) / "verifier_draw_calibration.json"
+    if not path.is_file():
+        return [], {}
+    data = json.loads(path.read_text())
+    return data["rows"], data["meta"]
+
+
 def table_markdown(rows: list[dict]) -> str:
     lines = [
         "| model | dtype | batch | sampling | completions | tokens | false rejections | near ties (share) | largest near-tie margin | "

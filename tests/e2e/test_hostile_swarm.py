@@ -4,7 +4,8 @@ vLLM worker) with one adversary of each kind at once, each with a join token of 
 - a hoarder that leases all it can and lets the leases go just before their deadlines;
 - a flooder that sends junk submissions at the cap and forged credentials, as fast as it can;
 - a slow-reward adversary whose completions' text makes the run's reward run forever;
-- a cheater that gets itself banned, then tries to come back with its join token and its old secret.
+- a cheater that gets itself banned, then tries to come back with its join token and its old secret;
+- a relay that drip-feeds the right bytes at 2 KB/s, advertised to workers first, before the run's own relay.
 
 The slow-reward adversary needs texts of its choosing to be scored. With full verification no worker can
 choose its text (the verifier checks every token against the seeded draw), so this run turns deep checks
@@ -27,7 +28,9 @@ import pytest
 
 from e2e_helpers import db, metrics, pids, start_run, stop_run, wait_for
 from protocol import api, limits
+from swarmrl.processes import free_port
 from tools.adversaries import Adversary, Cheater, Flooder, Hoarder, SlowReward
+from tools.hostile_relay import HostileRelay
 
 pytestmark = pytest.mark.e2e
 
@@ -36,10 +39,13 @@ HERE = Path(__file__).resolve().parent
 
 
 def test_a_hostile_swarm_cannot_stall_the_run(tmp_path):
+    origin_port = free_port("127.0.0.1")
+    dripper = HostileRelay(f"http://127.0.0.1:{origin_port}", "drip", rate=2000)
     proc = start_run(
         tmp_path, "--name", "soak", "--trainer.max_steps", "1000", "--num_workers", "1",
         "--data.reward", "soak_reward:reward", "--verifier.rewards.import_paths", json.dumps([str(HERE)]),
         "--verifier.spot_check_rate", '{"new": 0.0, "trusted": 1.0}', "--orchestrator.strikes_to_ban", "3",
+        "--shardcast.origin_port", str(origin_port), "--shardcast.advertise_relay_urls", json.dumps([dripper.url]),
     )
     run_dir = tmp_path / "soak"
     stop = threading.Event()
@@ -70,14 +76,18 @@ def test_a_hostile_swarm_cannot_stall_the_run(tmp_path):
     finally:
         stop.set()
         stop_run(proc)
+        dripper.stop()
     hoarder, flooder, slow, cheater = adversaries
     for a in adversaries:
         assert a.error is None, f"{a.name}: {a.error!r}"
         assert not [s for s in a.statuses if s >= 500], f"{a.name} got {a.statuses}"
-    # The run kept advancing.
+    # The run kept advancing, and the honest worker kept loading new versions although the relay it was
+    # told of first dripped every file it served (the client's minimum rate moved it to another source).
     assert end_version - start_version >= 3, (start_version, end_version)
+    assert any("/shards/" in r for r in dripper.requests), "the dripping relay was never tried"
     honest = workers["local-0"]
     assert not honest["banned"] and honest["strikes"] == 0 and honest["submissions_accepted"] > 0
+    assert honest["loaded_policy_version"] > start_version, (honest, start_version)
     # The hoarder never held more than its fair share of the bound of 12 prompts: 12 / (live join tokens),
     # which grows as the other adversaries get banned but never passes half (the honest token is live too).
     assert hoarder.held_max <= 12 // 2 and hoarder.refused > 0

@@ -76,7 +76,7 @@ def test_help_lists_only_subcommands_that_exist():
     from swarmrl.cli import app
 
     group = get_command(app)
-    expected = {"run", "worker", "orchestrator", "trainer", "verifier", "shardcast", "init-model", "status"}
+    expected = {"run", "worker", "orchestrator", "trainer", "verifier", "shardcast", "data", "init-model", "status"}
     names = set(group.commands)
     assert {"run", "init-model"} <= names <= expected
     # Every listed subcommand has a real callback or subcommands, never a placeholder.

@@ -95,7 +95,7 @@ def test_a_delta_chain_reloads_from_memory_and_a_flipped_delta_never_reaches_vll
             from pathlib import Path
 
             sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shardcast"))
-            from hostile import HostileRelay
+            from tools.hostile_relay import HostileRelay
 
             flipper = HostileRelay(server.url, "flip", flip_match="delta")
             try:

@@ -18,7 +18,7 @@ from shardcast.server import SHARD_BYTES_SERVED, serve_origin, serve_relay
 from shardcast.sources import TransferPolicy
 from shardcast.weights import load_version_dir, model_hash
 from shardcast_helpers import RUN, Trajectory
-from hostile import HostileRelay
+from tools.hostile_relay import HostileRelay
 
 POLICY = TransferPolicy(stall_timeout_s=2.0, rate_window_s=0.5, shard_deadline_s=30.0, pull_deadline_s=60.0, request_timeout_s=5.0)
 

@@ -14,7 +14,7 @@ from shardcast.relay import Relay
 from shardcast.server import serve_origin, serve_relay
 from shardcast.sources import TransferPolicy
 from shardcast_helpers import RUN, state_dict
-from hostile import HostileRelay
+from tools.hostile_relay import HostileRelay
 
 # Tight enough that a test of a bad source takes seconds; the pull deadline is the bound every test keeps.
 POLICY = TransferPolicy(

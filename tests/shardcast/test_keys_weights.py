@@ -10,7 +10,7 @@ import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from protocol.models import PolicyManifest, ShardEntry
+from protocol.manifests import PolicyManifest, ShardEntry
 from shardcast.keys import (
     ManifestError,
     load_signing_key,

@@ -10,7 +10,8 @@ import httpx
 import pytest
 
 from protocol import api
-from protocol.models import ErrorBody, VersionList
+from protocol.manifests import VersionList
+from protocol.models import ErrorBody
 from shardcast.origin import Origin
 from shardcast.server import ShardServer, serve_origin
 from shardcast.store import VersionStore

@@ -60,6 +60,23 @@ def string(text, item):
 def nothing(text, item):
     return None
 
+def np_nan(text, item):
+    import numpy
+    return numpy.float64("nan")
+
+def np_half(text, item):
+    import numpy
+    return numpy.float32(0.5)
+
+def cplx(text, item):
+    return 0.5 + 0j
+
+def a_list(text, item):
+    return [1.0]
+
+def type_error(text, item):
+    return text + 1
+
 def true(text, item):
     return True
 
@@ -168,6 +185,10 @@ def test_honest_rewards_equal_in_process_rewards_in_large_batches(pool):
         ("inf", RewardStatus.error, "outside [0, 1]"),
         ("string", RewardStatus.error, "a str, not a number"),
         ("nothing", RewardStatus.error, "a NoneType, not a number"),
+        ("np_nan", RewardStatus.error, "NaN"),
+        ("cplx", RewardStatus.error, "a complex, not a number"),
+        ("a_list", RewardStatus.error, "a list, not a number"),
+        ("type_error", RewardStatus.error, "raised TypeError"),
         ("hog", RewardStatus.error, "MemoryError"),
         ("die", RewardStatus.crashed, "exit code 1"),
         ("segfault", RewardStatus.crashed, "SIGSEGV"),
@@ -192,10 +213,12 @@ def test_valid_plugin_values_and_params(pool):
     item = TaskItem("x", "p", "1")
     results = pool.score_many([
         RewardRequest(f"{MOD}:true", item, "t"),
+        RewardRequest(f"{MOD}:np_half", item, "t"),
         RewardRequest(f"{MOD}:scaled", item, "abcde", params={"scale": 0.1}),
         RewardRequest(f"{MOD}:scaled", item, "abcde", params={"scale": 4.0}),
     ])
-    assert [(r.status, r.reward) for r in results] == [(RewardStatus.ok, 1.0), (RewardStatus.ok, 0.05), (RewardStatus.ok, 1.0)]
+    assert [(r.status, r.reward) for r in results] == [(RewardStatus.ok, 1.0), (RewardStatus.ok, 0.5), (RewardStatus.ok, 0.05), (RewardStatus.ok, 1.0)]
+    assert all(type(r.reward) is float for r in results)
 
 
 @pytest.mark.parametrize(

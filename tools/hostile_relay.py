@@ -1,4 +1,4 @@
-"""A hostile relay for the tests: a real HTTP server in front of an honest upstream that stalls, drips, lies
+"""A hostile relay (tests, the soak test): a real HTTP server in front of an honest upstream that stalls, drips, lies
 about sizes, or alters bytes, as a relay with our source code might.
 
 Listings and manifests are passed through unchanged (so the relay looks worth using) unless the mode
