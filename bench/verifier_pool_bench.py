@@ -36,13 +36,26 @@ def load() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def measure(dispatch, jobs: list, tokens: int) -> dict:
-    before = load()
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU time (user + system, all threads) of these processes so far, from /proc."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def measure(dispatch, jobs: list, tokens: int, pids: list[int]) -> dict:
+    """One pass over every job. `cores_obtained`: the CPU time the actors got per second of wall time
+    (at most one per actor): how much of the machine the other jobs left them."""
+    before, cpu = load(), cpu_seconds(pids)
     t = time.perf_counter()
     verdicts = dispatch.verify_many(jobs)
     wall = time.perf_counter() - t
+    cpu = cpu_seconds(pids) - cpu
     accepted = sum(v.status.value == "accepted" for v in verdicts)
     return {"wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1), "submissions_per_s": round(len(jobs) / wall, 2),
+            "cores_obtained": round(cpu / wall, 2), "tokens_per_cpu_s": round(tokens / cpu, 1),
             "accepted": accepted, "load_before": before, "load_after": load()}
 
 
@@ -78,13 +91,14 @@ def main() -> None:
         pool.grow(2)
         pool.wait_live(2, timeout_s=600)
         actors = pool.handles()
+        pids = [ray.get(a.ping.remote())[0] for a in actors]
         for a in actors:  # load the model in each actor before timing
             ray.get(a.verify_many.remote(jobs[:2]))
         runs = []
         for r in range(args.runs):
             row: dict = {"run": r}
             for k in ((1, 2) if r % 2 == 0 else (2, 1)):
-                row[f"actors_{k}"] = measure(RayVerifierPool(actors[:k], timeout_s=3600), jobs, tokens)
+                row[f"actors_{k}"] = measure(RayVerifierPool(actors[:k], timeout_s=3600), jobs, tokens, pids[:k])
             row["ratio"] = round(row["actors_2"]["tokens_per_s"] / row["actors_1"]["tokens_per_s"], 3)
             runs.append(row)
             print(json.dumps(row), flush=True)
@@ -103,6 +117,7 @@ def main() -> None:
         "platform": platform.platform(),
         "runs": runs,
         "ratio_median": statistics.median(ratios),
+        "cores_obtained_median": {k: statistics.median(r[f"actors_{k}"]["cores_obtained"] for r in runs) for k in (1, 2)},
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
         "load_min": min(loads),
@@ -120,21 +135,24 @@ def main() -> None:
         f"through `RayVerifierPool.verify_many`. Wall time; the order of 1 and 2 actors alternates between runs. Machine: "
         f"{os.cpu_count()} cores shared with other jobs, 1-minute load average {result['load_min']}–{result['load_max']} during the runs.",
         "",
-        "| run | 1 actor tok/s | 2 actors tok/s | ratio 2/1 | load (1 actor) | load (2 actors) |",
-        "|---|---|---|---|---|---|",
+        "| run | 1 actor tok/s | 2 actors tok/s | ratio 2/1 | cores obtained (1 / 2 actors) | load (1 actor) | load (2 actors) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         a1, a2 = r["actors_1"], r["actors_2"]
-        lines.append(f"| {r['run']} | {a1['tokens_per_s']} | {a2['tokens_per_s']} | {r['ratio']} | "
+        lines.append(f"| {r['run']} | {a1['tokens_per_s']} | {a2['tokens_per_s']} | {r['ratio']} | {a1['cores_obtained']} / {a2['cores_obtained']} | "
                      f"{a1['load_before']}→{a1['load_after']} | {a2['load_before']}→{a2['load_after']} |")
     lines += [
         "",
         f"Ratio 2 actors / 1 actor: median **{result['ratio_median']}**, min {result['ratio_min']}, max {result['ratio_max']} "
-        f"over {len(runs)} runs. Every verdict accepted: {result['accepted_all']}.",
+        f"over {len(runs)} runs. Every verdict accepted: {result['accepted_all']}. Cores the actors obtained (CPU seconds per "
+        f"wall second, at most 1 per actor), median: {result['cores_obtained_median'][1]} with 1 actor, "
+        f"{result['cores_obtained_median'][2]} with 2.",
         "",
         "Reading it: two one-core actors can at best double the throughput when two cores are free for them. With the load "
         "average above the core count, the two actors compete with other jobs for the same 2 cores, so the measured ratio is a "
-        "lower bound on what a second actor (a second GPU, a second pod) adds on a machine of its own.",
+        "lower bound on what a second actor (a second GPU, a second pod) adds on a machine of its own. The cores-obtained "
+        "column says how much CPU the other jobs left them: the throughput ratio follows it.",
     ]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -37,7 +37,7 @@ from swarmrl.processes import RunFailed, free_port, start_relay, start_worker, w
 from swarmrl.run_dir import RunDir
 from swarmrl.supervisor import RestartPolicy, Supervisor
 from swarmrl.tracking import JsonlTracker, Trackers, make_trackers
-from swarmrl.verifier_scaling import PoolLoad, VerifierAutoscaler
+from swarmrl.verifier_scaling import VerifierAutoscaler
 
 log = logging.getLogger(__name__)
 
@@ -200,34 +200,14 @@ class Run:
             self._pids = pids
 
     def _scale_verifiers(self) -> None:
-        """Every verifier.scale_period_s (a supervisor tick): actors that became live join the
-        orchestrator's list and the supervisor's watch, one that could not start ends the run, and the
-        pool is resized to what the load needs. The list is sent every time, so an orchestrator that Ray
-        restarted with its first arguments gets the pool as it is now."""
-        import ray
+        """A supervisor tick: every verifier.scale_period_s, the pool follows the load (verifier_pool.scale)."""
+        from swarmrl.verifier_pool import scale
 
         now = time.time()
         if self.pool is None or self.scaler is None or now < self._next_scale:
             return
         self._next_scale = now + self.cfg.verifier.scale_period_s
-        ready, failed = self.pool.refresh()
-        for m, pid, started_at in ready:
-            self.supervisor.watch_actor(m.name, m.handle, self.rd.logs / f"{m.name}.log", pid, started_at)
-        for name, why in failed:
-            self.supervisor.fail(name, self.rd.logs / f"{name}.log", f"{name} could not start: {why}")
-        try:
-            st = ray.get(self.orch.status.remote(), timeout=2)
-        except Exception:  # restarting: decide next time
-            st = None
-        if st is not None:
-            load = PoolLoad(st.verify_queue, st.verify_in_per_s, st.verify_out_per_s, len(self.pool.live), len(self.pool.pending))
-            target = self.scaler.desired(load, now)
-            if target != self.pool.size:
-                log.info("resizing the verifier pool", extra={"from": self.pool.size, "to": target, "queue": load.queue,
-                                                              "in_per_s": round(load.arrivals_per_s, 2), "out_per_s": round(load.drained_per_s, 2)})
-            for name in self.pool.resize(target):
-                self.supervisor.unwatch(name)
-        self.orch.set_verifiers.remote(self.pool.handles(), len(self.pool.pending))
+        scale(self.pool, self.scaler, self.orch, self.supervisor, self.rd.logs, now)
 
     def _restarted(self, component: str, seconds_lost: float) -> None:
         """The supervisor restarted a component (or saw Ray do it): count it where operators look."""

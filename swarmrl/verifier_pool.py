@@ -19,9 +19,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from swarmrl.actors import VerifierActor
+from swarmrl.verifier_scaling import PoolLoad, VerifierAutoscaler
 
 log = logging.getLogger(__name__)
 
@@ -159,3 +161,30 @@ class VerifierPool:
         for h in [m.handle for m in self.live + self.pending] + [h for _, h in self._retiring]:
             ray.kill(h, no_restart=True)
         self.live, self.pending, self._retiring = [], [], []
+
+
+def scale(pool: VerifierPool, scaler: VerifierAutoscaler, orch: Any, supervisor: Any, logs: Path, now: float) -> None:
+    """One step of the driver's pool (driver.Run._scale_verifiers, every verifier.scale_period_s): actors
+    that became live join the supervisor's watch, one that could not start ends the run, the pool is
+    resized to what the orchestrator's load needs, and the orchestrator gets the live actors. The list is
+    sent every time, so an orchestrator that Ray restarted with its first arguments gets the pool as it is."""
+    import ray
+
+    ready, failed = pool.refresh()
+    for m, pid, started_at in ready:
+        supervisor.watch_actor(m.name, m.handle, logs / f"{m.name}.log", pid, started_at)
+    for name, why in failed:
+        supervisor.fail(name, logs / f"{name}.log", f"{name} could not start: {why}")
+    try:
+        st = ray.get(orch.status.remote(), timeout=2)
+    except Exception:  # restarting: decide next time
+        st = None
+    if st is not None:
+        load = PoolLoad(st.verify_queue, st.verify_in_per_s, st.verify_out_per_s, len(pool.live), len(pool.pending))
+        target = scaler.desired(load, now)
+        if target != pool.size:
+            log.info("resizing the verifier pool", extra={"from": pool.size, "to": target, "queue": load.queue,
+                                                          "in_per_s": round(load.arrivals_per_s, 2), "out_per_s": round(load.drained_per_s, 2)})
+        for name in pool.resize(target):
+            supervisor.unwatch(name)
+    orch.set_verifiers.remote(pool.handles(), len(pool.pending))
