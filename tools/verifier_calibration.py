@@ -177,7 +177,7 @@ def honest_jobs(model_dir: Path, n: int, sampling: SamplingParams, seed: int = 0
     prompts = encode_prompts(model_dir, items)
     engine = make_engine(model_dir, "float32", max_model_len=int(max(p.size for p in prompts)) + sampling.max_tokens + 16)
     try:
-        rolls = generate(engine, prompts, sampling, list(range(seed * n, (seed + 1) * n)), batch=n)
+        rolls = generate(engine, prompts, sampling, list(range(seed * n, (seed + 1) * n)), batch=min(n, 32))
     finally:
         engine.close()
     trials = [Trial("honest", r, lease_for(r.prompt_ids, sampling, seed * n + k, f"h{seed}-{k}"), it, expect_accept=True) for k, (r, it) in enumerate(zip(rolls, items))]
