@@ -99,7 +99,11 @@ def main() -> None:
             row: dict = {"run": r}
             for k in ((1, 2) if r % 2 == 0 else (2, 1)):
                 row[f"actors_{k}"] = measure(RayVerifierPool(actors[:k], timeout_s=3600), jobs, tokens, pids[:k])
+            # Control: one actor, the half of the jobs that each of two actors gets. Its tokens per CPU-second
+            # tell a cost of smaller batches per call apart from a cost of two actors running at once.
+            row["actors_1_half"] = measure(RayVerifierPool(actors[:1], timeout_s=3600), jobs[0::2], sum(j.submission.num_tokens for j in jobs[0::2]), pids[:1])
             row["ratio"] = round(row["actors_2"]["tokens_per_s"] / row["actors_1"]["tokens_per_s"], 3)
+            row["cpu_efficiency_ratio"] = round(row["actors_2"]["tokens_per_cpu_s"] / row["actors_1"]["tokens_per_cpu_s"], 3)
             runs.append(row)
             print(json.dumps(row), flush=True)
     finally:
@@ -116,7 +120,9 @@ def main() -> None:
         "cores": os.cpu_count(),
         "platform": platform.platform(),
         "runs": runs,
-        "ratio_median": statistics.median(ratios),
+        "ratio_median": round(statistics.median(ratios), 3),
+        "cpu_efficiency_ratio_median": round(statistics.median(r["cpu_efficiency_ratio"] for r in runs), 3),
+        "half_batch_cpu_efficiency_ratio_median": round(statistics.median(r["actors_1_half"]["tokens_per_cpu_s"] / r["actors_1"]["tokens_per_cpu_s"] for r in runs), 3),
         "cores_obtained_median": {k: statistics.median(r[f"actors_{k}"]["cores_obtained"] for r in runs) for k in (1, 2)},
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
@@ -135,19 +141,23 @@ def main() -> None:
         f"through `RayVerifierPool.verify_many`. Wall time; the order of 1 and 2 actors alternates between runs. Machine: "
         f"{os.cpu_count()} cores shared with other jobs, 1-minute load average {result['load_min']}–{result['load_max']} during the runs.",
         "",
-        "| run | 1 actor tok/s | 2 actors tok/s | ratio 2/1 | cores obtained (1 / 2 actors) | load (1 actor) | load (2 actors) |",
-        "|---|---|---|---|---|---|---|",
+        "| run | 1 actor tok/s | 2 actors tok/s | ratio 2/1 | cores obtained (1 / 2 actors) | tok per CPU-s (1 / 2 actors) | load (1 actor) | load (2 actors) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         a1, a2 = r["actors_1"], r["actors_2"]
         lines.append(f"| {r['run']} | {a1['tokens_per_s']} | {a2['tokens_per_s']} | {r['ratio']} | {a1['cores_obtained']} / {a2['cores_obtained']} | "
+                     f"{a1['tokens_per_cpu_s']} / {a2['tokens_per_cpu_s']} | "
                      f"{a1['load_before']}→{a1['load_after']} | {a2['load_before']}→{a2['load_after']} |")
     lines += [
         "",
         f"Ratio 2 actors / 1 actor: median **{result['ratio_median']}**, min {result['ratio_min']}, max {result['ratio_max']} "
         f"over {len(runs)} runs. Every verdict accepted: {result['accepted_all']}. Cores the actors obtained (CPU seconds per "
         f"wall second, at most 1 per actor), median: {result['cores_obtained_median'][1]} with 1 actor, "
-        f"{result['cores_obtained_median'][2]} with 2.",
+        f"{result['cores_obtained_median'][2]} with 2. Tokens per CPU-second, 2 actors / 1 actor (what splitting the work "
+        f"costs or saves per unit of CPU, independent of how much CPU the other jobs left), median: {result['cpu_efficiency_ratio_median']}; "
+        f"control, one actor verifying the half that each of two actors gets, tokens per CPU-second against the whole set: "
+        f"{result['half_batch_cpu_efficiency_ratio_median']}.",
         "",
         "Reading it: two one-core actors can at best double the throughput when two cores are free for them. With the load "
         "average above the core count, the two actors compete with other jobs for the same 2 cores, so the measured ratio is a "
