@@ -75,6 +75,11 @@ class Verifier(Protocol):
     def verify_many(self, jobs: list[Any]) -> list[Verdict]: ...
 
 
+def parallelism(verifier: Any) -> int:
+    """How many actors one verify_many call is spread over (a pool's `parallelism`; 1 otherwise)."""
+    return max(1, int(getattr(verifier, "parallelism", 1)))
+
+
 def default_make_job(**fields: Any) -> Any:
     from verifier.service import VerifyJob
 
@@ -259,7 +264,9 @@ class Verification:
         """Verify queued submissions (up to max_jobs) and apply their verdicts. Returns how many verdicts.
         `block`: wait that long for a first one; `gather_s`: then wait that long for more to batch with it."""
         ids: list[str] = []
-        limit = max_jobs or self.batch_size
+        # batch_size per actor: a pool that grew splits a bigger batch, rather than the same batch into
+        # smaller calls (a call's cost per token rises as its batch shrinks: bench/results/verifier_pool.md).
+        limit = max_jobs or self.batch_size * parallelism(self.verifier)
         try:
             ids.append(self._queue.get(timeout=block) if block else self._queue.get_nowait())
             if gather_s and self._queue.qsize() < limit - 1:

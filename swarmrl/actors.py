@@ -218,6 +218,11 @@ class RayVerifierPool:
     def set_actors(self, actors: list[Any]) -> None:
         self.actors = list(actors)
 
+    @property
+    def parallelism(self) -> int:
+        """The live actors: the orchestrator takes batch_size jobs per actor into one call."""
+        return max(1, len(self.actors))
+
     def shutdown(self) -> None:
         import ray
 

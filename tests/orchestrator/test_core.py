@@ -533,6 +533,24 @@ def test_status_reports_the_verification_queue_pool_and_throughput(orch):
     assert orch.windows.history[-1]["verifier_actors"] == 2
 
 
+@pytest.mark.parametrize("actors", [1, 2])
+def test_a_bigger_pool_verifies_a_bigger_batch_per_call(tmp_path, actors):
+    """batch_size jobs per actor of the pool (its `parallelism`): a grown pool splits a bigger batch
+    instead of cutting the same batch into smaller, costlier calls."""
+    verifier = FakeVerifier()
+    if actors > 1:
+        verifier.parallelism = actors
+    o = make_orchestrator(run_config(tmp_path), verifier)  # verify_batch=8
+    try:
+        wid, _ = register(o)
+        for seed in range(12):
+            submit(o, wid, make_submission(lease(o, wid), np.random.default_rng(seed)))
+        assert o.verification.verify_pending() == (8 if actors == 1 else 12)
+        assert verifier.jobs_seen == (8 if actors == 1 else 12)
+    finally:
+        o.db.close()
+
+
 def test_finished_run_hands_out_no_leases(orch):
     wid, _ = register(orch)
     orch.set_finished("trainer crashed")

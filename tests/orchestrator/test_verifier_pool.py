@@ -51,6 +51,7 @@ def test_pending_live_shrink_and_dispatch(ray_cluster, tiny_model_dir, jobs, tmp
 
         # The orchestrator's dispatcher verifies on the live actors only.
         dispatch = RayVerifierPool(pool.handles(), timeout_s=120)
+        assert dispatch.parallelism == 1  # the orchestrator takes batch_size jobs per live actor
         verdicts = dispatch.verify_many(jobs)
         assert [v.status.value for v in verdicts] == ["accepted"] * len(jobs), [v.rejections for v in verdicts]
 
