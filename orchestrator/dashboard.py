@@ -46,6 +46,8 @@ const CHARTS = [
   ["acceptance", "acceptance rate (last 60 s)", "#ef6c00"],
   ["workers_online", "workers online", "#00838f"],
   ["buffer_depth", "buffer depth (samples)", "#5d4037"],
+  ["verify_queue", "verification queue (submissions)", "#c62828"],
+  ["verifier_actors", "verifier actors (live)", "#455a64"],
 ];
 function getToken() {
   const m = location.hash.match(/token=([^&]+)/);
@@ -107,6 +109,8 @@ function render(data) {
     ["rejected", s.submissions_rejected], ["mean reward", fmt(s.mean_reward, 3)],
     ["tokens / s", fmt(s.rollout_tokens_per_s, 1)], ["trained samples / s", fmt(s.trained_samples_per_s, 2)],
     ["zero-signal groups", s.groups_dropped_zero_signal], ["stale samples", s.samples_dropped_stale],
+    ["verification queue", s.verify_queue], ["verified / s (in / s)", fmt(s.verify_out_per_s, 2) + " (" + fmt(s.verify_in_per_s, 2) + ")"],
+    ["verified tokens / s", fmt(s.verify_tokens_per_s, 1)], ["verifier actors (pending)", s.verifier_actors + " (" + s.verifier_actors_pending + ")"],
     ["restarts (time lost)", Object.entries(s.restarts || {}).map(([c, r]) => `${c} ${r.count} (${fmt(r.seconds_lost, 0)} s)`).join(", ") || "none"],
   ];
   const tbox = document.getElementById("tiles");

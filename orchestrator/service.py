@@ -138,6 +138,7 @@ class Orchestrator:
         self.ready = False
         self.finished = False
         self.error: str | None = None
+        self.verifier_actors = (0, 0)  # (live, pending): told by whoever owns the pool (set_verifier_actors)
 
     # ---------------------------------------------------------------------------------------------
     # lifecycle
@@ -349,6 +350,12 @@ class Orchestrator:
             trained_samples_per_s=rates["trained_samples_per_s"],
             mean_reward=rates["mean_reward"],
             wait_for_trainer_s=self.windows.wait_for_trainer_s(now),
+            verify_queue=self.verification.backlog(),
+            verify_in_per_s=rates["verify_in_per_s"],
+            verify_out_per_s=rates["verify_out_per_s"],
+            verify_tokens_per_s=rates["verify_tokens_per_s"],
+            verifier_actors=self.verifier_actors[0],
+            verifier_actors_pending=self.verifier_actors[1],
             staleness_histogram=self.buffer.staleness_histogram(),
             restarts=self._restarts(c),
             finished=self.finished,
@@ -360,6 +367,12 @@ class Orchestrator:
     def eval_results(self, after_version: int = -1) -> list[EvalResult]:
         """Finished evaluations (held-out prompts, per policy version) of versions above `after_version`."""
         return self.leases.evals.finished(after_version) if self.leases.evals else []
+
+    def set_verifier_actors(self, live: int, pending: int) -> None:
+        """The verifier pool's size, for /v1/status and /metrics (the driver resizes the pool)."""
+        self.verifier_actors = (live, pending)
+        self.metrics.verifier_actors.labels("live").set(live)
+        self.metrics.verifier_actors.labels("pending").set(pending)
 
     def reward_totals(self) -> tuple[float, int]:
         """(reward sum, completions) of all accepted rollouts of the run, zero-signal groups included:
@@ -491,6 +504,9 @@ class Orchestrator:
         self.metrics.buffer_depth.set(st.buffer_depth)
         self.metrics.workers_online.set(st.workers_online)
         self.metrics.policy_version.set(st.policy_version)
+        self.metrics.verify_queue.set(st.verify_queue)
+        for what, key in (("in", "verify_in_per_s"), ("out", "verify_out_per_s"), ("tokens", "verify_tokens_per_s")):
+            self.metrics.verify_rate.labels(what).set(rates[key])
         self.windows.history.append(
             {
                 "t": now,
@@ -502,6 +518,8 @@ class Orchestrator:
                 "acceptance": rates["acceptance"],
                 "workers_online": st.workers_online,
                 "buffer_depth": st.buffer_depth,
+                "verify_queue": st.verify_queue,
+                "verifier_actors": st.verifier_actors,
             }
         )
 

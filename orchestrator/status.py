@@ -51,6 +51,13 @@ class Metrics:
         self.policy_version = Gauge("swarmrl_policy_version", "Current policy version", registry=r)
         self.workers_online = Gauge("swarmrl_workers_online", "Workers seen recently", registry=r)
         self.verify_queue = Gauge("swarmrl_verify_queue", "Submissions waiting for verification", registry=r)
+        self.verifier_actors = Gauge(
+            "swarmrl_verifier_actors", "Verifier actors: live (verifying) and pending (requested, waiting for a place; on KubeRay a node)", ["state"], registry=r
+        )
+        self.verify_rate = Gauge(
+            "swarmrl_verify_rate_per_s", "Over the last minute: submissions queued (in), verdicts (out) and the tokens of those verdicts (tokens) per second; "
+            "in above out means the verifier pool is the bottleneck", ["what"], registry=r,
+        )
         self.verify_seconds = Histogram("swarmrl_verify_seconds", "Wall time of one verify_many call", registry=r)
         # The newest finished evaluation on held-out prompts (orchestrator/evaluation.py).
         self.eval_version = Gauge("swarmrl_eval_policy_version", "Policy version of the newest finished evaluation", registry=r)
@@ -79,6 +86,8 @@ class RunWindows:
         self._lock = threading.Lock()
         self._accepted: deque[tuple[float, int, float, int]] = deque()  # (t, tokens, reward sum, completions)
         self._rejected: deque[float] = deque()
+        self._verdicts: deque[tuple[float, int]] = deque()  # (t, tokens of the submission), accepted or not
+        self._arrivals: deque[float] = deque()  # submissions queued for verification
         self._trained: deque[tuple[float, int]] = deque()
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_POINTS)
         self._bound_since: float | None = None
@@ -91,6 +100,14 @@ class RunWindows:
     def rejected(self) -> None:
         with self._lock:
             self._rejected.append(time.time())
+
+    def verified(self, tokens: int) -> None:
+        with self._lock:
+            self._verdicts.append((time.time(), tokens))
+
+    def arrived(self) -> None:
+        with self._lock:
+            self._arrivals.append(time.time())
 
     def trained(self, samples: int) -> None:
         with self._lock:
@@ -117,7 +134,7 @@ class RunWindows:
         """Rates over the last WINDOW_S seconds (or since start, if shorter)."""
         span = max(1e-3, min(WINDOW_S, now - self.started_at))
         with self._lock:
-            for dq in (self._accepted, self._rejected, self._trained):
+            for dq in (self._accepted, self._rejected, self._trained, self._verdicts, self._arrivals):
                 while dq and now - (dq[0] if isinstance(dq[0], float) else dq[0][0]) > WINDOW_S:
                     dq.popleft()
             tokens = sum(e[1] for e in self._accepted)
@@ -125,10 +142,15 @@ class RunWindows:
             completions = sum(e[3] for e in self._accepted)
             n_acc, n_rej = len(self._accepted), len(self._rejected)
             trained = sum(e[1] for e in self._trained)
+            verdicts, verdict_tokens = len(self._verdicts), sum(e[1] for e in self._verdicts)
+            arrivals = len(self._arrivals)
         return {
             "rollout_tokens_per_s": tokens / span,
             "trained_samples_per_s": trained / span,
             "submissions_per_s": (n_acc + n_rej) / span,
+            "verify_in_per_s": arrivals / span,
+            "verify_out_per_s": verdicts / span,
+            "verify_tokens_per_s": verdict_tokens / span,
             "acceptance": n_acc / (n_acc + n_rej) if n_acc + n_rej else None,
             "mean_reward": reward_sum / completions if completions else None,
         }

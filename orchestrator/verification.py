@@ -77,6 +77,11 @@ class Verifier(Protocol):
     def verify_many(self, jobs: list[Any]) -> list[Verdict]: ...
 
 
+def parallelism(verifier: Any) -> int:
+    """How many actors one verify_many call is spread over (a pool's `parallelism`; 1 otherwise)."""
+    return max(1, int(getattr(verifier, "parallelism", 1)))
+
+
 def default_make_job(**fields: Any) -> Any:
     from verifier.service import VerifyJob
 
@@ -113,6 +118,7 @@ class Applied:
     accepted: bool
     rewards: list[float]
     groups: Groups | None
+    num_tokens: int = 0  # the submission's generated tokens (what the verifier's throughput counts)
     # an accepted eval submission: (version, held-out prompt index -> (rewards, completion lengths))
     evaluation: tuple[int, dict[int, tuple[list[float], list[int]]]] | None = None
 
@@ -221,6 +227,7 @@ class Verification:
             self._pending[row.submission_id] = pending
         self._queue.put(row.submission_id)
         self.metrics.submissions.inc()
+        self.windows.arrived()
         return None
 
     def submission(self, submission_id: str) -> SubmissionRow | None:
@@ -265,7 +272,9 @@ class Verification:
         """Verify queued submissions (up to max_jobs) and apply their verdicts. Returns how many verdicts.
         `block`: wait that long for a first one; `gather_s`: then wait that long for more to batch with it."""
         ids: list[str] = []
-        limit = max_jobs or self.batch_size
+        # batch_size per actor: a pool that grew splits a bigger batch, rather than the same batch into
+        # smaller calls (a call's cost per token rises as its batch shrinks: bench/results/verifier_pool.md).
+        limit = max_jobs or self.batch_size * parallelism(self.verifier)
         try:
             ids.append(self._queue.get(timeout=block) if block else self._queue.get_nowait())
             if gather_s and self._queue.qsize() < limit - 1:
@@ -333,7 +342,7 @@ class Verification:
     def _prepare(self, submission_id: str, p: Pending, v: Verdict) -> Applied:
         v = v.model_copy(update={"submission_id": submission_id})
         if v.status != VerdictStatus.accepted:
-            return Applied(submission_id, p.worker_id, v, False, [], None)
+            return Applied(submission_id, p.worker_id, v, False, [], None, p.submission.num_tokens)
         rewards = list(v.rewards or [])
         if p.eval_version is not None:  # scored for the evaluation; never a training group
             if len(rewards) != len(p.submission.completions) or not all(map(math.isfinite, rewards)):
@@ -348,8 +357,8 @@ class Verification:
             log.error("accepted verdict with unusable rewards; recorded as rejected", extra={"submission_id": submission_id, "error": str(exc)})
             v = Verdict(submission_id=submission_id, status=VerdictStatus.rejected,
                         rejections=[Rejection(code=RejectionCode.reward_error, message=f"unusable rewards: {exc}"[:2000])])
-            return Applied(submission_id, p.worker_id, v, False, [], None)
-        return Applied(submission_id, p.worker_id, v, True, rewards, groups)
+            return Applied(submission_id, p.worker_id, v, False, [], None, p.submission.num_tokens)
+        return Applied(submission_id, p.worker_id, v, True, rewards, groups, p.submission.num_tokens)
 
     def _record(self, a: Applied) -> tuple[bool, bool]:
         """Apply a verdict atomically: submission, lease, worker ledger and strikes, buffer. Returns
@@ -389,6 +398,7 @@ class Verification:
         if not applied:
             return
         self.metrics.verdicts.labels("accepted" if a.accepted else "rejected").inc()
+        self.windows.verified(a.num_tokens)
         if a.accepted:
             training = a.evaluation is None
             self.windows.accepted(a.verdict.verified_tokens, float(sum(a.rewards)) if training else 0.0, len(a.rewards) if training else 0)

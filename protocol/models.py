@@ -443,6 +443,14 @@ class RunStatus(WireModel):
     # Seconds workers were refused leases because generation was async_level versions ahead: high
     # means the trainer is the bottleneck (the driver's time/wait_for_rollouts high means the workers are).
     wait_for_trainer_s: float = 0.0
+    # The verifier pool over the last minute: submissions waiting, queued per second (in) and verified
+    # per second (out); in above out, with a queue, means verification is the bottleneck.
+    verify_queue: int = 0
+    verify_in_per_s: float = 0.0
+    verify_out_per_s: float = 0.0
+    verify_tokens_per_s: float = 0.0  # tokens of the submissions verified, accepted or not
+    verifier_actors: int = 0  # live: verifying
+    verifier_actors_pending: int = 0  # requested, waiting for a place (on KubeRay, for a node)
     # Restarts per component (orchestrator, trainer, verifier-0, relay-0, worker-1, driver, ...).
     restarts: dict[str, RestartCount] = {}
     finished: bool = False

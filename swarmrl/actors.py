@@ -154,7 +154,8 @@ class VerifierActor:
 
 class RayVerifierPool:
     """`verify_many` over a pool of VerifierActors: jobs are split evenly, verified in parallel, and
-    the verdicts come back in job order."""
+    the verdicts come back in job order. The actors may change between calls (`set_actors`: the driver
+    grows and shrinks the pool, swarmrl/verifier_pool.py); a call keeps the actors it started with."""
 
     def __init__(self, actors: list[Any], timeout_s: float = 600.0):
         if not actors:
@@ -183,7 +184,7 @@ class RayVerifierPool:
         import ray
 
         remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or None, max_restarts=max_restarts, max_task_retries=1)(VerifierActor)
-        n = num_actors or config.num_actors
+        n = num_actors or config.actor_bounds()[0]  # a pool that follows the load is swarmrl/verifier_pool.py (the driver's)
         actors = [
             remote.remote(config, weights_for_version, tokenizer_dir, cpus=cpus, log_to=(run_dir, f"verifier-{i}") if run_dir else None)
             for i in range(n)
@@ -196,14 +197,17 @@ class RayVerifierPool:
 
         if not jobs:
             return []
-        n = min(len(self.actors), len(jobs))
+        actors = self.actors  # this call's actors, whatever set_actors does meanwhile
+        if not actors:
+            raise RuntimeError("no verifier actor is live")
+        n = min(len(actors), len(jobs))
         parts = [jobs[i::n] for i in range(n)]
-        futures = [self.actors[i].verify_many.remote(parts[i]) for i in range(n)]
+        futures = [actors[i].verify_many.remote(parts[i]) for i in range(n)]
         done, late = ray.wait(futures, num_returns=len(futures), timeout=self.timeout_s)
         if late:  # a stuck actor would keep every later call waiting behind it: restart it (Ray's max_restarts)
             for i, f in enumerate(futures):
                 if f in late:
-                    ray.kill(self.actors[i], no_restart=False)
+                    ray.kill(actors[i], no_restart=False)
             raise TimeoutError(f"{len(late)} verifier actor(s) did not answer within {self.timeout_s:g} s; restarted")
         results = ray.get(futures)
         out: list[Any] = [None] * len(jobs)
@@ -213,6 +217,14 @@ class RayVerifierPool:
             for j, v in enumerate(verdicts):
                 out[i + j * n] = v
         return out
+
+    def set_actors(self, actors: list[Any]) -> None:
+        self.actors = list(actors)
+
+    @property
+    def parallelism(self) -> int:
+        """The live actors: the orchestrator takes batch_size jobs per actor into one call."""
+        return max(1, len(self.actors))
 
     def shutdown(self) -> None:
         import ray
@@ -230,9 +242,11 @@ class OrchestratorActor:
     def __init__(self, config: RunConfig, verifier_actors: list[Any], *, relay_urls: list[str] | None = None, manifest_public_key: str = "", origin_url: str = ""):
         component_logging(RunDir(config.run_dir), "orchestrator", config.log_level)
         pin_to_cpus(config.resources.cpu_affinity.get("orchestrator"))
+        self.pool = RayVerifierPool(verifier_actors)
         self.orch = build_orchestrator(
-            config, RayVerifierPool(verifier_actors), relay_urls=relay_urls, manifest_public_key=manifest_public_key, origin_url=origin_url,
+            config, self.pool, relay_urls=relay_urls, manifest_public_key=manifest_public_key, origin_url=origin_url,
         )
+        self.orch.set_verifier_actors(len(verifier_actors), 0)
         self.server = OrchestratorServer(self.orch).start()
         self.started_at = time.time()
 
@@ -241,6 +255,12 @@ class OrchestratorActor:
 
     def ping(self) -> tuple[int, float]:
         return os.getpid(), self.started_at
+
+    def set_verifiers(self, actors: list[Any], pending: int = 0) -> None:
+        """The live verifier actors (the driver resized the pool; or, after this actor restarted with its
+        first arguments, the pool as it is now). Calls in flight finish on the actors they started on."""
+        self.pool.set_actors(actors)
+        self.orch.set_verifier_actors(len(actors), pending)
 
     def publish_version(self, version: int, model_hash: str) -> None:
         self.orch.publish_version(version, model_hash)

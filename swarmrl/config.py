@@ -35,7 +35,10 @@ class ResourcesConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     trainer_gpus: float = Field(0.0, ge=0, description="GPUs of each trainer rank (trainer.world_size ranks)")
-    verifier_gpus: float = Field(0.0, ge=0)
+    verifier_gpus: float = Field(0.0, ge=0, description="per verifier actor")
+    verifier_cpus: float = Field(
+        0.0, ge=0, description="per verifier actor: Ray places an actor only where these are free (on KubeRay, the autoscaler adds a node)"
+    )
     trainer_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources, e.g. {trainer = 1} to land on the trainer group")
     verifier_resources: dict[str, float] = Field(default_factory=dict)
     trainer_placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(

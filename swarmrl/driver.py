@@ -37,6 +37,7 @@ from swarmrl.processes import RunFailed, free_port, start_relay, start_worker, w
 from swarmrl.run_dir import RunDir
 from swarmrl.supervisor import RestartPolicy, Supervisor
 from swarmrl.tracking import JsonlTracker, Trackers, make_trackers
+from swarmrl.verifier_scaling import VerifierAutoscaler
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,9 @@ class Run:
         self.trainers: Any = None  # the TrainerGroup
         self.trainer: Any = None  # its rank 0
         self.orch: Any = None
-        self.pool: Any = None
+        self.pool: Any = None  # swarmrl.verifier_pool.VerifierPool
+        self.scaler: VerifierAutoscaler | None = None
+        self._next_scale = 0.0
         self.url = ""
         self._stop = threading.Event()
         self._started_ray = False
@@ -113,8 +116,9 @@ class Run:
     def start(self) -> None:
         import ray
 
-        from swarmrl.actors import RayVerifierPool, ShardcastWeights, init_ray, start_orchestrator_actor
+        from swarmrl.actors import ShardcastWeights, init_ray, start_orchestrator_actor
         from swarmrl.trainer_group import TrainerGroup
+        from swarmrl.verifier_pool import VerifierPool
 
         rd = self.rd
         self._driver_down_since = self._open_session()
@@ -147,25 +151,35 @@ class Run:
         relay_urls = list(cfg.shardcast.advertise_relay_urls) + [r.url for r in self.supervisor.processes("relay-")]
         relay_urls = relay_urls or [info["origin_url"]]
 
-        log.info("starting verifier pool", extra={"actors": cfg.verifier.num_actors})
+        lo, hi = cfg.verifier.actor_bounds()
+        log.info("starting verifier pool", extra={"min_actors": lo, "max_actors": hi})
         weights = ShardcastWeights([info["origin_url"]], info["public_key"], str(rd.verifier_weights), cfg.shardcast.run_id)
-        self.pool = RayVerifierPool.start(
-            cfg.verifier, weights, str(model_dir), num_cpus=0, num_gpus=cfg.resources.verifier_gpus, resources=cfg.resources.verifier_resources,
-            max_restarts=-1, cpus=cfg.resources.cpu_affinity.get("verifier"), run_dir=str(rd.root),
+        res = cfg.resources
+        self.pool = VerifierPool(
+            cfg.verifier, weights, str(model_dir), num_cpus=res.verifier_cpus, num_gpus=res.verifier_gpus, resources=res.verifier_resources,
+            cpus=res.cpu_affinity.get("verifier"), run_dir=str(rd.root),
         )
+        self.scaler = VerifierAutoscaler(lo, hi, cfg.verifier.scale_up_cooldown_s, cfg.verifier.scale_down_idle_s, cfg.verifier.target_drain_s)
+        self.pool.grow(lo)
+        try:
+            ready = self.pool.wait_live(lo)  # the first min_actors: a constructor error surfaces now
+        except RuntimeError as exc:
+            raise RunFailed(f"the verifier pool could not start: {exc}") from exc
 
         log.info("starting orchestrator")
-        self.orch = start_orchestrator_actor(cfg, self.pool.actors, relay_urls=relay_urls, manifest_public_key=info["public_key"], origin_url=cfg.shardcast.public_origin_url or info["origin_url"])
+        self.orch = start_orchestrator_actor(cfg, self.pool.handles(), relay_urls=relay_urls, manifest_public_key=info["public_key"], origin_url=cfg.shardcast.public_origin_url or info["origin_url"])
         self.url = ray.get(self.orch.url.remote())
         ray.get(self.orch.publish_version.remote(info["version"], info["model_hash"]))
         self.progress.reward_totals = ray.get(self.orch.reward_totals.remote())  # a resumed run starts from here
-        for name, handle in [("orchestrator", self.orch), *((f"verifier-{i}", a) for i, a in enumerate(self.pool.actors))]:
-            pid, started_at = ray.get(handle.ping.remote())
-            self.supervisor.watch_actor(name, handle, rd.logs / f"{name}.log", pid, started_at)
+        pid, started_at = ray.get(self.orch.ping.remote())
+        self.supervisor.watch_actor("orchestrator", self.orch, rd.logs / "orchestrator.log", pid, started_at)
+        for m, pid, started_at in ready:
+            self.supervisor.watch_actor(m.name, m.handle, rd.logs / f"{m.name}.log", pid, started_at)
 
         for i in range(cfg.num_workers):
             self.supervisor.watch_process(f"worker-{i}", lambda i=i: start_worker(self.url, model_dir, rd, i, cfg))
         self.supervisor.ticks.append(self._heartbeat)
+        self.supervisor.ticks.append(self._scale_verifiers)
         self.supervisor.start()
         self._heartbeat()
         log.info("run started", extra={"url": self.url, "run_dir": str(rd.root), "workers": cfg.num_workers})
@@ -185,6 +199,16 @@ class Run:
         if pids != self._pids:
             self.rd.write_json(self.rd.pids_path, pids)
             self._pids = pids
+
+    def _scale_verifiers(self) -> None:
+        """A supervisor tick: every verifier.scale_period_s, the pool follows the load (verifier_pool.scale)."""
+        from swarmrl.verifier_pool import scale
+
+        now = time.time()
+        if self.pool is None or self.scaler is None or now < self._next_scale:
+            return
+        self._next_scale = now + self.cfg.verifier.scale_period_s
+        scale(self.pool, self.scaler, self.orch, self.supervisor, self.rd.logs, now)
 
     def _restarted(self, component: str, seconds_lost: float) -> None:
         """The supervisor restarted a component (or saw Ray do it): count it where operators look."""

@@ -28,6 +28,7 @@ def render(run: Any) -> Table:
         table.add_row("staleness (gap: samples)", ", ".join(f"{k}: {v}" for k, v in sorted(st.staleness_histogram.items())) or "—")
         table.add_row("buffer", f"{st.buffer_depth} samples; {st.groups_dropped_zero_signal} zero-signal groups dropped")
         table.add_row("workers online", str(st.workers_online))
+        table.add_row("verifiers", verifiers_line(st))
         if st.eval_latest is not None or st.evals_open:
             table.add_row("eval (held out)", (eval_line(st.eval_latest) if st.eval_latest else "—") + f"; {st.evals_open} open")
         if st.restarts:  # over the whole run, driver restarts included
@@ -49,6 +50,12 @@ def eval_line(r: Any) -> str:
     tokens = "—" if r.mean_completion_tokens is None else f"{r.mean_completion_tokens:.1f}"
     partial = "" if r.complete else f" (partial: {r.prompts}/{r.prompts_planned} prompts)"
     return f"eval of version {r.policy_version}: avg@{r.samples_per_prompt} {avg}, {passes}, {tokens} tokens{partial}"
+
+
+def verifiers_line(st: Any) -> str:
+    """The pool, its queue and its throughput: a queue that grows while in/s > verified/s is the bottleneck."""
+    return (f"{st.verifier_actors} live, {st.verifier_actors_pending} pending; queue {st.verify_queue} "
+            f"({st.verify_in_per_s:.2f}/s in, {st.verify_out_per_s:.2f}/s verified, {st.verify_tokens_per_s:,.0f} tok/s)")
 
 
 def restarts_line(restarts: dict[str, Any]) -> str:

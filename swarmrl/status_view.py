@@ -41,6 +41,9 @@ def render_status(st: RunStatus, console: Any = None) -> None:
         ("trained samples/s", f"{st.trained_samples_per_s:.2f}"),
         ("zero-signal groups dropped", st.groups_dropped_zero_signal),
         ("stale samples dropped", st.samples_dropped_stale),
+        ("verification queue", f"{st.verify_queue} ({st.verify_in_per_s:.2f}/s in, {st.verify_out_per_s:.2f}/s verified)"),
+        ("verified tokens/s", f"{st.verify_tokens_per_s:.1f}"),
+        ("verifier actors", f"{st.verifier_actors} live, {st.verifier_actors_pending} pending"),
         ("near-tie tokens", f"{st.near_tie_tokens} of {st.verified_tokens} verified"),
         ("staleness (gap: samples)", ", ".join(f"{k}: {v}" for k, v in st.staleness_histogram.items()) or "–"),
     ]

@@ -85,6 +85,11 @@ class Supervisor:
             self.components[name] = Component(name, proc.log_path, proc=proc, start=start, pid=proc.popen.pid, started_at=time.time())
         return proc
 
+    def unwatch(self, name: str) -> None:
+        """Stop watching a component that was removed on purpose (a verifier actor the pool shrank away)."""
+        with self._lock:
+            self.components.pop(name, None)
+
     def processes(self, prefix: str) -> list[Proc]:
         with self._lock:
             return [c.proc for n, c in sorted(self.components.items()) if n.startswith(prefix) and c.proc is not None]
@@ -122,6 +127,11 @@ class Supervisor:
         """Raise RunFailed if a component died for good."""
         if self.failure:
             raise RunFailed(self.failure)
+
+    def fail(self, name: str, log_path: Path, why: str) -> None:
+        """A component that is not (yet) watched failed for good (a verifier actor that could not start)."""
+        with self._lock:
+            self._fail(Component(name, log_path), why)
 
     def _fail(self, c: Component, why: str) -> None:
         if self.failure is None:

@@ -170,6 +170,20 @@ def to_job(trial: Trial, index: int) -> VerifyJob:
                      task_name="toy", expected_model_hash=version_hash(trial.policy_version))
 
 
+def honest_jobs(model_dir: Path, n: int, sampling: SamplingParams, seed: int = 0, task: str = "toy") -> list[VerifyJob]:
+    """n honest one-completion submissions of version 0 (the real vLLM worker engine, seeded draws), as
+    verifier jobs: what the verifier-pool tests and benchmark verify."""
+    items = get_task(task).make_prompts(n, seed)
+    prompts = encode_prompts(model_dir, items)
+    engine = make_engine(model_dir, "float32", max_model_len=int(max(p.size for p in prompts)) + sampling.max_tokens + 16)
+    try:
+        rolls = generate(engine, prompts, sampling, list(range(seed * n, (seed + 1) * n)), batch=min(n, 32))
+    finally:
+        engine.close()
+    trials = [Trial("honest", r, lease_for(r.prompt_ids, sampling, seed * n + k, f"h{seed}-{k}"), it, expect_accept=True) for k, (r, it) in enumerate(zip(rolls, items))]
+    return [to_job(t, k) for k, t in enumerate(trials)]
+
+
 # Honest settings: (label, sampling, batch size). Short and long completions, batch 1 and 32.
 HONEST_SETTINGS: list[tuple[str, SamplingParams, int]] = [
     ("long_t1_b32", SamplingParams(temperature=1.0, max_tokens=256), 32),

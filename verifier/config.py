@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from verifier.reward_config import RewardPoolConfig
 
@@ -82,7 +82,15 @@ CALIBRATED: dict[str, Tolerances] = {
 class VerifierConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    num_actors: int = Field(1, ge=1)
+    num_actors: int = Field(1, ge=1, description="the pool's size when min_actors/max_actors are unset")
+    # A pool that follows the load (swarmrl/verifier_scaling.py): it grows while the queue of unverified
+    # submissions grows faster than it drains, and shrinks when idle. Unset: a fixed pool of num_actors.
+    min_actors: int | None = Field(None, ge=1, description="unset: num_actors")
+    max_actors: int | None = Field(None, ge=1, description="unset: min_actors (a fixed pool)")
+    scale_period_s: float = Field(5.0, gt=0, description="how often the driver re-decides the pool's size")
+    scale_up_cooldown_s: float = Field(30.0, ge=0, description="no growth within this long of the last change")
+    scale_down_idle_s: float = Field(120.0, ge=0, description="the queue stays empty this long before one actor goes")
+    target_drain_s: float = Field(30.0, gt=0, description="grow until a standing queue drains within this long")
     keep_versions: int = Field(3, ge=1, description="policy versions kept loaded per actor (LRU)")
     max_batch_tokens: int = Field(16384, ge=1, description="tokens per batched prefill")
     dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$", description="the compute dtype workers must use")
@@ -103,6 +111,18 @@ class VerifierConfig(BaseModel):
     timeout_s: float = Field(
         120.0, gt=0, description="one verify call of the pool; past it the batch is split so one slow submission never holds back the others"
     )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "VerifierConfig":
+        lo, hi = self.actor_bounds()
+        if lo > hi:
+            raise ValueError(f"verifier.min_actors ({lo}) must not exceed verifier.max_actors ({hi})")
+        return self
+
+    def actor_bounds(self) -> tuple[int, int]:
+        """(min, max) actors of the pool; equal for a fixed pool."""
+        lo = self.min_actors if self.min_actors is not None else self.num_actors
+        return lo, self.max_actors if self.max_actors is not None else lo
 
     def tolerances(self) -> Tolerances:
         base = CALIBRATED[self.dtype]

@@ -138,6 +138,8 @@ def render(kdir: Path) -> list[dict]:
     return objs
 
 
+
+
 @pytest.fixture(scope="module")
 def production(tmp_path_factory) -> list[dict]:
     """The production overlay, rendered with stand-ins for the secret files an operator creates."""
@@ -227,9 +229,54 @@ def test_raycluster_has_the_fields_kuberay_requires(base):
     for g in [head, *groups]:
         script = " ".join(g["template"]["spec"]["containers"][0]["args"])
         assert "KUBERAY_GEN_RAY_START_CMD" in script
-    # GPUs where the run config asks for them.
+    # GPUs where the run config asks for them (test_trainer_ranks_and_autoscaled_verifiers_match_the_config).
     gpus = {g["groupName"]: g["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu") for g in groups}
-    assert gpus == {"trainer": "1", "verifier": "1"}
+    assert gpus == {"trainer": "4", "verifier": "1"}
+    assert spec["enableInTreeAutoscaling"] is True
+    assert spec["autoscalerOptions"]["upscalingMode"] in ("Default", "Aggressive", "Conservative")
+    assert isinstance(spec["autoscalerOptions"]["idleTimeoutSeconds"], int)
+
+
+def _group_resources(group: dict) -> dict[str, float]:
+    """The custom Ray resources a worker group's pods declare (rayStartParams' quoted JSON)."""
+    raw = group["rayStartParams"].get("resources", '"{}"')
+    return json.loads(json.loads(raw))
+
+
+@pytest.mark.parametrize("overlay", ["base", "production"])
+def test_trainer_ranks_and_autoscaled_verifiers_match_the_config(overlay, request, tmp_path):
+    """The trainer group holds every rank (world_size actors of trainer_gpus GPUs and trainer_resources
+    each, PACKed on one pod), and the verifier group autoscales over exactly the pool's bounds, one
+    actor per pod."""
+    import tomllib
+
+    from swarmrl.config import load_run_config
+
+    objs = request.getfixturevalue(overlay)
+    text = _one(objs, "ConfigMap", "swarmrl-run")["data"]["run.toml"]
+    raw = tomllib.loads(text)
+    (tmp_path / "run.toml").write_text(text)
+    cfg = load_run_config(tmp_path / "run.toml", environ={})
+    rc = _one(objs, "RayCluster")["spec"]
+    groups = {g["groupName"]: g for g in rc["workerGroupSpecs"]}
+    limits = {n: int(g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]) for n, g in groups.items()}
+
+    world_size = raw["trainer"]["world_size"]
+    assert isinstance(world_size, int) and world_size >= 2 and cfg.resources.trainer_placement == "PACK" and cfg.trainer.world_size == world_size
+    trainer = groups["trainer"]
+    assert trainer["minReplicas"] == trainer["replicas"] == trainer["maxReplicas"] == 1  # PACK: one pod
+    assert limits["trainer"] == world_size * cfg.resources.trainer_gpus
+    assert _group_resources(trainer)["trainer"] == world_size * cfg.resources.trainer_resources["trainer"]
+
+    lo, hi = cfg.verifier.actor_bounds()
+    verifier = groups["verifier"]
+    assert lo < hi, "the verifier pool autoscales"
+    assert (verifier["minReplicas"], verifier["maxReplicas"]) == (lo, hi)
+    assert lo <= verifier["replicas"] <= hi
+    # One actor per pod: its GPU and its custom resource take the pod's whole supply.
+    assert limits["verifier"] == cfg.resources.verifier_gpus == 1
+    assert _group_resources(verifier) == {"verifier": cfg.resources.verifier_resources["verifier"]}
+    assert cfg.resources.verifier_cpus <= int(verifier["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"])
 
 
 def test_cross_references_resolve(production):

@@ -25,9 +25,24 @@ def test_demo_config_loads_and_sets_values():
     assert cfg.orchestrator.sampling.max_tokens == raw["orchestrator"]["sampling"]["max_tokens"]
 
 
-def test_every_configs_toml_resolves():
+def test_every_configs_toml_resolves(tmp_path):
     for path in sorted((REPO / "configs").glob("*.toml")):
         load_config(path, environ={})
+
+
+def test_gpu_recipes_autoscale_the_verifier_pool_and_fit_their_gpus():
+    """The GPU recipes use the pool that follows the load, and their trainer ranks plus the largest
+    pool fit the GPUs their comments document."""
+    small = tomllib.loads((REPO / "configs" / "qwen3-0.6b-math-gpu.toml").read_text())
+    cfg = RunConfig.model_validate(small)
+    lo, hi = cfg.verifier.actor_bounds()
+    assert lo < hi
+    assert cfg.resources.trainer_gpus + hi * cfg.resources.verifier_gpus <= 2  # "2x A100/H100"
+    big = tomllib.loads((REPO / "configs" / "qwen3-8b-math-8gpu.toml").read_text())
+    assert big["trainer"]["world_size"] == 4 and big["resources"]["trainer_placement"] == "PACK"
+    assert (big["verifier"]["min_actors"], big["verifier"]["max_actors"]) == (1, 4)
+    r = big["resources"]
+    assert big["trainer"]["world_size"] * r["trainer_gpus"] + big["verifier"]["max_actors"] * r["verifier_gpus"] == 8
 
 
 def test_overrides_take_precedence_and_are_typed():
@@ -148,8 +163,13 @@ def test_cli_dry_run_prints_resolved_config_and_errors_exit_2(tmp_path):
 
 
 @pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "configs").glob("*.toml")))
-def test_every_recipe_resolves_with_dry_run(recipe):
-    out = subprocess.run([sys.executable, "-m", "swarmrl", "run", "--config", str(REPO / "configs" / recipe), "--dry-run"], capture_output=True, text=True, cwd=REPO)
+def test_every_recipe_resolves_with_dry_run(recipe, tmp_path):
+    path = REPO / "configs" / recipe
+    out = subprocess.run([sys.executable, "-m", "swarmrl", "run", "--config", str(path), "--dry-run"], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr
     resolved = RunConfig.model_validate(tomllib.loads(out.stdout))
-    assert resolved.name == tomllib.loads((REPO / "configs" / recipe).read_text())["name"]
+    raw = tomllib.loads((REPO / "configs" / recipe).read_text())
+    assert resolved.name == raw["name"]
+    for key in ("min_actors", "max_actors"):
+        if key in raw.get("verifier", {}):
+            assert getattr(resolved.verifier, key) == raw["verifier"][key]

@@ -419,6 +419,7 @@ def test_status_helper(server):
 
     console = Console(record=True, width=100)
     print_status(server.url, ADMIN, console)
-    assert "policy version" in console.export_text()
+    text = console.export_text()
+    assert "policy version" in text and "verifier actors" in text and "verification queue" in text
     with pytest.raises(RuntimeError, match="401"):
         fetch_status(server.url, "wrong")

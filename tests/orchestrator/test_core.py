@@ -507,6 +507,50 @@ def test_status_reports_run(orch):
     assert orch.windows.history[-1]["workers_online"] == 1
 
 
+def test_status_reports_the_verification_queue_pool_and_throughput(orch):
+    """What the autoscaler and the operator read: the queue, submissions in and verified per second,
+    verified tokens per second, and the pool's live and pending actors (also as Prometheus gauges)."""
+    from prometheus_client import generate_latest
+
+    wid, _ = register(orch)
+    subs = []
+    for seed in (8, 9):
+        subs.append(make_submission(lease(orch, wid), np.random.default_rng(seed)))
+        submit(orch, wid, subs[-1])
+    orch.set_verifier_actors(2, 1)
+    st = orch.status()
+    assert st.verify_queue == 2 and st.verify_in_per_s > 0 and st.verify_out_per_s == 0 and st.verify_tokens_per_s == 0
+    assert (st.verifier_actors, st.verifier_actors_pending) == (2, 1)
+    drain(orch)
+    st = orch.status()
+    assert st.verify_queue == 0 and st.verify_out_per_s > 0 and st.verify_out_per_s == pytest.approx(st.verify_in_per_s)
+    tokens = sum(s.num_tokens for s in subs)
+    assert st.verify_tokens_per_s == pytest.approx(tokens * st.verify_out_per_s / 2)
+    orch.housekeeping()
+    text = generate_latest(orch.metrics.registry).decode()
+    assert 'swarmrl_verifier_actors{state="live"} 2.0' in text and 'swarmrl_verifier_actors{state="pending"} 1.0' in text
+    assert "swarmrl_verify_queue 0.0" in text and 'swarmrl_verify_rate_per_s{what="out"}' in text
+    assert orch.windows.history[-1]["verifier_actors"] == 2
+
+
+@pytest.mark.parametrize("actors", [1, 2])
+def test_a_bigger_pool_verifies_a_bigger_batch_per_call(tmp_path, actors):
+    """batch_size jobs per actor of the pool (its `parallelism`): a grown pool splits a bigger batch
+    instead of cutting the same batch into smaller, costlier calls."""
+    verifier = FakeVerifier()
+    if actors > 1:
+        verifier.parallelism = actors
+    o = make_orchestrator(run_config(tmp_path), verifier)  # verify_batch=8
+    try:
+        wid, _ = register(o)
+        for seed in range(12):
+            submit(o, wid, make_submission(lease(o, wid), np.random.default_rng(seed)))
+        assert o.verification.verify_pending() == (8 if actors == 1 else 12)
+        assert verifier.jobs_seen == (8 if actors == 1 else 12)
+    finally:
+        o.db.close()
+
+
 def test_finished_run_hands_out_no_leases(orch):
     wid, _ = register(orch)
     orch.set_finished("trainer crashed")

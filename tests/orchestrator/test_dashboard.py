@@ -62,7 +62,8 @@ def test_dashboard_screenshot(busy_server, tmp_path):
     # The rendered DOM: tiles filled from /v1/status/history and one SVG path per chart with data.
     dom = chromium(["--dump-dom", "--virtual-time-budget=5000", url], tmp_path / "profile2").stdout
     assert 'data-rendered="1"' in dom
-    assert dom.count("<svg") == 6 and dom.count("<path") >= 5
+    assert dom.count("<svg") == 8 and dom.count("<path") >= 5
+    assert "verification queue" in dom and "verifier actors (pending)" in dom
     assert "<td>volunteer-2</td>" in dom and '<div id="err"></div>' in dom
 
 
