@@ -348,9 +348,9 @@ class Verification:
             if len(rewards) != len(p.submission.completions) or not all(map(math.isfinite, rewards)):
                 v = Verdict(submission_id=submission_id, status=VerdictStatus.rejected,
                             rejections=[Rejection(code=RejectionCode.reward_error, message="unusable rewards for an eval lease")])
-                return Applied(submission_id, p.worker_id, v, False, [], None)
+                return Applied(submission_id, p.worker_id, v, False, [], None, p.submission.num_tokens)
             per_prompt = per_prompt_results(p.prompt_indices, p.submission.completions, rewards)
-            return Applied(submission_id, p.worker_id, v, True, rewards, None, (p.eval_version, per_prompt))
+            return Applied(submission_id, p.worker_id, v, True, rewards, None, p.submission.num_tokens, evaluation=(p.eval_version, per_prompt))
         try:
             groups = build_groups(submission_id, p.submission, p.lease, rewards, self.advantage_std, v.behaviour_logprobs)
         except ValueError as exc:  # no reward per completion, or one that is not finite: never pending forever
