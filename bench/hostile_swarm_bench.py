@@ -76,11 +76,11 @@ def cpu_seconds(pid: int | None) -> float:
     return 0.0 if t is None else t.user + t.system
 
 
-def one_run(mode: str, warmup_steps: int, window_s: float, port: int) -> dict:
+def one_run(mode: str, warmup_steps: int, window_s: float, port: int, attacker_nice: int = 0) -> dict:
     import httpx
     import psutil
 
-    from tools.adversaries import Cheater, Flooder, Hoarder, SlowReward, db
+    from tools.adversaries import Adversary, Cheater, Flooder, Hoarder, SlowReward, db
     from protocol import limits
     from swarmrl.config import load_run_config
 
@@ -101,6 +101,7 @@ def one_run(mode: str, warmup_steps: int, window_s: float, port: int) -> dict:
         cfg = load_run_config(REPO / "configs" / "demo.toml", environ={}).orchestrator
         Flooder.cap = limits.submission_bytes_cap(cfg.prompts_per_lease * cfg.samples_per_prompt, cfg.sampling.max_tokens)
         if mode == "attacked":
+            Adversary.nice = attacker_nice
             adversaries = [kind(name, url, run_dir, stop, ADMIN) for kind, name in
                            ((Hoarder, "hoarder"), (Flooder, "flooder"), (SlowReward, "slow"), (Cheater, "cheater"))]
         with db(run_dir) as con:
@@ -158,30 +159,35 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=3)
     ap.add_argument("--port", type=int, default=0, help="the orchestrator's port (0: a free one for each run)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    ap.add_argument("--attacker-nice", type=int, default=0, help="the adversaries' threads' nice value (19: they run on what the run leaves idle, "
+                    "standing in for an attacker's own machine)")
+    ap.add_argument("--tag", default="", help="results go to hostile_swarm_bench<_tag>.{json,md}")
     args = ap.parse_args()
     runs = []
     for r in range(args.repeats):
         for mode in ("clean", "attacked"):
             from swarmrl.processes import free_port
 
-            result = one_run(mode, args.warmup_steps, args.window_s, args.port or free_port("127.0.0.1"))
+            result = one_run(mode, args.warmup_steps, args.window_s, args.port or free_port("127.0.0.1"), args.attacker_nice)
+            result["attacker_nice"] = args.attacker_nice if mode == "attacked" else None
             result["repeat"] = r
             print(json.dumps(result), flush=True)
             runs.append(result)
     pairs = [(a, b) for a, b in zip(runs[::2], runs[1::2])]
     ratio = {k: [round(b[k] / a[k], 3) if a[k] else None for a, b in pairs] for k in ("honest_accepted_per_min", "trainer_steps_per_min")}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "hostile_swarm_bench.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs, "ratio": ratio}, indent=1))
+    (args.out / f"hostile_swarm_bench{'_' + args.tag if args.tag else ''}.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs, "ratio": ratio}, indent=1))
     print(json.dumps({"ratio_attacked_over_clean": ratio}, indent=1))
     write_markdown(args, runs, ratio)
 
 
 def write_markdown(args, runs: list[dict], ratio: dict) -> None:
     cols = ("repeat", "mode", "window_s", "honest_accepted_per_min", "trainer_steps_per_min", "orchestrator_peak_rss_mib", "status_p50_ms",
-            "status_max_ms", "adversary_5xx", "bench_process_cpu_per_s", "orchestrator_cpu_per_s", "load_avg_1m_before_after")
+            "status_max_ms", "adversary_5xx", "bench_process_cpu_per_s", "orchestrator_cpu_per_s", "attacker_nice", "load_avg_1m_before_after")
     lines = [
         "# Honest throughput with and without a hostile swarm", "",
-        f"Command: `python bench/hostile_swarm_bench.py --repeats {args.repeats} --window-s {args.window_s:g}` "
+        f"Command: `python bench/hostile_swarm_bench.py --repeats {args.repeats} --window-s {args.window_s:g}"
+        + (f" --attacker-nice {args.attacker_nice}" if args.attacker_nice else "") + (f" --tag {args.tag}" if args.tag else "") + "` "
         f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}). The demo loop (small model, one honest local vLLM worker, real "
         "verifier and trainer) on this 2-core machine; runs alternate clean / attacked; 'attacked' adds a hoarder, a flooder, a "
         "slow-reward worker and a banned cheater coming back (tools/adversaries.py) for the whole window. Every run is listed. "
@@ -192,7 +198,7 @@ def write_markdown(args, runs: list[dict], ratio: dict) -> None:
         f"Attacked / clean, per pair: honest accepted submissions/min {ratio['honest_accepted_per_min']}; "
         f"trainer steps/min {ratio['trainer_steps_per_min']} (goal >= 0.8).", "",
     ]
-    (args.out / "hostile_swarm_bench.md").write_text("\n".join(lines))
+    (args.out / f"hostile_swarm_bench{'_' + args.tag if args.tag else ''}.md").write_text("\n".join(lines))
 
 
 if __name__ == "__main__":
