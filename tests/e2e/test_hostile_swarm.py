@@ -101,4 +101,7 @@ def test_a_hostile_swarm_cannot_stall_the_run(tmp_path):
     assert any(s and "timed_out" in s for s in statuses)
     # The cheater was banned, and came back neither with its join token nor with its old secret.
     assert workers["cheater"]["banned"], (cheater.statuses, workers["cheater"])
-    assert cheater.comeback == [403, 403, 403] and cheater.old_secret == [403, 403]
+    # Refused as banned (403), or before that as an address over its refused-credentials budget (429): the
+    # flooder's forged secrets come from the same loopback address. Never let in.
+    assert len(cheater.comeback) == 3 and set(cheater.comeback) <= {403, 429}, cheater.comeback
+    assert len(cheater.old_secret) == 2 and set(cheater.old_secret) <= {403, 429}, cheater.old_secret
