@@ -109,6 +109,7 @@ class Run:
         self._started_ray = False
         self._driver_down_since: float | None = None  # a previous driver of this run died at about this time
         self._pids: dict[str, Any] = {}
+        self._heartbeat_lock = threading.Lock()
         self.tracker = Trackers([JsonlTracker(self.rd)])  # the configured backends join in start()
 
     # ---------------------------------------------------------------- start
@@ -193,12 +194,14 @@ class Run:
         return float(old.get("heartbeat_at", old.get("started_at", time.time())))
 
     def _heartbeat(self) -> None:
-        """Every second: the driver is alive (session.json), and where everything runs (pids.json)."""
-        self.rd.session_heartbeat()
-        pids = {"driver": os.getpid(), "url": self.url, **self.supervisor.pids()}
-        if pids != self._pids:
-            self.rd.write_json(self.rd.pids_path, pids)
-            self._pids = pids
+        """Every second: the driver is alive (session.json), and where everything runs (pids.json). Also
+        right after a restart, so pids.json never names a dead process once the run has moved on."""
+        with self._heartbeat_lock:  # the supervisor's thread and the main thread (after a trainer restart)
+            self.rd.session_heartbeat()
+            pids = {"driver": os.getpid(), "url": self.url, **self.supervisor.pids()}
+            if pids != self._pids:
+                self.rd.write_json(self.rd.pids_path, pids)
+                self._pids = pids
 
     def _scale_verifiers(self) -> None:
         """A supervisor tick: every verifier.scale_period_s, the pool follows the load (verifier_pool.scale)."""
@@ -356,6 +359,7 @@ class Run:
                 time.sleep(1.0)
         self.progress.version = info["version"]
         self.supervisor.restarted("trainer", info["pid"], info["started_at"], down_since)
+        self._heartbeat()
 
     def _restarted_driver(self) -> None:
         assert self._driver_down_since is not None
