@@ -45,16 +45,9 @@ def start(out: Path, port: int) -> subprocess.Popen:
 
 
 def steps(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
+    from swarmrl.run_dir import RunDir
+
+    return list(RunDir(run_dir).read_metrics())
 
 
 def listener_pid(port: int) -> int | None:

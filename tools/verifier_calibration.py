@@ -432,6 +432,17 @@ def run_matrix(
 # Attacks on the draw: tokens that the leased seeds did not draw, sent with honest proofs and logprobs
 
 
+def where_different(honest: list, rolls: list) -> list:
+    """The trials whose rollout the attack changed, now carrying the attacker's rollout (an attack that
+    happened to produce the honest tokens is no attack)."""
+    out = []
+    for t, r in zip(honest, rolls):
+        if not np.array_equal(r.token_ids, t.rollout.token_ids):
+            t.rollout = r
+            out.append(t)
+    return out
+
+
 def _draw_attacks(trials, rng, base: Path, base32: RolloutEngine, engine, fresh, named, task) -> list:
     """Each trial's completion differs from what the leased seed draws; a trial whose attack happens to
     give exactly the honest completion is not an attack and is regenerated."""
@@ -487,12 +498,7 @@ def _draw_attacks(trials, rng, base: Path, base32: RolloutEngine, engine, fresh,
         honest = fresh(n, base32, samp)
         items_prompts = [t.rollout.prompt_ids for t in honest]
         rolls = generate(base32, items_prompts, SamplingParams(temperature=0.0, max_tokens=samp.max_tokens), [0] * n, 32)
-        out = []
-        for t, r in zip(honest, rolls):
-            if not np.array_equal(r.token_ids, t.rollout.token_ids):
-                t.rollout = r
-                out.append(t)
-        return out
+        return where_different(honest, rolls)
 
     # 5. Best of 4 samples drawn with the worker's own seeds (highest reward, then longest).
     def best_of_n(n, k=4):
@@ -541,12 +547,7 @@ def _draw_attacks(trials, rng, base: Path, base32: RolloutEngine, engine, fresh,
     def unseeded(n):
         honest = fresh(n, base32, bounded)
         rolls = generate(own_sampler, [t.rollout.prompt_ids for t in honest], bounded, [t.lease.prompts[0].seeds[0] for t in honest], 32)
-        out = []
-        for t, r in zip(honest, rolls):
-            if not np.array_equal(r.token_ids, t.rollout.token_ids):
-                t.rollout = r
-                out.append(t)
-        return out
+        return where_different(honest, rolls)
 
     return [
         named("draw: right answer written, honest proofs and logprobs", until(trials, written)),
