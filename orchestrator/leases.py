@@ -4,10 +4,9 @@ passes (the prompts are handed out again and a late submission is refused). Owns
 `reissue` tables, and the count of leased prompts behind the async bound.
 
 A lease is a budget. The async bound (generation at most async_level steps ahead of the trainer) is
-shared fairly: the open leases of one join token's workers hold at most bound / (join tokens with
-demand), however many leases they ask for. A token has demand while it holds a lease, or for
-DEMAND_WINDOW_S after it registered a worker or asked for a lease outside a cooldown: a token that only
-floods, is banned or cools down takes no share from the workers that generate. A lease that expires or is released unsubmitted costs its
+shared between join tokens with demand, weighted by the work each delivered (orchestrator/lease_shares.py),
+however many leases they ask for: a token that only hoards, floods or keeps registering holds about one
+prompt of it. A lease that expires or is released unsubmitted costs its
 token debt in proportion to its prompts and the time it was held (orchestrator/tokens.py: a cooldown
 that doubles, then strikes), so hoarding loses its slot; a worker that crashes loses only the lease.
 """
@@ -16,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import secrets
 import sqlite3
 import time
@@ -30,6 +28,7 @@ from orchestrator.data import PromptSet
 from orchestrator.db import Database
 from orchestrator.errors import ApiError
 from orchestrator.evaluation import EvalBook
+from orchestrator.lease_shares import LeaseShares, NoLeaseNow
 from orchestrator.tokens import JoinTokens
 from orchestrator.workers import Workers
 from protocol import staleness
@@ -64,19 +63,6 @@ FREE_HOLD = 0.1
 
 class GenerationBoundReached(Exception):
     """Generation is async_level steps ahead of the trainer; wait for it to consume a batch."""
-
-
-# How long a registration or a lease request counts as demand for a share of the bound: longer than an
-# honest worker's pause between leases (it asks again as soon as it submits, or after a refusal's retry_after).
-DEMAND_WINDOW_S = 10.0
-
-
-class NoLeaseNow(Exception):
-    """This worker's join token has used its share of the generation budget, or is cooling down."""
-
-    def __init__(self, why: str, retry_after_s: float):
-        super().__init__(why)
-        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -131,8 +117,7 @@ class LeaseBook:
             db.set(conn, LEASED_PROMPTS, int(leased))
         # Leases whose deadline passed before this process served are not their workers' fault: no debt.
         self.serving_since = time.time()
-        self._demand: dict[str, float] = {}  # join token -> when it last registered a worker or asked for a lease
-        self._holding = (0.0, frozenset())  # (computed at, join tokens holding open training leases), refreshed each second
+        self.shares = LeaseShares()
         # Open leases, parsed, so a submission does not re-parse its lease (a cache: SQLite is the truth).
         self._open: dict[str, TaskLease] = {}
         # Prompt index -> (prompt_id, token ids) as validated by the first lease that carried the prompt.
@@ -186,7 +171,7 @@ class LeaseBook:
                 wait = self.tokens.cooldown_left(token_id, now)
                 if wait > 0:
                     raise NoLeaseNow(f"join token {token_id} let leases go unsubmitted: cooling down", wait)
-                self.note_demand(token_id, now)
+                self.shares.note_demand(token_id, now)
             if self.evals is not None and loaded_version is not None and self.evals.waiting(db, loaded_version):
                 # Eval prompts of the version this worker holds go first, outside the async bound (they
                 # are never trained on, so they take no room from training).
@@ -202,7 +187,7 @@ class LeaseBook:
                     raise GenerationBoundReached()
                 n = min(n, room)
                 if token_id is not None:
-                    n = min(n, self._token_room(db, token_id, bound, now))
+                    n = min(n, self.shares.room(db, token_id, bound, now))
                 min_version = staleness.lease_min_version(
                     current_version, cfg.async_level, untrained_samples=untrained, new_samples=n * k,
                     samples_per_step=shape.samples_per_step, mini_batches=shape.mini_batches, max_staleness=shape.max_staleness,
@@ -283,26 +268,6 @@ class LeaseBook:
         """Versions with eval leases open or submitted (not yet verified)."""
         return {int(r[0]) for r in db.execute("SELECT DISTINCT eval_version FROM leases WHERE eval_version IS NOT NULL AND status IN ('open', 'submitted')")}
 
-    def note_demand(self, token_id: str, now: float) -> None:
-        """The token registered a worker or asked for a lease: it counts in the fair share for a while."""
-        self._demand[token_id] = now
-
-    def _token_room(self, db: sqlite3.Connection, token_id: str, bound_prompts: int, now: float) -> int:
-        """Prompts this token may still lease: its fair share of the bound, less what its workers hold."""
-        at, holding = self._holding
-        if now - at > 1.0:
-            holding = frozenset(r[0] for r in db.execute("SELECT DISTINCT token_id FROM leases WHERE status='open' AND eval_version IS NULL AND token_id IS NOT NULL"))
-            self._holding = (now, holding)
-            self._demand = {t: t_at for t, t_at in self._demand.items() if now - t_at <= DEMAND_WINDOW_S}
-        wanting = {t for t, t_at in self._demand.items() if now - t_at <= DEMAND_WINDOW_S}
-        share = max(1, math.ceil(bound_prompts / len(wanting | holding | {token_id})))
-        held = db.execute(
-            "SELECT COALESCE(SUM(json_array_length(prompt_indices)), 0) FROM leases WHERE token_id=? AND status='open' AND eval_version IS NULL", (token_id,)
-        ).fetchone()[0]
-        if held >= share:
-            raise NoLeaseNow(f"join token {token_id} holds its share of the generation budget ({share} prompts)", 1.0)
-        return share - int(held)
-
     @staticmethod
     def _take_reissue(db: sqlite3.Connection, n: int) -> list[int]:
         """Up to n prompt indices waiting to be handed out again (oldest first)."""
@@ -345,10 +310,12 @@ class LeaseBook:
         if not accepted:
             self._end(db, lease_id, "rejected", "submitted")
             return
-        row = db.execute("SELECT status, json_array_length(prompt_indices), eval_version FROM leases WHERE lease_id=?", (lease_id,)).fetchone()
+        row = db.execute("SELECT status, json_array_length(prompt_indices), eval_version, token_id FROM leases WHERE lease_id=?", (lease_id,)).fetchone()
         db.execute("UPDATE leases SET status='done' WHERE lease_id=?", (lease_id,))
         if row is not None and row[0] in ("open", "submitted") and row[2] is None:
             Database.add(db, LEASED_PROMPTS, -int(row[1]))
+            if row[3] is not None:
+                self.shares.note_accepted(row[3], int(row[1]), time.time())
 
     def release(self, lease_id: str, worker_id: str) -> bool:
         row = self.get(lease_id)
@@ -405,6 +372,7 @@ class LeaseBook:
         held = min(1.0, max(0.0, (now - issued) / max(deadline - issued, 1e-6)))
         if held < FREE_HOLD:  # given back at once (shutting down, version too old): no cost
             return
+        self.shares.note_forfeit(token_id, now)
         units = held * prompts / self.config.prompts_per_lease  # a full lease held to its deadline costs 1
         per_strike = self.config.lease_debt_per_strike
         before = (db.execute("SELECT lease_debt FROM join_tokens WHERE token_id=?", (token_id,)).fetchone() or (0.0,))[0]

@@ -35,7 +35,8 @@ from orchestrator.data import Prompt, PromptSet
 from orchestrator.db import Database
 from orchestrator.errors import ApiError
 from orchestrator.evaluation import EvalBook, HeldOutPrompts, hold_out
-from orchestrator.leases import GenerationBoundReached, LeaseBook, NoLeaseNow
+from orchestrator.lease_shares import NoLeaseNow
+from orchestrator.leases import GenerationBoundReached, LeaseBook
 from orchestrator.status import HISTORY_EVERY_S, Metrics, RunWindows
 from orchestrator.tokens import JoinTokens, TokenRow
 from orchestrator.verification import (
@@ -188,7 +189,7 @@ class Orchestrator:
             )
         self.registrations.check(token.token_id)
         worker_id, secret = self.workers.register(reg.name, reg.device, reg.client_version, token.token_id)
-        self.leases.note_demand(token.token_id, time.time())  # a new worker asks for its first lease next
+        self.leases.shares.note_demand(token.token_id, time.time())  # a new worker asks for its first lease next
         return WorkerRegistered(
             worker_id=worker_id,
             secret=secret,

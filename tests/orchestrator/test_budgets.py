@@ -49,9 +49,9 @@ def test_one_token_holds_at_most_its_fair_share_of_the_bound(tmp_path):
 def test_a_token_that_never_asks_for_leases_takes_no_share(tmp_path, monkeypatch):
     """A flooder's token (it registered, then only sends junk) or a banned one stops counting once its demand
     is old: the workers that generate share the bound among themselves."""
-    import orchestrator.leases
+    import orchestrator.lease_shares
 
-    monkeypatch.setattr(orchestrator.leases, "DEMAND_WINDOW_S", 0.3)
+    monkeypatch.setattr(orchestrator.lease_shares, "DEMAND_WINDOW_S", 0.3)
     orch = make_orchestrator(small_bound(tmp_path))
     volunteer(orch, "flooder")  # registers, never asks for a lease
     honest, _, _ = volunteer(orch, "honest")
@@ -66,6 +66,34 @@ def test_a_token_alone_may_use_the_whole_bound(tmp_path):
     orch = make_orchestrator(small_bound(tmp_path))
     w, _, _ = volunteer(orch, "alone")
     assert sum(len(ask(orch, w).lease.prompts) for _ in range(2)) == 4
+    orch.db.close()
+
+
+def test_a_token_that_delivers_gets_the_shares_that_hoarders_do_not(tmp_path):
+    """Shares are weighted by delivered work: once the honest token's lease is verified and accepted, it
+    may hold most of the bound while a hoarder that never submits keeps about one prompt; a token that
+    lets a lease go loses half its record."""
+    cfg = run_config(tmp_path, async_level=7, max_open_leases_per_worker=10, prompts_per_lease=2)
+    cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"samples_per_step": 8})})  # bound (1+7) x 8 / 4 = 16 prompts
+    orch = make_orchestrator(cfg)
+    rng = np.random.default_rng(0)
+    honest, _, _ = volunteer(orch, "honest")
+    hoarder, _, _ = volunteer(orch, "hoarder")
+    honest_token = orch.workers.token_of(honest)
+    first = ask(orch, honest).lease
+    orch.submit(honest, encode(make_submission(first, rng)), None)
+    while orch.verification.verify_pending():
+        pass
+    hoarded = sum(len(lease.prompts) for lease in (ask(orch, hoarder).lease for _ in range(6)) if lease is not None)
+    # weights 1 + 2 (two accepted prompts) against 1: the hoarder's share is 16 / 4 = 4 prompts
+    assert hoarded == 4
+    got = sum(len(lease.prompts) for lease in (ask(orch, honest).lease for _ in range(6)) if lease is not None)
+    # its share is 12: all that is left of the bound (16, less the 2 accepted prompts in the buffer and
+    # the hoarder's 4), more than the equal share of 8 it would get without its record
+    assert got == 10
+    assert orch.leases.shares.credit(honest_token, time.time()) == pytest.approx(2.0, rel=0.01)
+    orch.leases.shares.note_forfeit(honest_token, time.time())
+    assert orch.leases.shares.credit(honest_token, time.time()) == pytest.approx(1.0, rel=0.01)
     orch.db.close()
 
 

@@ -1,0 +1,77 @@
+"""How much of the generation budget each join token may hold: a share of the async bound, weighted by
+the work the token delivered.
+
+The async bound (generation at most async_level steps ahead of the trainer) is the run's generation
+budget. Among the join tokens with demand (holding a lease, or registered / asked within DEMAND_WINDOW_S),
+a token may hold
+
+    share = max(1, ceil(bound * w_token / sum of w over those tokens)),  w = 1 + credit
+
+prompts, where credit counts the prompts of its recently accepted leases (halving every
+CREDIT_HALF_LIFE_S) and halves again whenever the token lets a lease go unsubmitted. A newcomer and a
+token that never delivers weigh 1: it gets about one prompt beside workers that deliver, so a hoarder,
+a flooder or a banned identity that keeps registering holds almost nothing of the bound, while a token
+with a record gets the rest. Equal records give equal shares, the plain fair share. Only the weights
+live in memory: after a restart every token starts at 1 again, which is the fair share.
+"""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+
+# How long a registration or a lease request counts as demand for a share of the bound: longer than an
+# honest worker's pause between leases (a reload, a submission), shorter than a cooldown.
+DEMAND_WINDOW_S = 10.0
+# How fast a token's record fades: a worker that stopped delivering a minute ago still weighs half.
+CREDIT_HALF_LIFE_S = 60.0
+
+
+class NoLeaseNow(Exception):
+    """This worker's join token has used its share of the generation budget, or is cooling down."""
+
+    def __init__(self, why: str, retry_after_s: float):
+        super().__init__(why)
+        self.retry_after_s = retry_after_s
+
+
+class LeaseShares:
+    def __init__(self) -> None:
+        self._demand: dict[str, float] = {}  # join token -> when it last registered a worker or asked for a lease
+        self._credit: dict[str, tuple[float, float]] = {}  # join token -> (credit, when it was last updated)
+        self._holding = (0.0, frozenset())  # (computed at, join tokens holding open training leases), refreshed each second
+
+    def note_demand(self, token_id: str, now: float) -> None:
+        """The token registered a worker or asked for a lease: it counts in the shares for a while."""
+        self._demand[token_id] = now
+
+    def credit(self, token_id: str, now: float) -> float:
+        value, at = self._credit.get(token_id, (0.0, now))
+        return value * 0.5 ** (max(0.0, now - at) / CREDIT_HALF_LIFE_S)
+
+    def note_accepted(self, token_id: str, prompts: int, now: float) -> None:
+        """A lease of the token's was verified and accepted: delivered work raises its weight."""
+        self._credit[token_id] = (self.credit(token_id, now) + prompts, now)
+
+    def note_forfeit(self, token_id: str, now: float) -> None:
+        """The token let a lease go unsubmitted: its record halves (a crash costs half, hoarding all of it)."""
+        self._credit[token_id] = (self.credit(token_id, now) / 2, now)
+
+    def room(self, db: sqlite3.Connection, token_id: str, bound_prompts: int, now: float) -> int:
+        """Prompts this token may still lease: its share of the bound, less what its workers hold."""
+        at, holding = self._holding
+        if now - at > 1.0:
+            holding = frozenset(r[0] for r in db.execute("SELECT DISTINCT token_id FROM leases WHERE status='open' AND eval_version IS NULL AND token_id IS NOT NULL"))
+            self._holding = (now, holding)
+            self._demand = {t: t_at for t, t_at in self._demand.items() if now - t_at <= DEMAND_WINDOW_S}
+            self._credit = {t: (v, t_at) for t, (v, t_at) in self._credit.items() if self.credit(t, now) > 0.01}
+        wanting = {t for t, t_at in self._demand.items() if now - t_at <= DEMAND_WINDOW_S} | holding | {token_id}
+        weight = 1.0 + self.credit(token_id, now)
+        total = sum(1.0 + self.credit(t, now) for t in wanting)
+        share = max(1, math.ceil(bound_prompts * weight / total - 1e-3))  # - 1e-3: credit decays while we compute
+        held = db.execute(
+            "SELECT COALESCE(SUM(json_array_length(prompt_indices)), 0) FROM leases WHERE token_id=? AND status='open' AND eval_version IS NULL", (token_id,)
+        ).fetchone()[0]
+        if held >= share:
+            raise NoLeaseNow(f"join token {token_id} holds its share of the generation budget ({share} prompts)", 1.0)
+        return share - int(held)
