@@ -183,6 +183,10 @@ class RolloutEngine:
 
         if self.policy_version is not None and self.policy_version < lease.min_policy_version:
             raise LeaseNotGeneratable(f"loaded policy version {self.policy_version} is below the lease's minimum {lease.min_policy_version}")
+        if lease.environment is not None:  # multi-turn: the turn loop (hidden states returned by the capture)
+            from inference_worker.episodes import generate_episodes
+
+            return generate_episodes(self, lease, return_hidden)
         max_tokens = lease.sampling.max_tokens
         prompts, params, keys = [], [], []
         for pi, prompt in enumerate(lease.prompts):
