@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from environments.registry import get_environment, item_from_wire
-from inference_worker.engine import GenerationStats, LeaseNotGeneratable, RolloutEngine, _finish_reason
+from inference_worker.generation import GenerationStats, LeaseNotGeneratable, finish_reason
 from protocol.models import Completion, FinishReason, TaskLease
 from verifier.proofs import build_proofs_many
 
@@ -41,7 +41,8 @@ class _Episode:
     done: bool = False
 
 
-def generate_episodes(engine: RolloutEngine, lease: TaskLease, return_hidden: bool) -> tuple[list[Completion], list[torch.Tensor]]:
+def generate_episodes(engine, lease: TaskLease, return_hidden: bool) -> tuple[list[Completion], list[torch.Tensor]]:
+    """Every sample of `lease` as a whole episode, with `engine` (an inference_worker.engine.RolloutEngine)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -90,7 +91,7 @@ def generate_episodes(engine: RolloutEngine, lease: TaskLease, return_hidden: bo
             e.mask += [0] * len(turn)
             e.logprobs += [min(0.0, entry[t].logprob) for t, entry in zip(turn, sample.logprobs)]
             e.hidden.append(hidden_from_bytes(taken[out.request_id]))
-            e.finishes.append(_finish_reason(sample.finish_reason, len(turn), c))
+            e.finishes.append(finish_reason(sample.finish_reason, len(turn), c))
             obs = env.reply(e.item, e.tokens, e.mask, e.seed)
             if obs is None:
                 e.done = True
