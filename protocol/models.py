@@ -319,6 +319,8 @@ class RejectionCode(str, Enum):
     lease_mismatch = "lease_mismatch"
     reward_error = "reward_error"  # the trusted side could not score it (e.g. a NaN reward): not the worker's fault
     verification_failed = "verification_failed"  # the verifier failed on it again and again (crash, timeout)
+    env_mismatch = "env_mismatch"  # multi-turn: environment positions that the trusted replay does not write
+    episode_incomplete = "episode_incomplete"  # multi-turn: the episode stops where the environment goes on
 
 
 # Rejections that are the trusted side's own failure: the worker gets no strike for them.
