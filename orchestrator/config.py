@@ -98,6 +98,10 @@ class OrchestratorConfig(BaseModel):
     samples_per_prompt: int = Field(8, ge=1, description="GRPO group size")
     prompts_per_lease: int = Field(4, ge=1)
     sampling: SamplingParams = SamplingParams()
+    environment: str | None = Field(
+        None, description="multi-turn: the environment (environments.registry) that answers each model turn; "
+        "sampling.max_tokens then caps the whole episode. None: single-turn",
+    )
     lease_timeout_s: float = Field(60.0, gt=0)
     max_open_leases_per_worker: int = Field(2, ge=1)
     rate_limit_per_s: float = Field(50.0, gt=0, description="requests per second per worker (and per join token, times its live workers)")
@@ -122,6 +126,15 @@ class OrchestratorConfig(BaseModel):
     )
     admin_token: SecretStr = SecretStr(DEMO_ADMIN_TOKEN)
     db_path: str = Field("", description="SQLite file; default <run dir>/orchestrator.sqlite")
+
+    @field_validator("environment")
+    @classmethod
+    def _known_environment(cls, v: str | None) -> str | None:
+        if v is not None:  # an unknown name fails when the config loads, not at the first verdict
+            from environments.registry import environment_class
+
+            environment_class(v)
+        return v
 
 
 def refuse_exposed_demo_secrets(config: OrchestratorConfig) -> None:
