@@ -99,10 +99,12 @@ def check_completions(comps: list[Any], info: ValidationInfo, numbered: bool = T
     for i, (c, n, n_lp) in enumerate(zip(comps, counts, lp_counts)):
         if n == 0:
             raise ValueError(f"{where(i)}completion has no tokens")
+        what = "tokens"
         if c.env_mask is not None or c.turn_finish_reasons is not None:
             n = check_episode(c.env_mask, c.turn_finish_reasons, n, where(i), c.finish_reason)  # logprobs and proofs cover model tokens only
+            what = "model tokens"
         if n_lp != n:
-            raise ValueError(f"{where(i)}{n} model tokens but {n_lp} logprobs")
+            raise ValueError(f"{where(i)}{n} {what} but {n_lp} logprobs")
         if len(c.proofs) != -(-n // chunk):
             raise ValueError(f"{where(i)}{n} tokens need {-(-n // chunk)} proofs, got {len(c.proofs)}")
     if from_json:
