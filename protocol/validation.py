@@ -109,8 +109,9 @@ def check_completions(comps: list[Any], info: ValidationInfo, numbered: bool = T
             raise ValueError(f"{where(i)}{n} tokens need {-(-n // chunk)} proofs, got {len(c.proofs)}")
     if from_json:
         ends = list(itertools.accumulate(counts))
-        for c, a, b in zip(comps, [0, *ends], ends):  # all checked above: set without re-validation
-            c.__dict__["token_ids"], c.__dict__["logprobs"] = ids[a:b], lps[a:b]
+        lp_ends = list(itertools.accumulate(lp_counts))  # an episode's logprobs cover its model tokens only
+        for c, a, b, la, lb in zip(comps, [0, *ends], ends, [0, *lp_ends], lp_ends):  # all checked above: set without re-validation
+            c.__dict__["token_ids"], c.__dict__["logprobs"] = ids[a:b], lps[la:lb]
     else:
         ids = np.concatenate([c.token_ids for c in comps])
         lps = np.concatenate([c.logprobs for c in comps])

@@ -72,3 +72,20 @@ def test_episode_submissions_fit_the_body_cap():
     c = Completion(**episode([0, 1] * (n // 2 - 1) + [0, 0], finishes=["length"] * (n // 2 - 1) + ["stop"]))
     sub = RolloutSubmission(lease_id="L" * 64, policy_version=0, model_hash="a" * 64, completions=[c.model_copy(update={"sample_index": i}) for i in range(4)])
     assert len(sub.model_dump_json()) <= limits.submission_bytes_cap(4, n, episodes=True)
+
+
+def test_a_submission_of_several_episodes_keeps_each_ones_logprobs_from_json():
+    """From JSON the arrays of all completions are decoded at once and split: by token counts for the ids,
+    by logprob counts (model tokens) for the logprobs."""
+    comps = []
+    for i, mask in enumerate([[0, 1, 1, 0], [0, 0, 1, 1, 1, 0, 0], [0]]):
+        fields = episode(mask)
+        fields["sample_index"] = i
+        fields["logprobs"] = -np.arange(1, mask.count(0) + 1, dtype=np.float32) - 10 * i
+        comps.append(Completion(**fields))
+    sub = RolloutSubmission(lease_id="L", policy_version=0, model_hash="a" * 64, completions=comps)
+    back = RolloutSubmission.model_validate_json(sub.model_dump_json())
+    for c, b in zip(comps, back.completions):
+        assert b.token_ids.tolist() == c.token_ids.tolist()
+        assert b.logprobs.tolist() == c.logprobs.tolist()
+        assert b.env_mask.tolist() == c.env_mask.tolist()
