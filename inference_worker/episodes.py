@@ -52,7 +52,9 @@ def generate_episodes(engine, lease: TaskLease, return_hidden: bool) -> tuple[li
     tokenizer = engine.llm.get_tokenizer()
     eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
     env = get_environment(lease.environment, lambda text: tokenizer.encode(text, add_special_tokens=False), eos)
-    cap = min(lease.sampling.max_tokens, env.limits.max_episode_tokens)
+    cap = env.limits.max_episode_tokens
+    if lease.sampling.max_tokens < cap:  # the orchestrator's config refuses this; the turn caps would disagree
+        raise LeaseNotGeneratable(f"lease max_tokens {lease.sampling.max_tokens} is below environment {env.name!r}'s episode cap {cap}")
     episodes: list[_Episode] = []
     for pi, prompt in enumerate(lease.prompts):
         ids = [int(t) for t in prompt.token_ids]
@@ -70,7 +72,7 @@ def generate_episodes(engine, lease: TaskLease, return_hidden: bool) -> tuple[li
         active = [e for e in episodes if not e.done]
         if not active:
             break
-        caps = [min(env.turn_cap(len(e.tokens)), cap - len(e.tokens)) for e in active]
+        caps = [env.turn_cap(len(e.tokens)) for e in active]
         prompts = [TokensPrompt(prompt_token_ids=e.prompt + e.tokens) for e in active]
         params = [SamplingParams(temperature=0.0, extra_args=extra_args(e.seed, s.temperature, s.top_k, s.top_p, offset=len(e.tokens)),
                                  max_tokens=c, stop_token_ids=stops, logprobs=0, detokenize=False) for e, c in zip(active, caps)]

@@ -9,7 +9,7 @@ from typing import Any, Literal
 import ipaddress
 import re
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from protocol.models import BanScope, SamplingParams
 
@@ -127,14 +127,18 @@ class OrchestratorConfig(BaseModel):
     admin_token: SecretStr = SecretStr(DEMO_ADMIN_TOKEN)
     db_path: str = Field("", description="SQLite file; default <run dir>/orchestrator.sqlite")
 
-    @field_validator("environment")
-    @classmethod
-    def _known_environment(cls, v: str | None) -> str | None:
-        if v is not None:  # an unknown name fails when the config loads, not at the first verdict
+    @model_validator(mode="after")
+    def _environment_fits(self) -> "OrchestratorConfig":
+        """An unknown environment fails when the config loads, not at the first verdict; and the lease's
+        token cap must hold a whole episode, so that the environment's own limits are the ones that bind
+        (the worker and the verifier then end turns at the same places)."""
+        if self.environment is not None:
             from environments.registry import environment_class
 
-            environment_class(v)
-        return v
+            need = environment_class(self.environment).limits.max_episode_tokens
+            if self.sampling.max_tokens < need:
+                raise ValueError(f"environment {self.environment!r} needs sampling.max_tokens >= {need} (its episode cap), got {self.sampling.max_tokens}")
+        return self
 
 
 def refuse_exposed_demo_secrets(config: OrchestratorConfig) -> None:

@@ -29,13 +29,13 @@ def check_episode(env: Environment, item: TaskItem, seed: int, c: Completion, sa
     mask = np.asarray(c.env_mask, dtype=np.int8)
     turns = model_turns(mask)
     enders = set(eos_ids) | set(sampling.stop_token_ids) | set(env.stop_token_ids)
-    episode_cap = min(sampling.max_tokens, env.limits.max_episode_tokens)
+    episode_cap = env.limits.max_episode_tokens  # the orchestrator's leases have max_tokens >= it
     if ids.size > episode_cap:
         return Finding("bad_termination", f"the episode has {ids.size} tokens, over its cap of {episode_cap}", {"num_tokens": float(ids.size)})
     if len(turns) > env.limits.max_turns:
         return Finding("bad_termination", f"{len(turns)} model turns, over the environment's {env.limits.max_turns}", {"turns": float(len(turns))})
     for k, (a, b) in enumerate(turns):
-        found = _check_turn(k, ids[a:b], a, c.turn_finish_reasons[k], min(env.turn_cap(a), episode_cap - a), enders)
+        found = _check_turn(k, ids[a:b], a, c.turn_finish_reasons[k], env.turn_cap(a), enders)
         if found:
             return found
         reply = env.reply(item, ids[:b], mask[:b], seed)

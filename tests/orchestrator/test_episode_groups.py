@@ -52,3 +52,9 @@ def test_single_turn_groups_carry_no_masks():
 def test_unknown_environment_is_refused_by_the_config():
     with pytest.raises(ValueError, match="unknown environment"):
         OrchestratorConfig(environment="nope")
+
+
+def test_the_lease_cap_must_hold_a_whole_episode():
+    with pytest.raises(ValueError, match="needs sampling.max_tokens >= 24"):
+        OrchestratorConfig(environment="lookup", sampling=SamplingParams(max_tokens=8))
+    assert OrchestratorConfig(environment="lookup", sampling=SamplingParams(max_tokens=24)).environment == "lookup"
