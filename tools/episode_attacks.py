@@ -34,7 +34,7 @@ def forged_observation(c: Completion, hidden: torch.Tensor, rng: np.random.Gener
     ids, mask = np.asarray(c.token_ids).copy(), np.asarray(c.env_mask)
     env_pos = np.flatnonzero(mask == 1)
     p = int(rng.choice(env_pos))
-    vocab_small = 64
+    vocab_small = 64  # the tiny models' (padded) vocabulary: any other id than the environment's
     ids[p] = (int(ids[p]) + int(rng.integers(1, vocab_small))) % vocab_small
     return _episode(c, ids, mask, c.logprobs, hidden, c.turn_finish_reasons)
 

@@ -81,7 +81,9 @@ def run(model_dir: Path, trials: int, n_prompts: int = 40, samples: int = 16, se
             codes: Counter = Counter()
             accepted = rejected = 0
             made = 0
-            for i in range(trials):
+            for i in range(10 * trials):  # some attacks do not apply to every episode: go on until `trials` were made
+                if made == trials:
+                    break
                 c, h = multi[i % len(multi)]
                 try:
                     forged = attack(c, h, rng)
@@ -95,7 +97,7 @@ def run(model_dir: Path, trials: int, n_prompts: int = 40, samples: int = 16, se
                     rejected += 1
                     codes[v.rejections[0].code.value] += 1
             rows.append({"scenario": name, "expect": "reject", "trials": made, "accepted": accepted, "rejected": rejected,
-                         "detail": f"on {min(len(multi), trials)} distinct honest episodes", "codes": dict(codes)})
+                         "detail": f"from {len(multi)} honest episodes with a tool call", "codes": dict(codes)})
     finally:
         verifier.close()
     return {"rows": rows, "generate_s": generated_s, "total_s": time.perf_counter() - started}
