@@ -125,3 +125,21 @@ def test_a_single_turn_completion_for_an_environment_lease_is_refused(episodes, 
     episode_lease_as_single = lease.model_copy(update=dict(environment=None))
     verdict = verifier.verify(job(episode_lease_as_single, items, [c], sid="episode-for-single"))
     assert verdict.status == VerdictStatus.rejected and verdict.rejections[0].code == RejectionCode.lease_mismatch
+
+
+def test_calculator_episodes_from_the_engine_are_accepted(tool_model_dir, verifier):
+    """The calculator environment through the same path: countdown prompts, the real turn loop, the verifier."""
+    from inference_worker.config import EngineConfig
+    from inference_worker.engine import RolloutEngine
+
+    lease, items = make_lease(tool_model_dir, n_prompts=4, samples=8, environment="calculator", task="countdown")
+    lease = lease.model_copy(update={"sampling": SamplingParams(temperature=1.0, max_tokens=96)})
+    engine = RolloutEngine(tool_model_dir, EngineConfig(max_model_len=160, kv_cache_bytes=64 << 20))
+    try:
+        comps = engine.generate(lease)
+    finally:
+        engine.close()
+    assert all(c.env_mask is not None and c.token_ids.size <= 96 for c in comps)
+    verdict = verifier.verify(job(lease, items, comps, sid="calc"))
+    assert verdict.status == VerdictStatus.accepted, verdict.rejections[:3]
+    assert all(0.0 <= r <= 1.0 for r in verdict.rewards)
