@@ -22,6 +22,7 @@ import torch
 
 from environments.registry import get_environment, item_from_wire
 from inference_worker.generation import GenerationStats, LeaseNotGeneratable, finish_reason
+from protocol import limits
 from protocol.models import Completion, FinishReason, TaskLease
 from verifier.proofs import build_proofs_many
 
@@ -102,7 +103,8 @@ def generate_episodes(engine, lease: TaskLease, return_hidden: bool) -> tuple[li
                 e.mask += [1] * len(obs)
 
     hidden = [torch.cat(e.hidden) for e in episodes]
-    proofs = build_proofs_many(hidden) if engine.config.proofs else [[b"\x00"] * -(-h.shape[0] // 32) for h in hidden]
+    # With proofs off (benchmarks only) every chunk gets the engine's placeholder (NO_PROOF), which a verifier rejects.
+    proofs = build_proofs_many(hidden) if engine.config.proofs else [[b"\x00"] * -(-h.shape[0] // limits.PROOF_CHUNK_TOKENS) for h in hidden]
     completions = [
         Completion(prompt_index=e.prompt_index, sample_index=e.sample_index, token_ids=np.asarray(e.tokens, dtype=np.int32),
                    logprobs=np.asarray(e.logprobs, dtype=np.float32), finish_reason=e.finishes[-1], proofs=p,
