@@ -58,3 +58,18 @@ def test_the_lease_cap_must_hold_a_whole_episode():
     with pytest.raises(ValueError, match="needs sampling.max_tokens >= 24"):
         OrchestratorConfig(environment="lookup", sampling=SamplingParams(max_tokens=8))
     assert OrchestratorConfig(environment="lookup", sampling=SamplingParams(max_tokens=24)).environment == "lookup"
+
+
+def test_admission_refuses_a_completion_of_the_wrong_kind():
+    """A 4xx with a reason, before verification: episodes for a single-turn lease, or the reverse."""
+    from orchestrator.admission import check_shape
+    from orchestrator.errors import ApiError
+
+    comps = [episode(0, [0, 1, 0]), episode(1, [0])]
+    sub = RolloutSubmission(lease_id="L", policy_version=0, model_hash="a" * 64, completions=comps)
+    check_shape(sub, lease())  # the right kind passes
+    with pytest.raises(ApiError, match="multi-turn episode .* single-turn lease"):
+        check_shape(sub, lease().model_copy(update={"environment": None}))
+    single = [c.model_copy(update={"env_mask": None, "turn_finish_reasons": None, "logprobs": np.full(c.token_ids.size, -1.0, np.float32)}) for c in comps]
+    with pytest.raises(ApiError, match="env_mask and turn_finish_reasons are required"):
+        check_shape(RolloutSubmission.model_construct(lease_id="L", policy_version=0, model_hash="a" * 64, completions=single), lease())
