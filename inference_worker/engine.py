@@ -36,7 +36,6 @@ import os
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -44,6 +43,7 @@ import numpy as np
 import torch
 
 from inference_worker.config import EngineConfig
+from inference_worker.generation import GenerationStats, LeaseNotGeneratable, finish_reason as _finish_reason  # noqa: F401 - re-exported
 from protocol import limits
 from protocol.models import Completion, FinishReason, TaskLease
 
@@ -54,26 +54,6 @@ CAPTURE_EXTENSION = "inference_worker.capture.HiddenStateCapture"
 NO_PROOF = b"\x00"
 # The ranks vLLM's `max_lora_rank` accepts (vllm.config.lora.MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-class LeaseNotGeneratable(ValueError):
-    """The lease cannot be generated as asked (e.g. prompt + max_tokens exceed the model's length)."""
-
-
-@dataclass
-class GenerationStats:
-    completions: int = 0
-    tokens: int = 0
-    seconds: float = 0.0  # wall time of `generate`, proofs included
-    # Where the proof work went (worker side): recording rows in the model step (critical path), the
-    # background proof thread (overlaps generation), and the final collection (critical path).
-    capture_record_s: float = 0.0
-    proof_thread_s: float = 0.0
-    capture_take_s: float = 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 @contextmanager
@@ -183,6 +163,10 @@ class RolloutEngine:
 
         if self.policy_version is not None and self.policy_version < lease.min_policy_version:
             raise LeaseNotGeneratable(f"loaded policy version {self.policy_version} is below the lease's minimum {lease.min_policy_version}")
+        if lease.environment is not None:  # multi-turn: the turn loop (hidden states returned by the capture)
+            from inference_worker.episodes import generate_episodes
+
+            return generate_episodes(self, lease, return_hidden)
         max_tokens = lease.sampling.max_tokens
         prompts, params, keys = [], [], []
         for pi, prompt in enumerate(lease.prompts):
@@ -319,11 +303,3 @@ class RolloutEngine:
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
         del llm
-
-
-def _finish_reason(vllm_reason: str | None, num_tokens: int, max_tokens: int) -> FinishReason:
-    if vllm_reason == "stop":
-        return FinishReason.stop
-    if vllm_reason == "length" and num_tokens == max_tokens:
-        return FinishReason.length
-    raise RuntimeError(f"unexpected vLLM finish reason {vllm_reason!r} after {num_tokens} tokens (max_tokens {max_tokens})")

@@ -12,7 +12,8 @@ Where it runs (vLLM 0.32 v1, `vllm/v1/sample/sampler.py`, `Sampler.forward`):
 
 Each of our requests reaches vLLM as a greedy request (temperature 0) whose `extra_args` carry the
 lease's seed and (temperature, top_k, top_p). For those rows this processor computes the seeded draw of
-`protocol.sampling` from the raw logits at position = number of output tokens so far, and turns the row
+`protocol.sampling` from the raw logits at position = offset + number of output tokens so far (offset: a
+multi-turn episode's turn starts where it sits in the episode, 0 otherwise), and turns the row
 into "-inf everywhere except the winner", so vLLM's argmax picks exactly that token. Nothing of vLLM's
 own sampling (its per-request generators, temperature, top-k / top-p sort) runs for them, and there is
 no second forward pass. The noise is counter-based, so a discarded draw (a chunked-prefill row) or a
@@ -41,24 +42,29 @@ SEEDED_SAMPLER = "inference_worker.seeded_sampler:SeededSampler"
 EXTRA_ARGS_KEY = "swarmrl_seeded"
 
 
-def extra_args(seed: int, temperature: float, top_k: int, top_p: float) -> dict:
-    """What a request carries for this processor (plain values: they cross vLLM's msgpack transport)."""
-    return {EXTRA_ARGS_KEY: [int(seed), float(temperature), int(top_k), float(top_p)]}
+def extra_args(seed: int, temperature: float, top_k: int, top_p: float, offset: int = 0) -> dict:
+    """What a request carries for this processor (plain values: they cross vLLM's msgpack transport).
+
+    `offset`: the draw position of the request's first output token. A multi-turn episode's later turns
+    start at the turn's index in the episode, so environment tokens consume positions and no draw of one
+    turn can be reused in another. 0 (single-turn) is sent as the 4-value form of before."""
+    values = [int(seed), float(temperature), int(top_k), float(top_p)]
+    return {EXTRA_ARGS_KEY: values + [int(offset)] if offset else values}
 
 
-def _request_settings(params: "VllmSamplingParams") -> tuple[int, float, int, float] | None:
+def _request_settings(params: "VllmSamplingParams") -> tuple[int, float, int, float, int] | None:
     args = (params.extra_args or {}).get(EXTRA_ARGS_KEY)
     if args is None:
         return None
-    seed, temperature, top_k, top_p = args
-    return int(seed), float(temperature), int(top_k), float(top_p)
+    seed, temperature, top_k, top_p, *offset = args
+    return int(seed), float(temperature), int(top_k), float(top_p), int(offset[0]) if offset else 0
 
 
 class _Row:
-    __slots__ = ("seed", "temperature", "top_k", "top_p", "output_ids")
+    __slots__ = ("seed", "temperature", "top_k", "top_p", "offset", "output_ids")
 
-    def __init__(self, settings: tuple[int, float, int, float], output_ids: list[int]):
-        self.seed, self.temperature, self.top_k, self.top_p = settings
+    def __init__(self, settings: tuple[int, float, int, float, int], output_ids: list[int]):
+        self.seed, self.temperature, self.top_k, self.top_p, self.offset = settings
         self.output_ids = output_ids  # vLLM's live list of this request's output tokens (a reference)
 
 
@@ -71,6 +77,7 @@ class _Layout:
         self.rows = [rows[i] for i in self.indices]
         self.index_tensor = torch.tensor(self.indices, dtype=torch.int64, device=device)
         self.seed_states = sampling.seed_state_np([r.seed for r in self.rows])
+        self.offsets = np.fromiter((r.offset for r in self.rows), dtype=np.uint32, count=len(self.rows))
         self.params = sampling.DrawParams.build(
             [r.temperature for r in self.rows], [r.top_k for r in self.rows], [r.top_p for r in self.rows], vocab_size, device
         )
@@ -85,10 +92,10 @@ class SeededSampler(LogitsProcessor):
         args = (params.extra_args or {}).get(EXTRA_ARGS_KEY)
         if args is None:
             return
-        if not (isinstance(args, (list, tuple)) and len(args) == 4):
-            raise ValueError(f"{EXTRA_ARGS_KEY} must be [seed, temperature, top_k, top_p], got {args!r}")
-        seed, temperature, top_k, top_p = args
-        if not 0 <= int(seed) < 2**63 or float(temperature) < 0 or not 0 < float(top_p) <= 1 or int(top_k) < -1:
+        if not (isinstance(args, (list, tuple)) and len(args) in (4, 5)):
+            raise ValueError(f"{EXTRA_ARGS_KEY} must be [seed, temperature, top_k, top_p(, offset)], got {args!r}")
+        seed, temperature, top_k, top_p, *offset = args
+        if not 0 <= int(seed) < 2**63 or float(temperature) < 0 or not 0 < float(top_p) <= 1 or int(top_k) < -1 or (offset and not 0 <= int(offset[0]) < 2**31):
             raise ValueError(f"bad seeded-sampling settings {args!r}")
         if params.temperature != 0.0:
             raise ValueError("a seeded request must reach vLLM as greedy (temperature 0): this processor draws")
@@ -135,7 +142,7 @@ class SeededSampler(LogitsProcessor):
         # Indices are sorted and distinct: they cover the batch iff there are `batch` of them ending at batch - 1.
         whole_batch = len(layout.indices) == batch and layout.indices[-1] == batch - 1
         # Row states on the host, where the positions are (tokens generated so far): a few numpy ops.
-        positions = np.fromiter((len(r.output_ids) for r in layout.rows), dtype=np.uint32, count=len(layout.rows))
+        positions = layout.offsets + np.fromiter((len(r.output_ids) for r in layout.rows), dtype=np.uint32, count=len(layout.rows))
         states = torch.from_numpy(sampling.row_state_np(layout.seed_states, positions).astype(np.int64)).to(self.device, non_blocking=True)
         rows = logits if whole_batch else logits.index_select(0, layout.index_tensor)
         winners = sampling.draw(rows, states, self.token_words, layout.params).view(-1, 1)

@@ -105,6 +105,10 @@ def check_shape(sub: RolloutSubmission, lease: TaskLease) -> None:
     for i, c in enumerate(sub.completions):
         if c.token_ids.size > max_tokens:
             raise ApiError(ErrorCode.lease_mismatch, f"completion {i}: {c.token_ids.size} tokens, lease allows {max_tokens}")
+        if (c.env_mask is None) != (lease.environment is None):
+            raise ApiError(ErrorCode.lease_mismatch, f"completion {i}: " + (
+                "a multi-turn episode (env_mask) for a single-turn lease" if lease.environment is None
+                else f"lease {lease.lease_id} is a multi-turn episode of environment {lease.environment!r}: env_mask and turn_finish_reasons are required"))
 
 
 def fingerprint(sub: RolloutSubmission) -> str:

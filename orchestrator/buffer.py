@@ -48,7 +48,8 @@ CREATE TABLE IF NOT EXISTS sample_groups (
     completion_lengths BLOB NOT NULL,
     prompt_ids BLOB NOT NULL,
     completion_ids BLOB NOT NULL,
-    logprobs BLOB NOT NULL
+    logprobs BLOB NOT NULL,
+    env_masks BLOB NOT NULL DEFAULT x''   -- multi-turn episodes only
 );
 CREATE INDEX IF NOT EXISTS sample_groups_by_status ON sample_groups (status, seq);
 CREATE INDEX IF NOT EXISTS sample_groups_by_batch ON sample_groups (batch_id) WHERE batch_id IS NOT NULL;
@@ -66,7 +67,7 @@ INSERT_GROUP = (
     f"INSERT INTO sample_groups ({GROUP_COLUMNS}, num_samples, created_at, status) "
     f"VALUES ({', '.join('?' * (len(SampleGroup.__dataclass_fields__) + 2))}, 'ready')"
 )
-CLEARED_ARRAYS = ", ".join(f"{name}=x''" for name in ("completion_lengths", "prompt_ids", "completion_ids", "logprobs"))
+CLEARED_ARRAYS = ", ".join(f"{name}=x''" for name in ("completion_lengths", "prompt_ids", "completion_ids", "logprobs", "env_masks"))
 
 
 @dataclass
@@ -115,8 +116,13 @@ def build_groups(
             raise ValueError("the verifier's behaviour logprobs do not match the completions")
         mu = [behaviour_logprobs[i] for i in order]
     else:
-        mu = [c.logprobs for c in ordered]
+        mu = [c.logprobs if c.env_mask is None else _episode_logprobs(c) for c in ordered]
     logprobs = le_bytes(np.concatenate(mu), GROUP_ARRAYS["logprobs"])
+    # Multi-turn: the env masks, so that the trainer learns only from the model's tokens (behaviour logprobs
+    # cover the whole episode, the verifier's at environment positions too; the trainer masks them).
+    episodes = any(c.env_mask is not None for c in ordered)
+    if episodes:
+        masks = le_bytes(np.concatenate([c.env_mask if c.env_mask is not None else np.zeros(c.token_ids.size, np.uint8) for c in ordered]), GROUP_ARRAYS["env_masks"])
     rows: list[SampleGroup] = []
     for g, (p, start, end) in enumerate(zip(prompts, [0, *ends], ends)):
         if not signal[g]:
@@ -133,9 +139,18 @@ def build_groups(
                 le_bytes(lease.prompts[p].token_ids, GROUP_ARRAYS["prompt_ids"]),
                 completion_ids[start * size["completion_ids"] : end * size["completion_ids"]],
                 logprobs[start * size["logprobs"] : end * size["logprobs"]],
+                masks[start:end] if episodes else b"",
             )
         )
     return Groups(rows, len(prompts) - len(rows))
+
+
+def _episode_logprobs(c) -> np.ndarray:
+    """An episode's logprobs cover its model positions: spread over all its tokens (0 where the environment
+    wrote, which the trainer masks), the layout of the verifier's behaviour logprobs."""
+    out = np.zeros(c.token_ids.size, dtype=np.float32)
+    out[np.asarray(c.env_mask) == 0] = c.logprobs
+    return out
 
 
 class RolloutBuffer:
@@ -143,6 +158,9 @@ class RolloutBuffer:
         self.db = db
         self.max_staleness = max_staleness
         db.create(SCHEMA, counters=COUNTERS)
+        with db.tx() as conn:  # a run started before multi-turn episodes: its table lacks env_masks
+            if "env_masks" not in {r[1] for r in conn.execute("PRAGMA table_info(sample_groups)").fetchall()}:
+                conn.execute("ALTER TABLE sample_groups ADD COLUMN env_masks BLOB NOT NULL DEFAULT x''")
         with db.tx() as conn:
             # Taken groups stay taken over a restart: only the trainer knows whether it trained them
             # (Orchestrator.reconcile_trainer decides).
@@ -164,7 +182,7 @@ class RolloutBuffer:
         db.executemany(
             INSERT_GROUP,
             [(g.submission_id, g.prompt_index, json.dumps(g.sample_indices), g.behaviour_version, g.advantages, g.rewards,
-              g.completion_lengths, g.prompt_ids, g.completion_ids, g.logprobs, g.num_samples, now) for g in groups.rows],
+              g.completion_lengths, g.prompt_ids, g.completion_ids, g.logprobs, g.env_masks, g.num_samples, now) for g in groups.rows],
         )
         Database.add(db, BUFFERED_SAMPLES, groups.num_samples)
 

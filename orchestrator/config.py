@@ -9,7 +9,7 @@ from typing import Any, Literal
 import ipaddress
 import re
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from protocol.models import BanScope, SamplingParams
 
@@ -98,6 +98,10 @@ class OrchestratorConfig(BaseModel):
     samples_per_prompt: int = Field(8, ge=1, description="GRPO group size")
     prompts_per_lease: int = Field(4, ge=1)
     sampling: SamplingParams = SamplingParams()
+    environment: str | None = Field(
+        None, description="multi-turn: the environment (environments.registry) that answers each model turn; "
+        "sampling.max_tokens then caps the whole episode. None: single-turn",
+    )
     lease_timeout_s: float = Field(60.0, gt=0)
     max_open_leases_per_worker: int = Field(2, ge=1)
     rate_limit_per_s: float = Field(50.0, gt=0, description="requests per second per worker (and per join token, times its live workers)")
@@ -122,6 +126,19 @@ class OrchestratorConfig(BaseModel):
     )
     admin_token: SecretStr = SecretStr(DEMO_ADMIN_TOKEN)
     db_path: str = Field("", description="SQLite file; default <run dir>/orchestrator.sqlite")
+
+    @model_validator(mode="after")
+    def _environment_fits(self) -> "OrchestratorConfig":
+        """An unknown environment fails when the config loads, not at the first verdict; and the lease's
+        token cap must hold a whole episode, so that the environment's own limits are the ones that bind
+        (the worker and the verifier then end turns at the same places)."""
+        if self.environment is not None:
+            from environments.registry import environment_class
+
+            need = environment_class(self.environment).limits.max_episode_tokens
+            if self.sampling.max_tokens < need:
+                raise ValueError(f"environment {self.environment!r} needs sampling.max_tokens >= {need} (its episode cap), got {self.sampling.max_tokens}")
+        return self
 
 
 def refuse_exposed_demo_secrets(config: OrchestratorConfig) -> None:

@@ -46,7 +46,8 @@ class Gate:
         self.admin_token = orch.cfg.admin_token.get_secret_value().encode()
         cfg = orch.cfg
         self.timeout_s = cfg.request_timeout_s
-        self.submit_cap = limits.submission_bytes_cap(cfg.prompts_per_lease * cfg.samples_per_prompt, cfg.sampling.max_tokens)
+        self.submit_cap = limits.submission_bytes_cap(cfg.prompts_per_lease * cfg.samples_per_prompt, cfg.sampling.max_tokens,
+                                                      episodes=cfg.environment is not None)
         self.failed = RateLimiter(cfg.failed_auth_per_min / 60.0, burst=max(5.0, cfg.failed_auth_per_min))
         self.bytes = RateLimiter(cfg.bytes_per_s_per_worker, burst=4 * cfg.bytes_per_s_per_worker)
         # A join token's identities share half of what as many independent workers could send: a Sybil

@@ -122,17 +122,22 @@ class LeaseBook:
         self._open: dict[str, TaskLease] = {}
         # Prompt index -> (prompt_id, token ids) as validated by the first lease that carried the prompt.
         # The token array is shared, read-only, by every later lease of that prompt.
-        self._checked_prompts: dict[int, tuple[str, np.ndarray]] = {}
+        self._checked_prompts: dict[int, tuple[str, np.ndarray, str | None]] = {}
 
     def _task_prompt(self, index: int, seeds: list[int]) -> TaskPrompt:
         checked = self._checked_prompts.get(index)
         if checked is None:
             p = self.prompts.prompts[index]
-            prompt = TaskPrompt(prompt_id=p.prompt_id, token_ids=p.token_ids, seeds=seeds)
+            env_item = None
+            if self.config.environment is not None:  # the worker's environment answers from the item
+                from environments.registry import item_to_wire
+
+                env_item = item_to_wire(p.item)
+            prompt = TaskPrompt(prompt_id=p.prompt_id, token_ids=p.token_ids, seeds=seeds, env_item=env_item)
             prompt.token_ids.flags.writeable = False
-            self._checked_prompts[index] = (prompt.prompt_id, prompt.token_ids)
+            self._checked_prompts[index] = (prompt.prompt_id, prompt.token_ids, prompt.env_item)
             return prompt
-        return TaskPrompt.model_construct(prompt_id=checked[0], token_ids=checked[1], seeds=seeds)
+        return TaskPrompt.model_construct(prompt_id=checked[0], token_ids=checked[1], seeds=seeds, env_item=checked[2])
 
     def sample_seeds(self, lease_seq: int, n: int) -> list[int]:
         """Per-sample seeds of a lease. Unpredictable before the lease is issued (a keyed hash of the lease
@@ -218,6 +223,7 @@ class LeaseBook:
                 min_policy_version=min_version,
                 deadline=now + cfg.lease_timeout_s,
                 generation_version=loaded_version,
+                environment=cfg.environment,
             )
             db.execute(
                 "INSERT INTO leases (lease_id, seq, worker_id, prompt_indices, body, issued_at, deadline, status, request_id, token_id) "
@@ -256,6 +262,7 @@ class LeaseBook:
             min_policy_version=min(version, staleness.min_policy_version(current_version, self.config.async_level)),
             deadline=now + self.config.lease_timeout_s,
             generation_version=version,
+            environment=self.config.environment,
         )
         db.execute(
             "INSERT INTO leases (lease_id, seq, worker_id, prompt_indices, body, issued_at, deadline, status, request_id, token_id, eval_version) "

@@ -130,7 +130,8 @@ class Orchestrator:
             strikes_to_ban=config.strikes_to_ban, make_job=make_job, batch_size=verify_batch,
         )
         self.limiter = admission.RateLimiter(config.rate_limit_per_s)
-        self.submission_cap = limits.submission_bytes_cap(config.prompts_per_lease * config.samples_per_prompt, config.sampling.max_tokens)
+        self.submission_cap = limits.submission_bytes_cap(config.prompts_per_lease * config.samples_per_prompt, config.sampling.max_tokens,
+                                                          episodes=config.environment is not None)
         # A token may register its whole quota of identities at once, then re-register at the per-minute rate.
         self.registrations = admission.RateLimiter(config.registrations_per_min_per_token / 60.0, burst=float(config.max_identities_per_token))
         self._version = db.get_int("policy_version")

@@ -18,6 +18,7 @@ GROUP_ARRAYS = {
     "prompt_ids": "int32",  # the group's shared prompt
     "completion_ids": "int32",  # all members
     "logprobs": "float32",  # all members: behaviour logprobs of each completion token
+    "env_masks": "uint8",  # all members, multi-turn only (empty otherwise): 1 where the environment wrote the token
 }
 
 
@@ -35,6 +36,7 @@ class SampleGroup:
     prompt_ids: bytes
     completion_ids: bytes
     logprobs: bytes
+    env_masks: bytes = b""  # multi-turn episodes: the env mask of every member's tokens (see GROUP_ARRAYS)
 
     @property
     def num_samples(self) -> int:

@@ -14,6 +14,8 @@ MAX_PROMPTS_PER_TASK = 64
 MAX_SAMPLES_PER_PROMPT = 64
 MAX_COMPLETIONS_PER_SUBMISSION = 256
 MAX_STOP_TOKEN_IDS = 16
+MAX_EPISODE_TURNS = 64  # model turns of one multi-turn episode (environments)
+MAX_ENV_ITEM_CHARS = 8192  # the task item a multi-turn lease's prompt carries for the worker's environment
 
 # TOPLOC-style proofs: one proof per chunk of generated tokens (Ong et al., 2025: 32 tokens, 258 bytes).
 PROOF_CHUNK_TOKENS = 32
@@ -34,12 +36,16 @@ MAX_RUN_ID_CHARS = 128
 MAX_SHARD_NAME_CHARS = 128
 
 
-def submission_bytes_cap(completions: int, max_tokens: int) -> int:
+def submission_bytes_cap(completions: int, max_tokens: int, episodes: bool = False) -> int:
     """The largest JSON body an honest worker sends for a lease of `completions` completions of at most
     `max_tokens` tokens (compact JSON, as `model_dump_json` writes it), with 10% slack: token ids and
     logprobs as base64 of 4 bytes per value, one 258-byte proof per 32 tokens, ~150 bytes of keys and
-    small values per completion. The orchestrator refuses bodies above it, before and while decompressing."""
+    small values per completion; with `episodes` (multi-turn leases, `max_tokens` the episode's cap) also
+    the env mask (base64 of one byte per token) and up to MAX_EPISODE_TURNS turn finish reasons. The
+    orchestrator refuses bodies above it, before and while decompressing."""
     b64 = lambda n: 4 * -(-n // 3)  # noqa: E731 - base64 length of n bytes
     proofs = -(-max_tokens // PROOF_CHUNK_TOKENS) * (b64(MAX_PROOF_BYTES) + 3)
     per_completion = 2 * b64(4 * max_tokens) + proofs + 160
+    if episodes:
+        per_completion += b64(max_tokens) + 48 + 9 * MAX_EPISODE_TURNS  # "env_mask", "turn_finish_reasons", '"length",' each
     return int(1.1 * (completions * per_completion + 512)) + 4096

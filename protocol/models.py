@@ -18,7 +18,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationIn
 
 from protocol import limits
 from protocol.arrays import PackedArray
-from protocol.validation import COMPLETION_TOKENS, IN_SUBMISSION, LOGPROBS, check_completions, check_token_ids
+from protocol.validation import COMPLETION_TOKENS, ENV_MASK, IN_SUBMISSION, LOGPROBS, check_completions, check_token_ids
 
 Id = Annotated[str, Field(min_length=1, max_length=limits.MAX_ID_CHARS, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")]
 Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
@@ -30,6 +30,15 @@ PromptTokens = Annotated[np.ndarray, PackedArray("int32", limits.MAX_PROMPT_TOKE
 # Deferred: the batched checks of protocol.validation turn them into arrays.
 CompletionTokens = Annotated[np.ndarray, COMPLETION_TOKENS]
 Logprobs = Annotated[np.ndarray, LOGPROBS]
+EnvMask = Annotated[np.ndarray, ENV_MASK]
+
+
+def _absent(value: Any) -> bool:
+    return value is None
+
+
+# An optional field added later: left out of the JSON when unset, so older messages stay byte-identical.
+Later = dict(default=None, exclude_if=_absent)
 
 
 class WireModel(BaseModel):
@@ -145,6 +154,9 @@ class TaskPrompt(WireModel):
     token_ids: PromptTokens
     # One seed per sample, chosen by the orchestrator so that sampling is reproducible.
     seeds: Annotated[list[Annotated[int, Field(ge=0, lt=2**63)]], Field(min_length=1, max_length=limits.MAX_SAMPLES_PER_PROMPT)]
+    # Multi-turn leases: the task item the worker's copy of the environment answers from (JSON, written by
+    # environments.registry.item_to_wire). The verifier replays the environment from its own trusted item.
+    env_item: Annotated[str | None, Field(max_length=limits.MAX_ENV_ITEM_CHARS, **Later)]
 
     @field_validator("token_ids")
     @classmethod
@@ -166,6 +178,10 @@ class TaskLease(WireModel):
     # that could pick the version after seeing the seeds could keep the best of several draws.
     # None: a lease issued before versions were pinned (any version from min_policy_version on).
     generation_version: Version | None = None
+    # A multi-turn lease: the environment (environments.registry) that answers each model turn. Then
+    # `sampling.max_tokens` caps the whole episode (model and environment tokens); the environment's own
+    # limits cap turns and tokens per turn. None: single-turn.
+    environment: Annotated[Id | None, Field(**Later)]
 
     @model_validator(mode="after")
     def _consistent(self) -> "TaskLease":
@@ -219,6 +235,13 @@ ProofBlob = Annotated[bytes, Field(min_length=1, max_length=limits.MAX_PROOF_BYT
 
 
 class Completion(WireModel):
+    """One sample of a lease. Single-turn: `token_ids` are the sampled tokens, and `logprobs` and `proofs`
+    cover all of them. Multi-turn (a lease with an environment): `token_ids` are the whole episode after
+    the prompt, model turns and environment observations interleaved; `env_mask` marks which positions the
+    environment wrote (1) and which the model sampled (0); `logprobs` and `proofs` cover the model-sampled
+    positions only, in order; `turn_finish_reasons` has one entry per model turn and `finish_reason` is the
+    last turn's. The seeded-draw position of a model token is its index in the episode."""
+
     prompt_index: Annotated[int, Field(ge=0, lt=limits.MAX_PROMPTS_PER_TASK)]
     sample_index: Annotated[int, Field(ge=0, lt=limits.MAX_SAMPLES_PER_PROMPT)]
     token_ids: CompletionTokens
@@ -226,6 +249,14 @@ class Completion(WireModel):
     finish_reason: FinishReason
     # One TOPLOC-style proof per PROOF_CHUNK_TOKENS generated tokens (the last chunk may be partial).
     proofs: Annotated[list[ProofBlob], Field(max_length=limits.MAX_COMPLETION_TOKENS // limits.PROOF_CHUNK_TOKENS + 1)]
+    env_mask: Annotated[EnvMask | None, Field(**Later)]
+    turn_finish_reasons: Annotated[list[FinishReason] | None, Field(max_length=limits.MAX_EPISODE_TURNS, **Later)]
+
+    @property
+    def model_positions(self) -> np.ndarray:
+        """Indices of the model-sampled tokens in `token_ids` (all of them for a single-turn completion)."""
+        n = int(np.asarray(self.token_ids).size)
+        return np.arange(n) if self.env_mask is None else np.flatnonzero(np.asarray(self.env_mask) == 0)
 
     @model_validator(mode="after")
     def _values(self, info: ValidationInfo) -> "Completion":
@@ -288,6 +319,8 @@ class RejectionCode(str, Enum):
     lease_mismatch = "lease_mismatch"
     reward_error = "reward_error"  # the trusted side could not score it (e.g. a NaN reward): not the worker's fault
     verification_failed = "verification_failed"  # the verifier failed on it again and again (crash, timeout)
+    env_mismatch = "env_mismatch"  # multi-turn: environment positions that the trusted replay does not write
+    episode_incomplete = "episode_incomplete"  # multi-turn: the episode stops where the environment goes on
 
 
 # Rejections that are the trusted side's own failure: the worker gets no strike for them.

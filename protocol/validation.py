@@ -19,6 +19,8 @@ from protocol.arrays import PackedArray
 # Deferred: `check_completions` turns them into arrays, for a whole submission in one numpy call each.
 COMPLETION_TOKENS = PackedArray("int32", limits.MAX_COMPLETION_TOKENS, deferred=True)
 LOGPROBS = PackedArray("float32", limits.MAX_COMPLETION_TOKENS, deferred=True)
+# Multi-turn episodes: 1 where the environment wrote the token, 0 where the model sampled it.
+ENV_MASK = PackedArray("uint8", limits.MAX_COMPLETION_TOKENS)
 
 # Set while a RolloutSubmission validates its completions: their checks (and, from JSON, the making of
 # their arrays) are then done once for all of them, in one numpy pass per rule, instead of ~6 small
@@ -41,6 +43,34 @@ def check_logprobs(v: np.ndarray, where: str) -> np.ndarray:
     if v.size and float(v.max()) > 0.0:
         raise ValueError(f"{where}logprobs must be <= 0, got {float(v.max())} at index {int(np.argmax(v))}")
     return v
+
+
+def model_turn_count(env_mask: np.ndarray) -> int:
+    """Runs of model positions (0s) in an env mask."""
+    m = np.asarray(env_mask, dtype=np.int8)
+    return int(m.size and (m[0] == 0)) + int(np.count_nonzero((m[1:] == 0) & (m[:-1] == 1)))
+
+
+def check_episode(env_mask: np.ndarray | None, turn_finish_reasons: list | None, n: int, where: str, finish_reason: Any = None) -> int:
+    """A multi-turn completion's shape: one mask value (0 or 1) per token, model tokens first and last
+    (an episode starts with a model turn and ends after one), one finish reason per model turn. Returns the
+    number of model tokens, which the logprobs and proofs cover."""
+    if env_mask is None or turn_finish_reasons is None:
+        raise ValueError(f"{where}env_mask and turn_finish_reasons come together (a multi-turn episode) or not at all")
+    if env_mask.size != n:
+        raise ValueError(f"{where}env_mask has {env_mask.size} values for {n} tokens")
+    if env_mask.size and int(env_mask.max()) > 1:
+        raise ValueError(f"{where}env_mask values must be 0 (model) or 1 (environment), got {int(env_mask.max())} at index {int(np.argmax(env_mask > 1))}")
+    if env_mask[0] != 0 or env_mask[-1] != 0:
+        raise ValueError(f"{where}an episode starts and ends with a model turn (env_mask[0] and env_mask[-1] must be 0)")
+    turns = model_turn_count(env_mask)
+    if turns > limits.MAX_EPISODE_TURNS:
+        raise ValueError(f"{where}{turns} model turns exceed {limits.MAX_EPISODE_TURNS}")
+    if len(turn_finish_reasons) != turns:
+        raise ValueError(f"{where}{turns} model turns but {len(turn_finish_reasons)} turn finish reasons")
+    if finish_reason is not None and turn_finish_reasons[-1] != finish_reason:
+        raise ValueError(f"{where}finish_reason {finish_reason} is not the last turn's ({turn_finish_reasons[-1]})")
+    return int(n - np.count_nonzero(env_mask))
 
 
 def check_completions(comps: list[Any], info: ValidationInfo, numbered: bool = True) -> None:
@@ -69,14 +99,19 @@ def check_completions(comps: list[Any], info: ValidationInfo, numbered: bool = T
     for i, (c, n, n_lp) in enumerate(zip(comps, counts, lp_counts)):
         if n == 0:
             raise ValueError(f"{where(i)}completion has no tokens")
+        what = "tokens"
+        if c.env_mask is not None or c.turn_finish_reasons is not None:
+            n = check_episode(c.env_mask, c.turn_finish_reasons, n, where(i), c.finish_reason)  # logprobs and proofs cover model tokens only
+            what = "model tokens"
         if n_lp != n:
-            raise ValueError(f"{where(i)}{n} tokens but {n_lp} logprobs")
+            raise ValueError(f"{where(i)}{n} {what} but {n_lp} logprobs")
         if len(c.proofs) != -(-n // chunk):
             raise ValueError(f"{where(i)}{n} tokens need {-(-n // chunk)} proofs, got {len(c.proofs)}")
     if from_json:
         ends = list(itertools.accumulate(counts))
-        for c, a, b in zip(comps, [0, *ends], ends):  # all checked above: set without re-validation
-            c.__dict__["token_ids"], c.__dict__["logprobs"] = ids[a:b], lps[a:b]
+        lp_ends = list(itertools.accumulate(lp_counts))  # an episode's logprobs cover its model tokens only
+        for c, a, b, la, lb in zip(comps, [0, *ends], ends, [0, *lp_ends], lp_ends):  # all checked above: set without re-validation
+            c.__dict__["token_ids"], c.__dict__["logprobs"] = ids[a:b], lps[la:lb]
     else:
         ids = np.concatenate([c.token_ids for c in comps])
         lps = np.concatenate([c.logprobs for c in comps])

@@ -27,6 +27,9 @@ class ModelConfig(BaseModel):
     init_pretrain_steps: int = Field(
         0, ge=0, description="short base-model pretraining of the made model (trainer.tiny_model.pretrain_corpus)"
     )
+    init_tool_format: bool = Field(
+        False, description="the pretraining also teaches the lookup environment's tool format, with letters (multi-turn demo)"
+    )
 
 
 class ResourcesConfig(BaseModel):

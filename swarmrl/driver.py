@@ -67,7 +67,8 @@ def ensure_model(cfg: RunConfig, rd: RunDir) -> Path:
         from trainer.tiny_model import init_model
 
         log.info("making the base model", extra={"size": cfg.model.init_size, "pretrain_steps": cfg.model.init_pretrain_steps})
-        init_model(rd.model_dir, cfg.model.init_size, cfg.model.init_seed, cfg.model.tie_embeddings, cfg.model.init_pretrain_steps)
+        init_model(rd.model_dir, cfg.model.init_size, cfg.model.init_seed, cfg.model.tie_embeddings, cfg.model.init_pretrain_steps,
+                   tool_format=cfg.model.init_tool_format)
     return rd.model_dir
 
 

@@ -37,3 +37,12 @@ def tiny_untied_model_dir(tmp_path_factory) -> Path:
     from trainer.tiny_model import init_model
 
     return init_model(tmp_path_factory.mktemp("tiny-untied"), "tiny", seed=1, tie_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tool_model_dir(tmp_path_factory) -> Path:
+    """A tiny model that knows the "lookup" environment's tool format a little (40 steps of the tool
+    corpus, ~40 s here): it calls the tool after `ask:=` about a third of the time, so episodes have turns."""
+    from trainer.tiny_model import init_model
+
+    return init_model(tmp_path_factory.mktemp("tiny-tool"), "tiny", seed=0, tie_embeddings=True, pretrain_steps=40, tool_format=True)

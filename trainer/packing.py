@@ -10,7 +10,8 @@ tests/trainer/test_trainer_packing.py checks that a sequence's logits packed wit
 Padded: rows padded on the right to the longest sequence of the micro-batch, with a 2-D attention mask.
 
 A sequence of n tokens feeds its first n-1 tokens to the model; position p predicts token p+1. Loss
-positions are those whose target is a completion token.
+positions are those whose target is a completion token that the model sampled (a multi-turn episode's
+environment tokens are context only: no loss, no entropy, not in any normalizer).
 """
 
 from __future__ import annotations
@@ -90,13 +91,14 @@ def _rows(samples: Sequence[TrainSample], index: Sequence[int], seq_weights: np.
         tokens = np.concatenate([s.prompt_ids, s.completion_ids])
         n_in = tokens.size - 1
         p = s.prompt_ids.size
-        c = s.completion_ids.size
+        learn = s.loss_indices
+        c = learn.size
         yield dict(
             i=i,
             inputs=tokens[:-1],
-            loss_pos=np.arange(p - 1, p - 1 + c),
-            targets=s.completion_ids,
-            behaviour=s.behaviour_logprobs,
+            loss_pos=p - 1 + learn,
+            targets=s.completion_ids[learn],
+            behaviour=s.behaviour_logprobs[learn],
             advantages=np.full(c, s.advantage, dtype=np.float32),
             weights=np.full(c, seq_weights[i], dtype=np.float64),
             n_in=n_in,

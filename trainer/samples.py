@@ -17,6 +17,10 @@ class TrainSample:
 
     behaviour_logprobs are the worker's per-token logprobs of completion_ids under the policy version
     that generated them (behaviour_version); the trainer uses them for the truncated importance weight.
+
+    loss_mask (multi-turn episodes): True where the model sampled the token, False where the environment
+    wrote it; only the model's tokens enter the loss, the entropy and every normalizer. None: all of them.
+    behaviour_logprobs still have one value per completion token (those at environment positions unused).
     """
 
     prompt_ids: list[int] | np.ndarray
@@ -26,6 +30,7 @@ class TrainSample:
     reward: float
     behaviour_version: int
     sample_id: str = ""
+    loss_mask: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int64).reshape(-1)
@@ -48,6 +53,10 @@ class TrainSample:
             raise ValueError(f"{where}: behaviour_version must be >= 0")
         if self.prompt_ids.min() < 0 or self.completion_ids.min() < 0:
             raise ValueError(f"{where}: token ids must be >= 0")
+        if self.loss_mask is not None:
+            self.loss_mask = np.asarray(self.loss_mask, dtype=bool).reshape(-1)
+            if self.loss_mask.size != self.completion_ids.size or not self.loss_mask.any():
+                raise ValueError(f"{where}: the loss mask needs one value per completion token and at least one model token")
 
     @classmethod
     def trusted(
@@ -59,6 +68,7 @@ class TrainSample:
         reward: float,
         behaviour_version: int,
         sample_id: str = "",
+        loss_mask: np.ndarray | None = None,
     ) -> "TrainSample":
         """A sample without the checks of `__post_init__`, for data that already passed equivalent or
         stricter ones (the orchestrator's buffer: arrays of a submission that `protocol` validated on
@@ -73,6 +83,7 @@ class TrainSample:
             reward=reward,
             behaviour_version=behaviour_version,
             sample_id=sample_id,
+            loss_mask=loss_mask,
         )
         return s
 
@@ -82,7 +93,13 @@ class TrainSample:
 
     @property
     def num_completion_tokens(self) -> int:
-        return int(self.completion_ids.size)
+        """Tokens the loss learns from: the model's (an episode's environment tokens are not counted)."""
+        return int(self.completion_ids.size if self.loss_mask is None else np.count_nonzero(self.loss_mask))
+
+    @property
+    def loss_indices(self) -> np.ndarray:
+        """Indices into completion_ids of the tokens the loss learns from."""
+        return np.arange(self.completion_ids.size) if self.loss_mask is None else np.flatnonzero(self.loss_mask)
 
 
 def samples_from_groups(groups: list[SampleGroup]) -> list[TrainSample]:
@@ -105,12 +122,16 @@ def samples_from_groups(groups: list[SampleGroup]) -> list[TrainSample]:
     k = start = 0
     for g in groups:
         prompt = from_le_bytes(g.prompt_ids, GROUP_ARRAYS["prompt_ids"]).astype(np.int64)
+        # Multi-turn: the group's env masks, its members' tokens in order (the model's are where it is 0).
+        model_tokens = from_le_bytes(g.env_masks, GROUP_ARRAYS["env_masks"]) == 0 if g.env_masks else None
+        group_start = start
         for sample_index in g.sample_indices:
             end = ends[k]
             out.append(
                 TrainSample.trusted(
                     prompt, completions[start:end], logprobs[start:end], advantages[k], rewards[k], g.behaviour_version,
                     f"{g.submission_id}:{g.prompt_index}:{sample_index}",
+                    None if model_tokens is None else model_tokens[start - group_start : end - group_start],
                 )
             )
             k, start = k + 1, end

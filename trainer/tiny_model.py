@@ -75,36 +75,49 @@ def make_config(size: Literal["tiny", "small"] = "tiny", tie_embeddings: bool = 
     )
 
 
-def pretrain_corpus(n: int, rng: random.Random) -> list[str]:
+def pretrain_corpus(n: int, rng: random.Random, tool_format: bool = False) -> list[str]:
     """Base-model data: `copy:<letters>=<letters>` and `say:<digits>=<digits>`, short words echoed.
 
     It gives the random model what RL post-training builds on (attend to the prompt, write the answer
     after `=`, stop) but never the demo's task itself, `copy:<digits>=`: the base model has to combine
     two things it saw apart, does so only sometimes, and RL has to make it reliable.
+
+    `tool_format` (the multi-turn demo's base model; off by default, which leaves the corpus unchanged)
+    makes every third text the "lookup" environment's format with letters, `ask:=?<letters>=<letters>`:
+    call the tool, then copy its answer. The environment hides digits, which the base model never saw there.
     """
     texts = []
     for i in range(n):
+        if tool_format and i % 3 == 2:
+            word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(1, 3)))
+            texts.append(f"ask:=?{word}={word}")
+            continue
         prefix, chars = ("copy:", "abcdefghijklmnopqrstuvwxyz") if i % 2 == 0 else ("say:", "0123456789")
         word = "".join(rng.choice(chars) for _ in range(rng.randint(1, 3)))
         texts.append(f"{prefix}{word}={word}")
     return texts
 
 
-def pretrain(model, steps: int, seed: int, batch_size: int = 64, lr: float = 1e-3) -> None:
-    """A short next-token pretraining of `model` on `pretrain_corpus` (loss on the answer and EOS)."""
+def pretrain(model, steps: int, seed: int, batch_size: int = 64, lr: float = 1e-3, tool_format: bool = False) -> None:
+    """A short next-token pretraining of `model` on `pretrain_corpus` (loss on the answer and EOS; in a
+    tool text on the tool call and the answer, never on the tool's observation)."""
     tok = make_tokenizer()
     equals = vocab()["="]
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
     model.train()
     for _ in range(steps):
-        rows = [tok(t)["input_ids"] + [EOS_ID] for t in pretrain_corpus(batch_size, rng)]
+        texts = pretrain_corpus(batch_size, rng, tool_format)
+        rows = [tok(t)["input_ids"] + [EOS_ID] for t in texts]
         width = max(map(len, rows))
         ids = torch.full((len(rows), width), PAD_ID)
         labels = torch.full((len(rows), width), -100)
         for i, row in enumerate(rows):
             ids[i, : len(row)] = torch.tensor(row)
             answer_start = row.index(equals) + 1
+            if texts[i].startswith("ask:"):  # the tool call, then the answer after the observation
+                labels[i, answer_start] = ids[i, answer_start]
+                answer_start = row.index(equals, answer_start) + 1
             labels[i, answer_start : len(row)] = ids[i, answer_start : len(row)]
         loss = model(input_ids=ids, attention_mask=(ids != PAD_ID).long(), labels=labels).loss
         opt.zero_grad()
@@ -119,6 +132,7 @@ def init_model(
     seed: int = 0,
     tie_embeddings: bool = True,
     pretrain_steps: int = 0,
+    tool_format: bool = False,
 ) -> Path:
     """Write a randomly initialised model and its tokenizer to `out`. Deterministic for a given seed."""
     from transformers import GenerationConfig, Qwen2ForCausalLM
@@ -130,10 +144,10 @@ def init_model(
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).float()
     if pretrain_steps:
-        pretrain(model, pretrain_steps, seed)
+        pretrain(model, pretrain_steps, seed, tool_format=tool_format)
     torch.random.set_rng_state(devnull_rng)
     model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     model.save_pretrained(out, safe_serialization=True)
     make_tokenizer().save_pretrained(out)
-    (out / "swarmrl_model.json").write_text(json.dumps({"size": size, "seed": seed, "tie_embeddings": tie_embeddings, "pretrain_steps": pretrain_steps}, indent=2))
+    (out / "swarmrl_model.json").write_text(json.dumps({"size": size, "seed": seed, "tie_embeddings": tie_embeddings, "pretrain_steps": pretrain_steps, **({"tool_format": True} if tool_format else {})}, indent=2))
     return out

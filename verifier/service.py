@@ -8,6 +8,10 @@ Pure Python (no Ray): the orchestrator wraps `Verifier` in Ray actors. For each 
 3. one batched transformers prefill per policy version over every completion of every job;
 4. per completion: termination, TOPLOC-style proofs, reported logprobs, and the replay of every seeded
    draw (each token must be what the leased seed draws on our logits, up to a calibrated near tie);
+   Multi-turn episodes (a lease with an environment, verifier/episodes.py): the prefill runs over prompt
+   + whole episode, the seed replay, proofs and logprob checks cover the model positions only (a model
+   token's draw position is its index in the episode), and the environment is replayed from the trusted
+   item: every environment position must be its reply, every turn must end as the rules say;
 5. accepted submissions get trusted rewards from the decoded completion text, computed in a pool of
    sandboxed processes with a time limit per completion (verifier/reward_pool.py), and the trusted
    behaviour logprobs (ours, tempered) that the trainer learns from.
@@ -39,7 +43,7 @@ from protocol.models import (
     Verdict,
     VerdictStatus,
 )
-from verifier import checks, proofs
+from verifier import checks, episodes, proofs
 from verifier.config import VerifierConfig
 from verifier.reference import eos_token_ids, load_reference_model, prefill
 from verifier.reward_pool import RewardPool, RewardRequest, RewardResult
@@ -98,6 +102,7 @@ class Verifier:
         self._models: OrderedDict[int, Any] = OrderedDict()
         self.rewards = RewardPool(config.rewards)
         self.vocab_size: int | None = None
+        self._environments: dict[str, Any] = {}
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
 
@@ -167,12 +172,36 @@ class Verifier:
             if c.prompt_index >= len(lease.prompts) or c.sample_index >= lease.samples_per_prompt:
                 out.append(Rejection(code=RejectionCode.lease_mismatch, completion_index=ci,
                                      message=f"prompt {c.prompt_index} / sample {c.sample_index} is not in the lease"))
+            elif (c.env_mask is None) != (lease.environment is None):
+                out.append(Rejection(code=RejectionCode.lease_mismatch, completion_index=ci,
+                                     message="a multi-turn episode for a single-turn lease" if lease.environment is None else
+                                     f"a single-turn completion for a lease of environment {lease.environment!r}"))
+        if lease.environment is not None and not out:
+            try:
+                self.environment(lease.environment)
+            except ValueError as exc:
+                out.append(Rejection(code=RejectionCode.lease_mismatch, message=str(exc)[: limits.MAX_MESSAGE_CHARS]))
         return out
+
+    def environment(self, name: str):
+        """The trusted copy of an environment, made once (with this verifier's tokenizer)."""
+        from environments.registry import get_environment
+
+        if name not in self._environments:
+            self._environments[name] = get_environment(name, lambda text: self.tokenizer.encode(text, add_special_tokens=False), sorted(self.eos_ids))
+        return self._environments[name]
+
+    def _end_check(self, job: VerifyJob, c) -> checks.Finding | None:
+        """A completion's termination; for an episode, every turn's and the environment's replay."""
+        if c.env_mask is None:
+            return checks.check_termination(c.token_ids, c.finish_reason, job.lease.sampling, self.eos_ids)
+        seed = job.lease.prompts[c.prompt_index].seeds[c.sample_index]
+        return episodes.check_episode(self.environment(job.lease.environment), job.items[c.prompt_index], seed, c, job.lease.sampling, self.eos_ids)
 
     def _termination(self, job: VerifyJob) -> list[Rejection]:
         out = []
         for ci, c in enumerate(job.submission.completions):
-            f = checks.check_termination(c.token_ids, c.finish_reason, job.lease.sampling, self.eos_ids)
+            f = self._end_check(job, c)
             if f:
                 out.append(Rejection(code=RejectionCode(f.code), message=f.message, stats=f.stats, completion_index=ci))
         return out
@@ -204,7 +233,7 @@ class Verifier:
         diff_sums, diff_tokens = [0.0] * len(jobs), [0] * len(jobs)
         for (j, ci), ref in zip(where, results):
             c = jobs[j].submission.completions[ci]
-            found, diff, drawn = self._check_completion(c, ref, jobs[j].lease.sampling)
+            found, diff, drawn = self._check_completion(c, ref, jobs[j])
             for r in found[:MAX_REJECTIONS_PER_COMPLETION]:
                 rejections[j].append(r.model_copy(update={"completion_index": ci}))
             if diff is not None:
@@ -220,14 +249,22 @@ class Verifier:
                     rejections[j].append(Rejection(code=RejectionCode(f.code), message=f.message, stats=f.stats))
         return out
 
-    def _check_completion(self, c, ref, sampling) -> tuple[list[Rejection], np.ndarray | None, checks.DrawReport]:
+    def _check_completion(self, c, ref, job: VerifyJob) -> tuple[list[Rejection], np.ndarray | None, checks.DrawReport]:
         """The completion's own findings, its per-token |logprob diff| for the submission's mean, and
-        what the replay of its draws found."""
+        what the replay of its draws found. An episode's prefill covers all its positions; the proofs,
+        logprobs and draws are checked on the model's positions only."""
         tol = self.tolerances
         out: list[Rejection] = []
-        term = checks.check_termination(c.token_ids, c.finish_reason, sampling, self.eos_ids)
+        term = self._end_check(job, c)
         if term:
             out.append(Rejection(code=RejectionCode(term.code), message=term.message, stats=term.stats))
+        token_ids = c.token_ids
+        if c.env_mask is not None:
+            pos = c.model_positions
+            token_ids = np.asarray(c.token_ids)[pos]
+            ref = type(ref)(hidden=ref.hidden[torch.from_numpy(pos)],
+                            stats=checks.TokenStats(ref.stats.logprob[pos], ref.stats.tempered_logprob[pos]),
+                            draw=checks.Draw(ref.draw.winner[pos], ref.draw.margin[pos], ref.draw.inside[pos], ref.draw.scale[pos]))
         chunk_checks = proofs.check_proofs(c.proofs, ref.hidden, tol.proof)
         for cc in chunk_checks:
             if not cc.ok:
@@ -238,7 +275,7 @@ class Verifier:
         lp = diff if isinstance(diff, checks.Finding) else checks.check_logprob_max(diff, tol.logprob_max_abs_diff)
         if lp:
             out.append(Rejection(code=RejectionCode(lp.code), message=lp.message, stats=lp.stats))
-        drawn = checks.check_draws(ref.draw, c.token_ids, tol.draw_margin, tol.draw_margin_rel)
+        drawn = checks.check_draws(ref.draw, token_ids, tol.draw_margin, tol.draw_margin_rel)
         if drawn.finding:
             out.append(Rejection(code=RejectionCode(drawn.finding.code), message=drawn.finding.message, stats=drawn.finding.stats))
         return out, None if isinstance(diff, checks.Finding) else diff, drawn
@@ -252,7 +289,7 @@ class Verifier:
             if rejections[j]:
                 continue
             for c in job.submission.completions:
-                requests.append(RewardRequest(job.task_name, job.items[c.prompt_index], self.decode(c.token_ids), job.task_params, job.submission_id))
+                requests.append(self._reward_request(job, c))
                 owners.append(j)
         results = self.rewards.score_many(requests) if requests else []
         per_job: dict[int, list[RewardResult]] = {}
@@ -273,6 +310,20 @@ class Verifier:
                 behaviour_logprobs=rep.logprobs if rep else None,
             ))
         return out
+
+    def _reward_request(self, job: VerifyJob, c) -> RewardRequest:
+        item = job.items[c.prompt_index]
+        if c.env_mask is None:
+            return RewardRequest(job.task_name, item, self.decode(c.token_ids), job.task_params, job.submission_id)
+        # An episode: the environment's reward from the replayed final state (its answer turn and a summary
+        # of the episode), run in the sandboxed pool like any task's.
+        from environments.registry import REWARD_ENTRY, reward_text
+
+        env = self.environment(job.lease.environment)
+        ids, mask = np.asarray(c.token_ids), np.asarray(c.env_mask)
+        a, b = env.answer_span(mask)
+        text = reward_text(self.decode(ids[a:b]), env.final_state(ids, mask))
+        return RewardRequest(REWARD_ENTRY, item, text, {"environment": job.lease.environment}, job.submission_id)
 
     def close(self) -> None:
         """Stop the reward processes (also done when the verifier is garbage-collected)."""

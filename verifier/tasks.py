@@ -102,6 +102,26 @@ class ToyCopyTask(Task):
         return float(min(1.0, max(0.0, 0.6 * matched + 0.2 * digits + 0.2 * length)))
 
 
+class LookupTask(ToyCopyTask):
+    """The prompts of the "lookup" environment (environments/lookup.py): `ask:=` with the digits hidden in
+    the item's answer. Every prompt reads the same; the prompt id tells them apart. Scored as text (a
+    single-turn run of it) it is the toy task's reward: a model can only guess."""
+
+    name = "lookup"
+
+    def __init__(self, digits: int = 3, prefix: str = "ask:"):
+        super().__init__(digits, prefix)
+
+    def make_prompts(self, n: int, seed: int) -> list[TaskItem]:
+        rng = random.Random(seed)
+        items = []
+        for i in range(n):
+            answer = "".join(rng.choice("0123456789") for _ in range(self.digits))
+            prompt = f"{self.prefix}="
+            items.append(TaskItem(_prompt_id(self.name, f"{prompt}{answer}:{seed}:{i}"), prompt, answer, {}))
+        return items
+
+
 def _digit_credit(want: str, got: str) -> float:
     if want == got:
         return 1.0
@@ -241,7 +261,7 @@ class MathTask(Task):
             return 0.0
 
 
-TASKS: dict[str, type[Task]] = {"toy": ToyCopyTask, "countdown": CountdownTask, "math": MathTask}
+TASKS: dict[str, type[Task]] = {"toy": ToyCopyTask, "countdown": CountdownTask, "math": MathTask, "lookup": LookupTask}
 
 
 def get_task(name: str, **params: Any) -> Task:

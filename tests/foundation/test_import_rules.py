@@ -10,17 +10,19 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("protocol", "shardcast", "verifier", "inference_worker", "trainer", "orchestrator", "swarmrl")
+PACKAGES = ("protocol", "shardcast", "verifier", "environments", "inference_worker", "trainer", "orchestrator", "swarmrl")
 # What each package may import of ours: whole packages, or single modules (ARCHITECTURE.md's table).
 MAY_IMPORT = {
     "protocol": set(),
     "shardcast": {"protocol"},
     # shardcast.adapter: what a LoRA version holds (adapter, config, base hash), read by all three sides.
-    "verifier": {"protocol", "shardcast.adapter"},
-    "inference_worker": {"protocol", "shardcast.client", "shardcast.config", "shardcast.adapter", "verifier.proofs"},
+    # environments: the task items they answer from (verifier.tasks is standard library only).
+    "verifier": {"protocol", "shardcast.adapter", "environments"},
+    "environments": {"protocol", "verifier.tasks"},
+    "inference_worker": {"protocol", "shardcast.client", "shardcast.config", "shardcast.adapter", "verifier.proofs", "environments"},
     "trainer": {"protocol", "shardcast.origin", "shardcast.precision", "shardcast.adapter"},  # precision: the published cast of the master
-    "orchestrator": {"protocol", "verifier", "trainer.advantages"},
-    "swarmrl": {"protocol", "shardcast", "verifier", "inference_worker", "trainer", "orchestrator"},
+    "orchestrator": {"protocol", "verifier", "trainer.advantages", "environments"},
+    "swarmrl": {"protocol", "shardcast", "verifier", "environments", "inference_worker", "trainer", "orchestrator"},
 }
 # `swarmrl verifier calibrate` runs the calibration developer tool from a source checkout (tools/ is
 # not installed; the command says so when it is missing).

@@ -129,3 +129,18 @@ def test_transformers_and_vllm_agree_on_greedy_tokens(fixture, request, tmp_path
         del llm
     assert len({t for seq in want for t in seq}) >= 4, want  # the comparison is not trivial
     assert got == want
+
+
+def test_tool_format_corpus_is_opt_in():
+    """The multi-turn demo's base model adds the lookup tool format; the default corpus is the one before it."""
+    import random
+
+    from trainer.tiny_model import pretrain_corpus
+
+    default = pretrain_corpus(30, random.Random(3))
+    assert default == pretrain_corpus(30, random.Random(3), tool_format=False)
+    assert not any(t.startswith("ask:") for t in default)
+    tool = pretrain_corpus(30, random.Random(3), tool_format=True)
+    asks = [t for t in tool if t.startswith("ask:")]
+    assert len(asks) == 10 and all(t.startswith("ask:=?") and t.split("=")[1][1:] == t.split("=")[2] for t in asks)
+    assert not any(ch.isdigit() for t in asks for ch in t)  # letters only: digits are left for RL

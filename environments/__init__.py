@@ -1,0 +1,1 @@
+"""Multi-turn environments: deterministic replies to a model's turns, replayed by the verifier."""

@@ -1,0 +1,110 @@
+"""The environment interface: a pure, deterministic function from an episode so far to its next reply.
+
+An episode is the token ids after the prompt: model turns and environment observations interleaved, with
+an env mask (1 = written by the environment, 0 = sampled by the model). After every model turn the
+environment either appends an observation (token ids) or ends the episode. Its reply depends only on
+(task item, episode token ids, env mask, the sample's seed), never on text decoded from the model: the
+worker runs it between turns, the verifier replays it on the trusted side, and the two get the same
+token ids byte for byte. A tokenizer is reached only through the `encode` function given at construction
+(text -> token ids, no special tokens), used for the environment's own fixed strings and observations.
+
+The rules every environment shares live here (`reply`); a subclass writes `observe`, the tool itself:
+- a model turn that ends on EOS, or on no stop token at all (it hit its token cap), ends the episode;
+- so does reaching `max_turns` model turns, or an observation that would leave no room in
+  `max_episode_tokens` for another model token;
+- otherwise the turn ended on one of the environment's stop tokens (a tool call), and `observe` answers it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from protocol import limits
+from verifier.tasks import TaskItem
+
+Encode = Callable[[str], list[int]]
+
+
+@dataclass(frozen=True)
+class EnvLimits:
+    max_turns: int  # model turns per episode
+    max_turn_tokens: int  # tokens one model turn may sample
+    max_episode_tokens: int  # all tokens after the prompt, model and environment
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.max_turns and 1 <= self.max_turn_tokens <= self.max_episode_tokens <= limits.MAX_COMPLETION_TOKENS):
+            raise ValueError(f"bad environment limits {self}")
+
+
+def model_turns(env_mask: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) of each run of model positions (mask 0), in order."""
+    mask = np.asarray(env_mask, dtype=np.int8)
+    if mask.size == 0:
+        return []
+    edges = np.flatnonzero(np.diff(np.concatenate([[1], mask, [1]])))  # where the mask changes
+    starts, ends = edges[0::2], edges[1::2]
+    return [(int(a), int(b)) for a, b in zip(starts, ends)]
+
+
+class Environment:
+    name = ""
+    # What a subclass sets (fixed per environment name, so that a lease needs to carry only the name).
+    limits = EnvLimits(max_turns=1, max_turn_tokens=1, max_episode_tokens=1)
+    tool_call = ""  # the text of the token that ends a model turn as a tool call
+
+    def __init__(self, encode: Encode, eos_ids: Sequence[int]):
+        self.encode = encode
+        self.eos_ids = frozenset(int(t) for t in eos_ids)
+        ids = encode(self.tool_call)
+        if len(ids) != 1:
+            raise ValueError(f"environment {self.name!r}: its tool-call text {self.tool_call!r} must be one token, got {ids}")
+        self.tool_call_id = int(ids[0])
+
+    # ----------------------------------------------------------------------------------------------
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """Tokens that end a model turn besides EOS (vLLM's `stop_token_ids` for each turn)."""
+        return [self.tool_call_id]
+
+    def turn_cap(self, episode_len: int) -> int:
+        """Most tokens the next model turn may sample, given the episode's length so far."""
+        return max(0, min(self.limits.max_turn_tokens, self.limits.max_episode_tokens - episode_len))
+
+    def reply(self, item: TaskItem, episode: Sequence[int], env_mask: Sequence[int], seed: int) -> list[int] | None:
+        """The observation after the last model turn of `episode`, or None: the episode is over."""
+        ids = np.asarray(episode, dtype=np.int64)
+        turns = model_turns(np.asarray(env_mask))
+        if not turns or turns[-1][1] != ids.size:
+            raise ValueError("reply is asked after a model turn only")
+        start, end = turns[-1]
+        last = int(ids[end - 1])
+        if last != self.tool_call_id or len(turns) >= self.limits.max_turns:
+            return None  # EOS, another stop token, the turn's cap, or the last allowed turn
+        obs = [int(t) for t in self.observe(item, [int(t) for t in ids[start : end - 1]], seed)]
+        if self.turn_cap(ids.size + len(obs)) < 1:
+            return None
+        return obs
+
+    def observe(self, item: TaskItem, call: list[int], seed: int) -> list[int]:
+        """The tool's answer to one call (`call`: the model turn's tokens before the tool-call token)."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------------------------------------
+    # The reward: computed by the verifier's sandboxed reward pool from `reward_input`.
+
+    def answer_span(self, env_mask: np.ndarray) -> tuple[int, int]:
+        """Where the episode's answer is: the last model turn, without its final EOS (the verifier decodes it)."""
+        return model_turns(env_mask)[-1]
+
+    def reward(self, item: TaskItem, answer_text: str, state: dict[str, Any]) -> float:
+        raise NotImplementedError
+
+    def final_state(self, episode: np.ndarray, env_mask: np.ndarray) -> dict[str, Any]:
+        """What the reward may use besides the answer text (plain values: it crosses to the reward pool)."""
+        ids = np.asarray(episode)
+        turns = model_turns(env_mask)
+        calls = sum(1 for a, b in turns if int(ids[b - 1]) == self.tool_call_id)
+        return {"turns": len(turns), "tool_calls": calls}

@@ -1,0 +1,31 @@
+""""lookup": the toy tool task. The prompt hides the digits; the model must call the tool to see them.
+
+    prompt      ask:=
+    model       ?              (the tool-call token ends the turn)
+    environment 4821=          (the hidden digits, then "=")
+    model       4821<eos>      (copy them: the toy task's reward on this last turn)
+
+A model that answers without calling the tool can only guess. The base model learns the format from
+letters (trainer.tiny_model's tool corpus, `ask:=?abc=abc`), never with digits, so RL has to carry it over.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from environments.base import EnvLimits, Environment
+from verifier.tasks import TaskItem, ToyCopyTask
+
+
+class LookupEnv(Environment):
+    name = "lookup"
+    task = "lookup"  # the task that makes its prompts (verifier.tasks)
+    limits = EnvLimits(max_turns=2, max_turn_tokens=8, max_episode_tokens=24)
+    tool_call = "?"
+
+    def observe(self, item: TaskItem, call: list[int], seed: int) -> list[int]:
+        return self.encode(f"{item.answer}=")
+
+    @classmethod
+    def reward(cls, item: TaskItem, answer_text: str, state: dict[str, Any]) -> float:
+        return ToyCopyTask(digits=max(1, len(item.answer))).reward(item, answer_text)

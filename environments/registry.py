@@ -1,0 +1,47 @@
+"""Environments by name (like tasks), and the reward entry point the verifier's reward pool calls."""
+
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+from environments.base import Encode, Environment
+from environments.calculator import CalculatorEnv
+from environments.lookup import LookupEnv
+from verifier.tasks import TaskItem
+
+ENVIRONMENTS: dict[str, type[Environment]] = {"lookup": LookupEnv, "calculator": CalculatorEnv}
+# The reward pool runs this as a plug-in (`module:function`, called as fn(text, item, **params)).
+REWARD_ENTRY = "environments.registry:episode_reward"
+
+
+def environment_class(name: str) -> type[Environment]:
+    if name not in ENVIRONMENTS:
+        raise ValueError(f"unknown environment {name!r}; choose one of {sorted(ENVIRONMENTS)}")
+    return ENVIRONMENTS[name]
+
+
+def get_environment(name: str, encode: Encode, eos_ids: Sequence[int]) -> Environment:
+    return environment_class(name)(encode, eos_ids)
+
+
+def item_to_wire(item: TaskItem) -> str:
+    """What a lease's prompt carries for the worker's copy of the environment (TaskPrompt.env_item): the
+    item's answer and meta. A worker that reads a hidden answer gains nothing: the model's tokens must
+    still be the seed's draws, and the reward is computed on the trusted side from the trusted item."""
+    return json.dumps({"prompt": item.prompt, "answer": item.answer, "meta": item.meta}, separators=(",", ":"), sort_keys=True)
+
+
+def item_from_wire(prompt_id: str, text: str) -> TaskItem:
+    data = json.loads(text)
+    return TaskItem(prompt_id, str(data["prompt"]), str(data["answer"]), dict(data.get("meta") or {}))
+
+
+def reward_text(answer_text: str, state: dict) -> str:
+    """What the verifier sends to the reward pool for an episode (the pool's requests carry text)."""
+    return json.dumps({"answer": answer_text, "state": state})
+
+
+def episode_reward(text: str, item: TaskItem, environment: str) -> float:
+    data = json.loads(text)
+    return environment_class(environment).reward(item, data["answer"], data["state"])
