@@ -294,7 +294,13 @@ class RolloutSubmission(WireModel):
 
     @property
     def num_tokens(self) -> int:
+        """Every token after the prompts, environment observations included (what a prefill costs)."""
         return sum(int(c.token_ids.size) for c in self.completions)
+
+    @property
+    def model_tokens(self) -> int:
+        """The tokens the model sampled (what the worker generated, the ledger's verified tokens)."""
+        return sum(int(c.token_ids.size if c.env_mask is None else (np.asarray(c.env_mask) == 0).sum()) for c in self.completions)
 
 
 class SubmissionReceipt(WireModel):

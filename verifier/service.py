@@ -305,7 +305,7 @@ class Verifier:
             rep = replayed[j]
             out.append(Verdict(
                 submission_id=job.submission_id, status=VerdictStatus.accepted, rewards=[r.reward for r in scored],
-                reward_status=None if all(s is RewardStatus.ok for s in status) else status, verified_tokens=job.submission.num_tokens,
+                reward_status=None if all(s is RewardStatus.ok for s in status) else status, verified_tokens=job.submission.model_tokens,
                 near_ties=rep.near_ties if rep else 0, max_draw_margin=rep.max_margin if rep else 0.0,
                 behaviour_logprobs=rep.logprobs if rep else None,
             ))

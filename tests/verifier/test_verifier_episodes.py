@@ -71,6 +71,8 @@ def test_honest_episodes_are_accepted_with_the_environments_reward(episodes, ver
     assert verdict.status == VerdictStatus.accepted, verdict.rejections[:3]
     assert verdict.rewards is not None and len(verdict.rewards) == len(comps)
     assert all(0.0 <= r <= 1.0 for r in verdict.rewards)
+    # The worker's ledger counts the tokens its model sampled, not the environment's.
+    assert verdict.verified_tokens == sum(c.logprobs.size for c in comps) < sum(c.token_ids.size for c in comps)
     # Behaviour logprobs cover the whole episode (the trainer masks the environment's positions).
     assert [lp.size for lp in verdict.behaviour_logprobs] == [c.token_ids.size for c in comps]
 
