@@ -96,6 +96,11 @@ def test_init_model_cli(tmp_path):
     assert json.loads((tmp_path / "p" / "swarmrl_model.json").read_text())["pretrain_steps"] == 2
     res = CliRunner().invoke(app, ["init-model", "--out", str(tmp_path / "q"), "--pretrain-steps", "-1"])
     assert res.exit_code != 0
+    res = CliRunner().invoke(app, ["init-model", "--out", str(tmp_path / "t"), "--pretrain-steps", "2", "--pretrain-target", "1", "--pretrain-max-steps", "4"])
+    assert res.exit_code == 0 and "pretrain steps 4" in res.output, res.output  # an unreachable bar: the cap
+    assert json.loads((tmp_path / "t" / "swarmrl_model.json").read_text())["pretrain_max_steps"] == 4
+    res = CliRunner().invoke(app, ["init-model", "--out", str(tmp_path / "u"), "--pretrain-target", "1.5"])
+    assert res.exit_code != 0
 
 
 @pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_untied_model_dir"])
