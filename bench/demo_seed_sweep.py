@@ -169,6 +169,7 @@ def table(runs: list[dict]) -> str:
             f"| {fmt(r['wall_s'])} | {fmt((r['load_avg_1min'] or {}).get('mean'))} / {fmt((r['load_avg_1min'] or {}).get('max'))} "
             f"| {' '.join([*(f'{k}={v}' for k, v in r.get('env', {}).items()), *r.get('extra', [])]) or '—'} |"
         )
+    lines += [f"- {r['when']}, seed {r['seed']}: {r['note']}" for r in runs if r.get("note")]  # added by hand to the JSON
     by_rev: dict[str, list[dict]] = {}
     for r in runs:
         by_rev.setdefault(r["rev"], []).append(r)
