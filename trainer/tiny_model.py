@@ -186,7 +186,16 @@ def init_model(
     model = Qwen2ForCausalLM(config).float()
     info = {"size": size, "seed": seed, "tie_embeddings": tie_embeddings, "pretrain_steps": 0}
     if pretrain_steps or pretrain_target is not None:
-        done = pretrain(model, pretrain_steps, seed, target_accuracy=pretrain_target, max_steps=pretrain_max_steps)
+        # One thread: where other jobs hold the cores, torch's threads spin waiting on each other. Side by side at
+        # load 10 on 2 cores, 20 steps of the small model took 91 s with 2 threads and 9-11 s with 1, and a demo
+        # spent 11-14 minutes making its base model (bench/results/demo_seed_sweep.md). Same bits either way
+        # (checked: tiny and small). A quiet machine was not measured.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            done = pretrain(model, pretrain_steps, seed, target_accuracy=pretrain_target, max_steps=pretrain_max_steps)
+        finally:
+            torch.set_num_threads(threads)
         info.update(pretrain_steps=done["steps"], pretrain_echo_accuracy=done["echo_accuracy"])
         if pretrain_target is not None:
             info.update(pretrain_min_steps=pretrain_steps, pretrain_target=pretrain_target, pretrain_max_steps=pretrain_max_steps)

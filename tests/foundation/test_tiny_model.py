@@ -160,7 +160,9 @@ def test_pretraining_to_a_target_stops_at_the_first_check_that_reaches_it(tmp_pa
 
 
 def test_pretraining_to_a_target_respects_the_cap(tmp_path):
+    threads = torch.get_num_threads()
     a = init_model(tmp_path / "a", "tiny", seed=4, pretrain_steps=5, pretrain_target=1.0, pretrain_max_steps=20)
+    assert torch.get_num_threads() == threads  # pretraining runs on one thread, then gives the caller's back
     info = json.loads((a / "swarmrl_model.json").read_text())
     assert info["pretrain_steps"] == 20 and info["pretrain_echo_accuracy"] < 1.0, info
     assert tensor_digest(a) == tensor_digest(init_model(tmp_path / "fixed", "tiny", seed=4, pretrain_steps=20))
