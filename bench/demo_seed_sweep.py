@@ -187,8 +187,8 @@ def main() -> None:
     ap.add_argument("--fresh", action="store_true", help="start the results file over instead of adding to it")
     ap.add_argument("--results", default="demo_seed_sweep", help="bench/results/<name>.{json,md}")
     ap.add_argument("--one-thread", action="store_true",
-                    help="OMP_NUM_THREADS=1 for the run (the base model is made in the driver with torch's default threads, "
-                         "which spin when other jobs hold the cores)")
+                    help="OMP_NUM_THREADS=1 for the whole run (the runs before the base model was made on one thread used it "
+                         "to keep start-up short while other jobs held the cores)")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)  # after `--`: more `swarmrl run` flags
     args, extra = ap.parse_args(argv[:cut]), argv[cut + 1 :]
