@@ -5,6 +5,7 @@ the trainer, as in an async run with one worker. It answers "does this config le
 steps", cheaply; the wall-clock answer is the real demo (`swarmrl run`).
 
     python bench/demo_learning_sweep.py --steps 150 --variant base --variant lr1e-3
+    python bench/demo_learning_sweep.py --steps 60 --seed 0 1 2 --variant '{"lr":5e-4,"pretrain":60,"pretrain_target":0.5}'
 """
 
 from __future__ import annotations
@@ -131,9 +132,11 @@ def run(variant: dict, steps: int, model_dir: Path, seed: int) -> dict:
             history.append(dict(step=step, reward=float(np.mean(rewards)), dropped=dropped, entropy=m.get("entropy", float("nan")), seen=texts))
             if step % 10 == 0:
                 print(json.dumps(history[-1]), flush=True)
+            if variant.get("stop_reached") and len(history) >= 5 and min(h["reward"] for h in history[-5:]) >= 0.9:
+                break  # the demo's stop rule: reward >= 0.9 for 5 steps
     rew = [h["reward"] for h in history]
     reach = next((i for i in range(len(rew)) if np.mean(rew[i : i + 5]) >= 0.9 and i + 5 <= len(rew)), None)
-    return dict(final=float(np.mean(rew[-10:])), steps_to_0_9=reach, dropped=dropped, seconds=time.time() - t0, history=rew)
+    return dict(final=float(np.mean(rew[-10:])), steps_to_0_9=reach, steps=len(rew), dropped=dropped, seconds=time.time() - t0, history=rew)
 
 
 def main() -> None:
@@ -141,15 +144,22 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--variant", action="append", help="JSON dict of overrides, or a name in VARIANTS")
     ap.add_argument("--size", default="small")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, nargs="+", default=[0], help="one run per seed; the seed also makes the base model")
     args = ap.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         for v in args.variant or ["base"]:
             variant = VARIANTS[v] if v in VARIANTS else json.loads(v)
-            model_dir = init_model(Path(tmp) / "model", size=args.size, seed=args.seed, pretrain_steps=variant.get("pretrain", 0))
-            res = run(variant, args.steps, model_dir, args.seed)
-            print("RESULT", json.dumps({"variant": v, **{k: res[k] for k in ("final", "steps_to_0_9", "dropped", "seconds")}}), flush=True)
+            for seed in args.seed:
+                t0 = time.time()
+                model_dir = init_model(Path(tmp) / f"model-{seed}", size=args.size, seed=seed, pretrain_steps=variant.get("pretrain", 0),
+                                       pretrain_target=variant.get("pretrain_target"), pretrain_max_steps=variant.get("pretrain_max", 0))
+                base = json.loads((model_dir / "swarmrl_model.json").read_text())
+                made_s = time.time() - t0
+                res = run(variant, args.steps, model_dir, seed)
+                print("RESULT", json.dumps({"variant": v, "seed": seed, "pretrain_steps": base["pretrain_steps"], "echo_accuracy": base.get("pretrain_echo_accuracy"),
+                                            "base_model_s": round(made_s, 1), **{k: res[k] for k in ("final", "steps_to_0_9", "steps", "dropped", "seconds")},
+                                            "first5": [round(r, 3) for r in res["history"][:5]]}), flush=True)
 
 
 if __name__ == "__main__":

@@ -85,7 +85,8 @@ def main() -> None:
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="lora-bytes-") as tmp:
         work = Path(tmp)
-        model_dir = init_model(work / "base", cfg.model.init_size, cfg.model.init_seed, cfg.model.tie_embeddings, cfg.model.init_pretrain_steps)
+        model_dir = init_model(work / "base", cfg.model.init_size, cfg.model.init_seed, cfg.model.tie_embeddings, cfg.model.init_pretrain_steps,
+                               cfg.model.init_pretrain_target, cfg.model.init_pretrain_max_steps)
         model_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
         result = {mode: run(mode, cfg, model_dir, work, args.versions, args.rank) for mode in ("full", "lora")}
     result.update(model=cfg.model.init_size, model_bytes=model_bytes, rank=args.rank, target_modules=cfg.trainer.lora.target_modules,

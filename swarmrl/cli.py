@@ -220,14 +220,21 @@ def init_model(
     seed: int = typer.Option(0, "--seed"),
     tie_embeddings: bool = typer.Option(True, "--tie-embeddings/--no-tie-embeddings"),
     pretrain_steps: int = typer.Option(0, "--pretrain-steps", min=0, help="short base-model pretraining (echo data, not the RL task)"),
+    pretrain_target: Optional[float] = typer.Option(
+        None, "--pretrain-target", min=0.0, max=1.0, help="then pretrain on until this echo accuracy (checked every 10 steps)"
+    ),
+    pretrain_max_steps: int = typer.Option(0, "--pretrain-max-steps", min=0, help="cap on the steps with --pretrain-target"),
 ) -> None:
     """Write a tiny Qwen2-architecture model and tokenizer, made locally (no hub)."""
+    import json
+
     from trainer.tiny_model import SIZES, init_model as make
 
     if size not in SIZES:
         raise typer.BadParameter(f"choose one of {', '.join(SIZES)}", param_hint="--size")
-    path = make(out, size, seed, tie_embeddings, pretrain_steps)  # type: ignore[arg-type]
-    console.print(f"wrote a {size} model (seed {seed}, tied={tie_embeddings}, pretrain steps {pretrain_steps}) to {path}")
+    path = make(out, size, seed, tie_embeddings, pretrain_steps, pretrain_target, pretrain_max_steps)  # type: ignore[arg-type]
+    steps = json.loads((path / "swarmrl_model.json").read_text())["pretrain_steps"]
+    console.print(f"wrote a {size} model (seed {seed}, tied={tie_embeddings}, pretrain steps {steps}) to {path}")
 
 
 def _add_component_clis() -> None:

@@ -25,11 +25,16 @@ class ModelConfig(BaseModel):
     init_seed: int = 0
     tie_embeddings: bool = True
     init_pretrain_steps: int = Field(
-        0, ge=0, description="short base-model pretraining of the made model (trainer.tiny_model.pretrain_corpus)"
+        0, ge=0, description="short base-model pretraining of the made model (trainer.tiny_model.pretrain_corpus); with init_pretrain_target, the minimum"
     )
     init_tool_format: bool = Field(
         False, description="the pretraining also teaches the lookup environment's tool format, with letters (multi-turn demo)"
     )
+    init_pretrain_target: float | None = Field(
+        None, gt=0, le=1,
+        description="pretrain on until this echo accuracy (fresh echo lines, greedy, checked every 10 steps); None: exactly init_pretrain_steps",
+    )
+    init_pretrain_max_steps: int = Field(0, ge=0, description="cap on the pretraining steps with init_pretrain_target")
 
 
 class ResourcesConfig(BaseModel):

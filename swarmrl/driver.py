@@ -66,9 +66,12 @@ def ensure_model(cfg: RunConfig, rd: RunDir) -> Path:
     if not (rd.model_dir / "config.json").exists():
         from trainer.tiny_model import init_model
 
-        log.info("making the base model", extra={"size": cfg.model.init_size, "pretrain_steps": cfg.model.init_pretrain_steps})
-        init_model(rd.model_dir, cfg.model.init_size, cfg.model.init_seed, cfg.model.tie_embeddings, cfg.model.init_pretrain_steps,
-                   tool_format=cfg.model.init_tool_format)
+        m = cfg.model
+        log.info("making the base model", extra={"size": m.init_size, "pretrain_steps": m.init_pretrain_steps, "pretrain_target": m.init_pretrain_target})
+        init_model(rd.model_dir, m.init_size, m.init_seed, m.tie_embeddings, m.init_pretrain_steps, tool_format=m.init_tool_format,
+                   pretrain_target=m.init_pretrain_target, pretrain_max_steps=m.init_pretrain_max_steps)
+        made = rd.read_json(rd.model_dir / "swarmrl_model.json")
+        log.info("made the base model", extra={k: made.get(k) for k in ("pretrain_steps", "pretrain_echo_accuracy")})
     return rd.model_dir
 
 

@@ -98,32 +98,83 @@ def pretrain_corpus(n: int, rng: random.Random, tool_format: bool = False) -> li
     return texts
 
 
-def pretrain(model, steps: int, seed: int, batch_size: int = 64, lr: float = 1e-3, tool_format: bool = False) -> None:
-    """A short next-token pretraining of `model` on `pretrain_corpus` (loss on the answer and EOS; in a
-    tool text on the tool call and the answer, never on the tool's observation)."""
-    tok = make_tokenizer()
+def _echo_batch(texts: list[str], tok) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids and labels of `texts` + EOS; labels only on the answer (after `=`) and EOS, and in a
+    tool text on the tool call and the answer, never on the tool's observation."""
     equals = vocab()["="]
+    rows = [tok(t)["input_ids"] + [EOS_ID] for t in texts]
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), PAD_ID)
+    labels = torch.full((len(rows), width), -100)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+        answer_start = row.index(equals) + 1
+        if texts[i].startswith("ask:"):  # the tool call, then the answer after the observation
+            labels[i, answer_start] = ids[i, answer_start]
+            answer_start = row.index(equals, answer_start) + 1
+        labels[i, answer_start : len(row)] = ids[i, answer_start : len(row)]
+    return ids, labels
+
+
+@torch.no_grad()
+def echo_accuracy(model, texts: list[str]) -> float:
+    """Fraction of `texts` (`pretrain_corpus` lines) whose whole answer and EOS the model gets right greedily.
+
+    Teacher-forced: every answer position's argmax is the right token exactly when greedy decoding writes
+    the answer and stops, so one forward pass replaces a decode loop. No randomness is drawn.
+    """
+    ids, labels = _echo_batch(texts, make_tokenizer())
+    logits = model(input_ids=ids, attention_mask=(ids != PAD_ID).long()).logits
+    guess = logits[:, :-1].argmax(-1)  # position t predicts token t + 1
+    want = labels[:, 1:]
+    right = (guess == want) | (want == -100)
+    return right.all(-1).float().mean().item()
+
+
+def pretrain(
+    model,
+    steps: int,
+    seed: int,
+    batch_size: int = 64,
+    lr: float = 1e-3,
+    target_accuracy: float | None = None,
+    max_steps: int = 0,
+    check_every: int = 10,
+    tool_format: bool = False,
+) -> dict:
+    """Next-token pretraining of `model` on `pretrain_corpus` (loss on the answer and EOS; with `tool_format`
+    the corpus also holds tool texts, see `pretrain_corpus`).
+
+    With `target_accuracy`, `steps` is a minimum: from there, every `check_every` steps, the echo accuracy on
+    fresh echo lines is measured and training stops once it reaches the target, or at `max_steps`. Copying
+    from the prompt appears suddenly and at a step that depends on the seed (an induction-head-like phase
+    change); a fixed step count stopped some seeds before it, and RL could not start from those models.
+    Returns the steps taken and the last measured accuracy. Deterministic for a seed: the checks draw no
+    randomness and their lines come from their own generator.
+    """
+    tok = make_tokenizer()
     rng = random.Random(seed)
+    held_out = pretrain_corpus(256, random.Random(f"echo-check-{seed}"))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
-    model.train()
-    for _ in range(steps):
-        texts = pretrain_corpus(batch_size, rng, tool_format)
-        rows = [tok(t)["input_ids"] + [EOS_ID] for t in texts]
-        width = max(map(len, rows))
-        ids = torch.full((len(rows), width), PAD_ID)
-        labels = torch.full((len(rows), width), -100)
-        for i, row in enumerate(rows):
-            ids[i, : len(row)] = torch.tensor(row)
-            answer_start = row.index(equals) + 1
-            if texts[i].startswith("ask:"):  # the tool call, then the answer after the observation
-                labels[i, answer_start] = ids[i, answer_start]
-                answer_start = row.index(equals, answer_start) + 1
-            labels[i, answer_start : len(row)] = ids[i, answer_start : len(row)]
+    cap = max(steps, max_steps) if target_accuracy is not None else steps
+    accuracy, step = None, 0
+    while step < cap:
+        model.train()
+        ids, labels = _echo_batch(pretrain_corpus(batch_size, rng, tool_format), tok)
         loss = model(input_ids=ids, attention_mask=(ids != PAD_ID).long(), labels=labels).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
+        step += 1
+        if target_accuracy is not None and step >= steps and (step - steps) % check_every == 0:
+            model.eval()
+            accuracy = echo_accuracy(model, held_out)
+            if accuracy >= target_accuracy:
+                break
     model.eval()
+    if accuracy is None:
+        accuracy = echo_accuracy(model, held_out)
+    return {"steps": step, "echo_accuracy": round(accuracy, 4)}
 
 
 def init_model(
@@ -132,9 +183,14 @@ def init_model(
     seed: int = 0,
     tie_embeddings: bool = True,
     pretrain_steps: int = 0,
+    pretrain_target: float | None = None,
+    pretrain_max_steps: int = 0,
     tool_format: bool = False,
 ) -> Path:
-    """Write a randomly initialised model and its tokenizer to `out`. Deterministic for a given seed."""
+    """Write a randomly initialised model and its tokenizer to `out`. Deterministic for a given seed.
+
+    `pretrain_steps` of echo pretraining (`pretrain`); with `pretrain_target`, at least that many and then
+    until the echo accuracy reaches the target, at most `pretrain_max_steps`."""
     from transformers import GenerationConfig, Qwen2ForCausalLM
 
     out = Path(out)
@@ -143,11 +199,24 @@ def init_model(
     devnull_rng = torch.random.get_rng_state()
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).float()
-    if pretrain_steps:
-        pretrain(model, pretrain_steps, seed, tool_format=tool_format)
+    info = {"size": size, "seed": seed, "tie_embeddings": tie_embeddings, "pretrain_steps": 0, **({"tool_format": True} if tool_format else {})}
+    if pretrain_steps or pretrain_target is not None:
+        # One thread: where other jobs hold the cores, torch's threads spin waiting on each other. Side by side at
+        # load 10 on 2 cores, 20 steps of the small model took 91 s with 2 threads and 9-11 s with 1, and a demo
+        # spent 11-14 minutes making its base model (bench/results/demo_seed_sweep.md). Same bits either way
+        # (checked: tiny and small). A quiet machine was not measured.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            done = pretrain(model, pretrain_steps, seed, target_accuracy=pretrain_target, max_steps=pretrain_max_steps, tool_format=tool_format)
+        finally:
+            torch.set_num_threads(threads)
+        info.update(pretrain_steps=done["steps"], pretrain_echo_accuracy=done["echo_accuracy"])
+        if pretrain_target is not None:
+            info.update(pretrain_min_steps=pretrain_steps, pretrain_target=pretrain_target, pretrain_max_steps=pretrain_max_steps)
     torch.random.set_rng_state(devnull_rng)
     model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     model.save_pretrained(out, safe_serialization=True)
     make_tokenizer().save_pretrained(out)
-    (out / "swarmrl_model.json").write_text(json.dumps({"size": size, "seed": seed, "tie_embeddings": tie_embeddings, "pretrain_steps": pretrain_steps, **({"tool_format": True} if tool_format else {})}, indent=2))
+    (out / "swarmrl_model.json").write_text(json.dumps(info, indent=2))
     return out

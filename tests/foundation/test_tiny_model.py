@@ -96,6 +96,11 @@ def test_init_model_cli(tmp_path):
     assert json.loads((tmp_path / "p" / "swarmrl_model.json").read_text())["pretrain_steps"] == 2
     res = CliRunner().invoke(app, ["init-model", "--out", str(tmp_path / "q"), "--pretrain-steps", "-1"])
     assert res.exit_code != 0
+    res = CliRunner().invoke(app, ["init-model", "--out", str(tmp_path / "t"), "--pretrain-steps", "2", "--pretrain-target", "1", "--pretrain-max-steps", "4"])
+    assert res.exit_code == 0 and "pretrain steps 4" in res.output, res.output  # an unreachable bar: the cap
+    assert json.loads((tmp_path / "t" / "swarmrl_model.json").read_text())["pretrain_max_steps"] == 4
+    res = CliRunner().invoke(app, ["init-model", "--out", str(tmp_path / "u"), "--pretrain-target", "1.5"])
+    assert res.exit_code != 0
 
 
 @pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_untied_model_dir"])
@@ -144,3 +149,57 @@ def test_tool_format_corpus_is_opt_in():
     asks = [t for t in tool if t.startswith("ask:")]
     assert len(asks) == 10 and all(t.startswith("ask:=?") and t.split("=")[1][1:] == t.split("=")[2] for t in asks)
     assert not any(ch.isdigit() for t in asks for ch in t)  # letters only: digits are left for RL
+
+
+def test_pretraining_to_a_target_stops_at_the_first_check_that_reaches_it(tmp_path):
+    """The quality bar: at least `pretrain_steps`, then a check every 10 steps; the model it stops at is the
+    fixed-step model of that many steps (the checks draw no randomness), and the check before fell short."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.tiny_model import echo_accuracy
+
+    target = 0.02  # the tiny model gets there within a few dozen steps: an easy case
+    a = init_model(tmp_path / "a", "tiny", seed=3, pretrain_steps=10, pretrain_target=target, pretrain_max_steps=200)
+    info = json.loads((a / "swarmrl_model.json").read_text())
+    steps = info["pretrain_steps"]
+    assert 10 < steps < 200 and (steps - 10) % 10 == 0, info
+    assert info["pretrain_echo_accuracy"] >= target and info["pretrain_min_steps"] == 10
+    # Deterministic: another call, with a fixed step count, makes the same weights.
+    assert tensor_digest(a) == tensor_digest(init_model(tmp_path / "fixed", "tiny", seed=3, pretrain_steps=steps))
+
+    import random
+
+    checked = pretrain_corpus(256, random.Random("echo-check-3"))  # the lines the rule checks
+    before = AutoModelForCausalLM.from_pretrained(init_model(tmp_path / "before", "tiny", seed=3, pretrain_steps=steps - 10))
+    assert echo_accuracy(before, checked) < target
+
+
+def test_pretraining_to_a_target_respects_the_cap(tmp_path):
+    threads = torch.get_num_threads()
+    a = init_model(tmp_path / "a", "tiny", seed=4, pretrain_steps=5, pretrain_target=1.0, pretrain_max_steps=20)
+    assert torch.get_num_threads() == threads  # pretraining runs on one thread, then gives the caller's back
+    info = json.loads((a / "swarmrl_model.json").read_text())
+    assert info["pretrain_steps"] == 20 and info["pretrain_echo_accuracy"] < 1.0, info
+    assert tensor_digest(a) == tensor_digest(init_model(tmp_path / "fixed", "tiny", seed=4, pretrain_steps=20))
+
+
+def test_echo_accuracy_is_greedy_decoding_exact_match(tmp_path):
+    """Teacher-forced argmax over the answer and EOS is right exactly when greedy decoding writes them."""
+    import random
+
+    from transformers import AutoModelForCausalLM
+
+    from trainer.tiny_model import echo_accuracy
+
+    model = AutoModelForCausalLM.from_pretrained(init_model(tmp_path / "m", "tiny", seed=1, pretrain_steps=60)).eval()
+    tok = make_tokenizer()
+    lines = pretrain_corpus(48, random.Random(5))
+    right = 0
+    with torch.no_grad():
+        for line in lines:
+            prompt, answer = line.split("=")
+            ids = torch.tensor([tok(prompt + "=")["input_ids"]])
+            out = model.generate(ids, max_new_tokens=len(answer) + 1, do_sample=False, eos_token_id=None, pad_token_id=0)
+            right += out[0, ids.shape[1]:].tolist() == tok(answer)["input_ids"] + [EOS_ID]
+    assert 0 < right < len(lines)  # neither all wrong nor all right: the comparison says something
+    assert echo_accuracy(model, lines) == right / len(lines)
