@@ -148,14 +148,16 @@ class Procs:
     def __init__(self):
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, args: list[str], env: dict | None = None, wait_ready: bool = True, cwd: Path = REPO, role: str = "client") -> subprocess.Popen:
-        proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=cwd, env={**os.environ, **(env or {})})
+    def start(self, args: list[str], env: dict | None = None, wait_ready: bool = True, cwd: Path = REPO, role: str = "client", log: Path | None = None) -> subprocess.Popen:
+        stderr = open(log, "w") if log is not None else subprocess.DEVNULL
+        proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=cwd, env={**os.environ, **(env or {})})
         proc.role = role  # type: ignore[attr-defined]
         self.procs.append(proc)
         if wait_ready:
             line = proc.stdout.readline()
             if not line:
-                raise RuntimeError(f"{args[:4]} exited before it was ready")
+                tail = log.read_text()[-800:] if log is not None else ""
+                raise RuntimeError(f"{role} {[a for a in args if len(a) < 300]} exited before it was ready: {tail}")
             proc.ready_line = line  # type: ignore[attr-defined]
         return proc
 
@@ -377,7 +379,9 @@ def scenario_swarmrl(work: Path, origin, manifest, pub: str, n_clients: int, pro
 
 def scenario_pypi(work: Path, vdir: Path, manifest, n_clients: int, shard_bytes: int, procs: Procs) -> dict:
     python = str(PYPI_VENV / "bin" / "python")
-    pypi = [python, "-P", "-c", PYPI_ROLE]  # -P: never import our own `shardcast` (same import name) from the cwd
+    # -E -P: never import our own `shardcast` (same import name), neither from the cwd nor from a PYTHONPATH that
+    # names this repository (as our tests' environment does)
+    pypi = [python, "-E", "-P", "-c", PYPI_ROLE]
     if not Path(python).exists():
         return {"scenario": "pypi_shardcast", "ok": False, "error": f"no venv at {PYPI_VENV}: python -m venv ... && pip install shardcast==0.3.2"}
     # PyPI shardcast broadcasts one file: the same bytes, our shards concatenated.
@@ -389,15 +393,22 @@ def scenario_pypi(work: Path, vdir: Path, manifest, n_clients: int, shard_bytes:
     size = blob.stat().st_size
     env = {"SHARDCAST_FAST_RETRY_INTERVAL": "1", "SHARDCAST_SLOW_RETRY_INTERVAL": "1", "SHARDCAST_LOG_LEVEL": "WARNING"}
     settle()
+    try:
+        return _run_pypi(work, pypi, env, blob, size, n_clients, shard_bytes, procs)
+    except RuntimeError as e:  # a reference that fails is reported, and the run goes on
+        return {"scenario": "pypi_shardcast", "ok": False, "error": str(e)[:2000]}
+
+
+def _run_pypi(work: Path, pypi: list[str], env: dict, blob: Path, size: int, n_clients: int, shard_bytes: int, procs: Procs) -> dict:
     port = free_port()
-    origin = procs.start(pypi + ["origin", str(work / "pypi-origin"), str(port), str(blob), str(shard_bytes)], env=env, cwd=work, role="origin")
+    origin = procs.start(pypi + ["origin", str(work / "pypi-origin"), str(port), str(blob), str(shard_bytes)], env=env, cwd=work, role="origin", log=work / "pypi-origin.log")
     middle_urls = []
     for i in range(2):
         mport = free_port()
-        procs.start(pypi + ["middle", f"http://127.0.0.1:{port}", str(work / f"pypi-middle{i}"), str(mport)], env=env, cwd=work, role="relay")
+        procs.start(pypi + ["middle", f"http://127.0.0.1:{port}", str(work / f"pypi-middle{i}"), str(mport)], env=env, cwd=work, role="relay", log=work / f"pypi-middle{i}.log")
         middle_urls.append(f"http://127.0.0.1:{mport}")
     time.sleep(1.5)  # its middle nodes must have polled the (empty) origin once before clients probe them
-    clients = [procs.start(pypi + ["client", ",".join(middle_urls), str(work / f"pypi-client{i}")], env=env, cwd=work) for i in range(n_clients)]
+    clients = [procs.start(pypi + ["client", ",".join(middle_urls), str(work / f"pypi-client{i}")], env=env, cwd=work, log=work / f"pypi-client{i}.log") for i in range(n_clients)]
     go(clients)
     go([origin])
     published = json.loads(origin.stdout.readline())
