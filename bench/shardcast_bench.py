@@ -310,13 +310,19 @@ def scenario_nginx_curl(work: Path, url: str, manifest, n_clients: int, procs: P
 
 def start_our_clients(work: Path, tag: str, urls: list[str], pub: str, n_clients: int, procs: Procs, parallelism: int = 8) -> list[subprocess.Popen]:
     return [
-        procs.start([sys.executable, __file__, "_client", "--urls", ",".join(urls), "--pub", pub, "--dest", str(work / f"{tag}-client{i}"), "--parallelism", str(parallelism)])
+        procs.start([sys.executable, __file__, "_client", "--urls", ",".join(urls), "--pub", pub, "--dest", str(work / f"{tag}-client{i}"), "--parallelism", str(parallelism)],
+                    log=work / f"{tag}-client{i}.log")
         for i in range(n_clients)
     ]
 
 
 def check_our_clients(work: Path, tag: str, manifest, res: list[dict], n_clients: int) -> None:
     for i in range(n_clients):
+        log = work / f"{tag}-client{i}.log"
+        if "error" in res[i]:  # reported in the scenario's row, with the end of its log
+            res[i]["log_tail"] = log.read_text()[-1500:] if log.exists() else ""
+            shutil.rmtree(work / f"{tag}-client{i}", ignore_errors=True)
+            continue
         path = work / f"{tag}-client{i}" / f"v{manifest.version:010d}"
         assert res[i].get("version") == manifest.version, res[i]
         for s in manifest.shards:

@@ -236,8 +236,8 @@ class Http:
         conn.sock.settimeout(self._wait_s(url, deadline))
 
     def _wait_readable(self, conn: _Conn, url: str, deadline: float, batch: int = 1) -> None:
-        """Until `batch` bytes are queued (or fewer, if no more came for BATCH_WAIT_S, or the peer closed);
-        raises if no byte at all came within the stall timeout."""
+        """Until `batch` bytes are queued, or fewer once BATCH_WAIT_S passed with some there, or the peer
+        closed; raises if no byte at all came within the stall timeout."""
         conn.set_lowat(batch)
         poller = select.poll()
         poller.register(conn.sock.fileno(), select.POLLIN | select.POLLPRI)
