@@ -61,10 +61,17 @@ def client_main(argv: list[str]) -> None:
     client = ShardcastClient(a.urls.split(","), a.pub, Path(a.dest), run_id=RUN_ID, parallelism=a.parallelism, keep_state=False)
     print("ready", flush=True)
     sys.stdin.readline()
+    cpu_ready = cpu_seconds()
     while client.latest_version() is None:
         time.sleep(0.02)
     pulled = client.pull()
-    print(json.dumps({"t_done": time.time(), "version": pulled.version, "path": str(pulled.path), "stats": json.loads(describe_stats(client.stats))}), flush=True)
+    cpu = {"startup": round(cpu_ready, 3), "pull": round(cpu_seconds() - cpu_ready, 3)}
+    print(json.dumps({"t_done": time.time(), "version": pulled.version, "path": str(pulled.path), "cpu_s": cpu, "stats": json.loads(describe_stats(client.stats))}), flush=True)
+
+
+def cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 CURL_CLIENT = r"""
@@ -141,15 +148,31 @@ class Procs:
     def __init__(self):
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, args: list[str], env: dict | None = None, wait_ready: bool = True, cwd: Path = REPO) -> subprocess.Popen:
-        proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=cwd, env={**os.environ, **(env or {})})
+    def start(self, args: list[str], env: dict | None = None, wait_ready: bool = True, cwd: Path = REPO, role: str = "client", log: Path | None = None) -> subprocess.Popen:
+        stderr = open(log, "w") if log is not None else subprocess.DEVNULL
+        proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=cwd, env={**os.environ, **(env or {})})
+        proc.role = role  # type: ignore[attr-defined]
         self.procs.append(proc)
         if wait_ready:
             line = proc.stdout.readline()
             if not line:
-                raise RuntimeError(f"{args[:4]} exited before it was ready")
+                tail = log.read_text()[-800:] if log is not None else ""
+                raise RuntimeError(f"{role} {[a for a in args if len(a) < 300]} exited before it was ready: {tail}")
             proc.ready_line = line  # type: ignore[attr-defined]
         return proc
+
+    def cpu_by_process(self) -> list[dict]:
+        """User + system CPU seconds of every running process of ours (and its threads), from /proc."""
+        out = []
+        tick = os.sysconf("SC_CLK_TCK")
+        for proc in self.procs:
+            try:
+                fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            # fields[11], [12]: utime, stime; [13], [14]: of waited-for children (curl under its wrapper)
+            out.append({"role": getattr(proc, "role", "?"), "cpu_s": round(sum(int(x) for x in fields[11:15]) / tick, 2)})
+        return out
 
     def stop_all(self) -> None:
         for proc in self.procs:
@@ -205,6 +228,8 @@ def summarize(name: str, t0: float, results: list[dict], bytes_per_client: int, 
         "per_client_seconds": [round(r["t_done"] - t0, 3) for r in results if "t_done" in r],
         "aggregate_goodput_MBps": round(len(results) * bytes_per_client / seconds / 1e6, 1) if ok else None,
     }
+    if all("cpu_s" in r for r in results):  # our clients: CPU before "go" (interpreter, imports) and for the pull
+        row["client_cpu_s"] = {k: round(sum(r["cpu_s"][k] for r in results), 2) for k in ("startup", "pull")}
     if not ok:
         row["errors"] = results
     row.update(extra or {})
@@ -285,13 +310,19 @@ def scenario_nginx_curl(work: Path, url: str, manifest, n_clients: int, procs: P
 
 def start_our_clients(work: Path, tag: str, urls: list[str], pub: str, n_clients: int, procs: Procs, parallelism: int = 8) -> list[subprocess.Popen]:
     return [
-        procs.start([sys.executable, __file__, "_client", "--urls", ",".join(urls), "--pub", pub, "--dest", str(work / f"{tag}-client{i}"), "--parallelism", str(parallelism)])
+        procs.start([sys.executable, __file__, "_client", "--urls", ",".join(urls), "--pub", pub, "--dest", str(work / f"{tag}-client{i}"), "--parallelism", str(parallelism)],
+                    log=work / f"{tag}-client{i}.log")
         for i in range(n_clients)
     ]
 
 
 def check_our_clients(work: Path, tag: str, manifest, res: list[dict], n_clients: int) -> None:
     for i in range(n_clients):
+        log = work / f"{tag}-client{i}.log"
+        if "error" in res[i]:  # reported in the scenario's row, with the end of its log
+            res[i]["log_tail"] = log.read_text()[-1500:] if log.exists() else ""
+            shutil.rmtree(work / f"{tag}-client{i}", ignore_errors=True)
+            continue
         path = work / f"{tag}-client{i}" / f"v{manifest.version:010d}"
         assert res[i].get("version") == manifest.version, res[i]
         for s in manifest.shards:
@@ -336,6 +367,7 @@ def scenario_swarmrl(work: Path, origin, manifest, pub: str, n_clients: int, pro
         relay = procs.start(
             [sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", "relay", "--upstream", origin_url, "--root", str(work / f"relay{i}"),
              "--public-key", pub, "--run-id", RUN_ID, "--poll-interval-s", "0.05", "--log-level", "ERROR", "--parallelism", str(relay_parallelism)],
+            role="relay",
         )
         relay_urls.append(json.loads(relay.ready_line)["url"])
     clients = start_our_clients(work, "swarmrl", relay_urls, pub, n_clients, procs, parallelism)
@@ -353,7 +385,9 @@ def scenario_swarmrl(work: Path, origin, manifest, pub: str, n_clients: int, pro
 
 def scenario_pypi(work: Path, vdir: Path, manifest, n_clients: int, shard_bytes: int, procs: Procs) -> dict:
     python = str(PYPI_VENV / "bin" / "python")
-    pypi = [python, "-P", "-c", PYPI_ROLE]  # -P: never import our own `shardcast` (same import name) from the cwd
+    # -E -P: never import our own `shardcast` (same import name), neither from the cwd nor from a PYTHONPATH that
+    # names this repository (as our tests' environment does)
+    pypi = [python, "-E", "-P", "-c", PYPI_ROLE]
     if not Path(python).exists():
         return {"scenario": "pypi_shardcast", "ok": False, "error": f"no venv at {PYPI_VENV}: python -m venv ... && pip install shardcast==0.3.2"}
     # PyPI shardcast broadcasts one file: the same bytes, our shards concatenated.
@@ -365,15 +399,22 @@ def scenario_pypi(work: Path, vdir: Path, manifest, n_clients: int, shard_bytes:
     size = blob.stat().st_size
     env = {"SHARDCAST_FAST_RETRY_INTERVAL": "1", "SHARDCAST_SLOW_RETRY_INTERVAL": "1", "SHARDCAST_LOG_LEVEL": "WARNING"}
     settle()
+    try:
+        return _run_pypi(work, pypi, env, blob, size, n_clients, shard_bytes, procs)
+    except RuntimeError as e:  # a reference that fails is reported, and the run goes on
+        return {"scenario": "pypi_shardcast", "ok": False, "error": str(e)[:2000]}
+
+
+def _run_pypi(work: Path, pypi: list[str], env: dict, blob: Path, size: int, n_clients: int, shard_bytes: int, procs: Procs) -> dict:
     port = free_port()
-    origin = procs.start(pypi + ["origin", str(work / "pypi-origin"), str(port), str(blob), str(shard_bytes)], env=env, cwd=work)
+    origin = procs.start(pypi + ["origin", str(work / "pypi-origin"), str(port), str(blob), str(shard_bytes)], env=env, cwd=work, role="origin", log=work / "pypi-origin.log")
     middle_urls = []
     for i in range(2):
         mport = free_port()
-        procs.start(pypi + ["middle", f"http://127.0.0.1:{port}", str(work / f"pypi-middle{i}"), str(mport)], env=env, cwd=work)
+        procs.start(pypi + ["middle", f"http://127.0.0.1:{port}", str(work / f"pypi-middle{i}"), str(mport)], env=env, cwd=work, role="relay", log=work / f"pypi-middle{i}.log")
         middle_urls.append(f"http://127.0.0.1:{mport}")
     time.sleep(1.5)  # its middle nodes must have polled the (empty) origin once before clients probe them
-    clients = [procs.start(pypi + ["client", ",".join(middle_urls), str(work / f"pypi-client{i}")], env=env, cwd=work) for i in range(n_clients)]
+    clients = [procs.start(pypi + ["client", ",".join(middle_urls), str(work / f"pypi-client{i}")], env=env, cwd=work, log=work / f"pypi-client{i}.log") for i in range(n_clients)]
     go(clients)
     go([origin])
     published = json.loads(origin.stdout.readline())
@@ -432,6 +473,18 @@ def write_results(out: str, rounds: list[list[dict]], meta: dict) -> None:
             f"| {name} | {rs[0].get('verified')} | {spread([r.get('seconds_until_all_clients_done') for r in rs])} | "
             f"{spread([r.get('aggregate_goodput_MBps') for r in rs])} | {spread([r.get('cpu_seconds_all_processes') for r in rs])} |"
         )
+    lines += ["", "Where the CPU seconds went, per round (our clients: before \"go\" / during the pull):", ""]
+    for name in scenarios:
+        cells = []
+        for rows in rounds:
+            for r in rows:
+                if r["scenario"] == name and r.get("cpu_seconds_by_role"):
+                    cell = ", ".join(f"{k} {v}" for k, v in r["cpu_seconds_by_role"].items())
+                    if r.get("client_cpu_s"):
+                        cell += f" (clients {r['client_cpu_s']['startup']} / {r['client_cpu_s']['pull']})"
+                    cells.append(cell)
+        if cells:
+            lines.append(f"- {name}: " + "; ".join(cells))
     lines += ["", "Goodput ratios, each from scenarios of the same round:", "", "| ratio | median [min–max] | every round |", "|---|---|---|"]
     for name in RATIOS:
         vals = [r[name] for r in ratios]
@@ -512,10 +565,19 @@ def main() -> None:
             """Run one scenario; add the CPU seconds of every process it used (children reaped, plus ours)."""
             c0, s0 = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
             row = run()
+            by_process = procs.cpu_by_process()
             procs.stop_all()
             c1, s1 = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
-            cpu = (c1.ru_utime - c0.ru_utime) + (c1.ru_stime - c0.ru_stime) + (s1.ru_utime - s0.ru_utime) + (s1.ru_stime - s0.ru_stime)
+            own = (s1.ru_utime - s0.ru_utime) + (s1.ru_stime - s0.ru_stime)
+            cpu = (c1.ru_utime - c0.ru_utime) + (c1.ru_stime - c0.ru_stime) + own
             row["cpu_seconds_all_processes"] = round(cpu, 1)
+            # Where it went: the bench process hosts our origin server; relays are read from /proc before they stop;
+            # "other" is nginx and curl (or what a process did after /proc was read).
+            roles = {"bench process (our origin server)": round(own, 2)}
+            for p in by_process:
+                roles[p["role"]] = round(roles.get(p["role"], 0) + p["cpu_s"], 2)
+            roles["other"] = round(cpu - sum(roles.values()), 2)
+            row["cpu_seconds_by_role"] = roles
             row["round"] = len(rounds)
             rows.append(row)
             settle()

@@ -10,15 +10,26 @@ caller's buffer, one `recv_into` per call, so the caller sees progress (and its 
 
 from __future__ import annotations
 
+import fcntl
 import os
 import select
 import socket
 import ssl
+import sys
+import termios
 import threading
 import time
 import urllib.parse
 
 MAX_HEAD_BYTES = 32 << 10  # status line + headers of one response
+# A spliced body is moved in batches of at least this many bytes (SO_RCVLOWAT): every splice into a file
+# costs a file write (page-cache and inode-time updates) whatever its size, and a reader woken for every
+# segment moves a few tens of KiB per call when the box has cores to spare. 4 clients x 512 MiB at 64 KiB
+# per call took 3.1 CPU-s, at ~900 KiB per call 2.1 (bench/results/shardcast_notes.md).
+SPLICE_BATCH_BYTES = 512 << 10
+# ...but a batch is never waited for longer than this once some bytes are there: a slow source stays slow
+# (and is judged by its rate), never looks stalled.
+BATCH_WAIT_S = 0.1
 
 
 class TransferFailed(Exception):
@@ -36,6 +47,12 @@ class _Conn:
         self.sock = sock
         self.host_header = host_header
         self.used = False  # served a response before: it may have been closed by the server while idle
+        self.lowat = 1  # SO_RCVLOWAT now set on the socket
+
+    def set_lowat(self, n: int) -> None:
+        if n != self.lowat:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, n)
+            self.lowat = n
 
 
 class Response:
@@ -87,7 +104,7 @@ class Response:
             n = os.pwrite(fd, self._pending[:want], offset)
             self._pending = self._pending[n:]
         else:
-            self._http._wait_readable(self._conn, self._url, deadline)
+            self._http._wait_readable(self._conn, self._url, deadline, batch=min(want, SPLICE_BATCH_BYTES))
             try:
                 n = os.splice(self._conn.sock.fileno(), pipe[1], want, flags=os.SPLICE_F_NONBLOCK | os.SPLICE_F_MOVE)
             except BlockingIOError:
@@ -125,11 +142,17 @@ class Response:
         if self._conn is None:
             return
         if self._reusable and not self._pending:
+            self._conn.set_lowat(1)  # the next response's head is read with plain recv
             self._conn.used = True
             self._http._idle(self._url, self._conn)
         else:
             self._http._drop(self._url, self._conn)
         self._conn = None
+
+
+def _queued_bytes(sock: socket.socket) -> int:
+    """Bytes received and not yet read (FIONREAD)."""
+    return int.from_bytes(fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(4)), sys.byteorder, signed=True)
 
 
 class _Local(threading.local):
@@ -212,11 +235,21 @@ class Http:
     def _settimeout(self, conn: _Conn, url: str, deadline: float) -> None:
         conn.sock.settimeout(self._wait_s(url, deadline))
 
-    def _wait_readable(self, conn: _Conn, url: str, deadline: float) -> None:
+    def _wait_readable(self, conn: _Conn, url: str, deadline: float, batch: int = 1) -> None:
+        """Until `batch` bytes are queued, or fewer once BATCH_WAIT_S passed with some there, or the peer
+        closed; raises if no byte at all came within the stall timeout."""
+        conn.set_lowat(batch)
         poller = select.poll()
         poller.register(conn.sock.fileno(), select.POLLIN | select.POLLPRI)
-        if not poller.poll(self._wait_s(url, deadline) * 1000):
-            raise TransferFailed(f"{url}: no byte for {self.stall_timeout_s:.1f}s (or past the deadline)", slow=True)
+        stall_at = time.monotonic() + self._wait_s(url, deadline)
+        while True:
+            left = stall_at - time.monotonic()
+            if left <= 0:
+                raise TransferFailed(f"{url}: no byte for {self.stall_timeout_s:.1f}s (or past the deadline)", slow=True)
+            if poller.poll(max(1, int(1000 * (min(left, BATCH_WAIT_S) if batch > 1 else left)))):
+                return
+            if batch > 1 and _queued_bytes(conn.sock) > 0:
+                return
 
     def _recv_into(self, conn: _Conn, url: str, view: memoryview, deadline: float) -> int:
         self._settimeout(conn, url, deadline)
