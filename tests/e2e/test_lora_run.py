@@ -61,7 +61,10 @@ def test_lora_run_advances_versions_verifies_and_learns(tmp_path):
         assert is_adapter(folder) and not m["deltas"]
         assert sum(s["size"] for s in m["shards"]) < model_bytes / 10
 
-    # The reward moves: the last steps' mean differs from the first steps' (it rises in practice).
+    # The reward rises. 16 samples a step make each step's mean noisy (about +-0.02 here), so the check is
+    # on the trend over all 12 steps and a margin between the ends that noise alone rarely gives; a run
+    # under load once rose 0.092 -> 0.138 with the ends' means only 0.019 apart.
     rewards = [r["reward_mean"] for r in rows]
     assert all(np.isfinite(rewards))
-    assert abs(np.mean(rewards[-4:]) - np.mean(rewards[:4])) > 0.02, rewards
+    slope = np.polyfit(np.arange(len(rewards)), rewards, 1)[0]
+    assert slope > 0 and np.mean(rewards[-4:]) - np.mean(rewards[:4]) > 0.01, rewards
