@@ -25,7 +25,7 @@ STEPS = 12
 def test_lora_run_advances_versions_verifies_and_learns(tmp_path):
     proc = start_run(
         tmp_path, "--name", "lora", "--model.init_size", "small", "--trainer.max_steps", str(STEPS), "--num_workers", "1",
-        "--model.init_pretrain_steps", "20", "--trainer.lora.enabled", "true", "--trainer.lora.rank", "8", "--trainer.lr", "2e-3",
+        "--model.init_pretrain_steps", "20", "--trainer.lora.enabled", "true", "--trainer.lora.rank", "8", "--trainer.lr", "1e-2",
     )
     try:
         code = proc.wait(timeout=1400)
@@ -62,8 +62,9 @@ def test_lora_run_advances_versions_verifies_and_learns(tmp_path):
         assert sum(s["size"] for s in m["shards"]) < model_bytes / 10
 
     # The reward rises. 16 samples a step make each step's mean noisy (about +-0.02 here), so the check is
-    # on the trend over all 12 steps and a margin between the ends that noise alone rarely gives; a run
-    # under load once rose 0.092 -> 0.138 with the ends' means only 0.019 apart.
+    # on the trend over all 12 steps and a margin between the ends. At lr 2e-3 the adapter moved the reward
+    # by about that noise in 12 steps (0.092 -> 0.138 once, flat another time); at 1e-2 two runs rose
+    # 0.12 -> 0.34 and 0.12 -> 0.26.
     rewards = [r["reward_mean"] for r in rows]
     assert all(np.isfinite(rewards))
     slope = np.polyfit(np.arange(len(rewards)), rewards, 1)[0]
