@@ -28,16 +28,6 @@ def lookup_lease(max_tokens: int = 24, seeds=(5, 6, 7, 8)) -> tuple[TaskLease, l
     return lease, items
 
 
-@pytest.fixture(scope="module")
-def tool_engine(tool_model_dir):
-    from inference_worker.config import EngineConfig
-    from inference_worker.engine import RolloutEngine
-
-    engine = RolloutEngine(tool_model_dir, EngineConfig(max_model_len=128, kv_cache_bytes=32 << 20))
-    yield engine
-    engine.close()
-
-
 def test_episodes_follow_the_environment_and_the_limits(tool_engine):
     lease, items = lookup_lease()
     comps, hidden = tool_engine.generate_with_hidden(lease)
