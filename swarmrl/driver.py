@@ -113,6 +113,7 @@ class Run:
         self._started_ray = False
         self._driver_down_since: float | None = None  # a previous driver of this run died at about this time
         self._pids: dict[str, Any] = {}
+        self._leftover_pids: frozenset[int] = frozenset()  # components of a killed previous driver (pids.json)
         self._heartbeat_lock = threading.Lock()
         self.tracker = Trackers([JsonlTracker(self.rd)])  # the configured backends join in start()
 
@@ -138,8 +139,8 @@ class Run:
         self._started_ray = not ray.is_initialized() and not cfg.ray_address
         init_ray(cfg.ray_address, num_cpus=None if cfg.ray_address else max(2, os.cpu_count() or 2))
         if not cfg.ray_address:  # the actors of a driver killed a moment ago may still hold them
-            wait_until_free(cfg.orchestrator.host, ports["orchestrator"])
-            wait_until_free(cfg.shardcast.host, ports["origin"])
+            wait_until_free(cfg.orchestrator.host, ports["orchestrator"], leftovers=self._leftover_pids)
+            wait_until_free(cfg.shardcast.host, ports["origin"], leftovers=self._leftover_pids)
 
         log.info("starting trainer and shardcast origin", extra={"world_size": cfg.trainer.world_size})
         self.trainers = TrainerGroup(cfg, str(model_dir), str(rd.root), str(key_path)).start()
@@ -190,10 +191,13 @@ class Run:
         log.info("run started", extra={"url": self.url, "run_dir": str(rd.root), "workers": cfg.num_workers})
 
     def _open_session(self) -> float | None:
-        """When the previous driver of this run was last seen alive, if it was killed (else None)."""
+        """When the previous driver of this run was last seen alive, if it was killed (else None). Also
+        notes the pids it recorded: what may still hold this run's ports."""
         old = self.rd.open_session()
         if old is None:
             return None
+        recorded = self.rd.read_json(self.rd.pids_path)
+        self._leftover_pids = frozenset(int(v) for k, v in recorded.items() if k not in ("driver", "url") and isinstance(v, int))
         self.progress.events.append(f"resumed after the previous driver (pid {old.get('pid')}) died")
         return float(old.get("heartbeat_at", old.get("started_at", time.time())))
 

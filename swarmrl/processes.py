@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import signal
 import socket
@@ -20,6 +21,7 @@ from pathlib import Path
 from swarmrl.config import RunConfig
 from swarmrl.run_dir import RunDir
 
+log = logging.getLogger(__name__)
 
 class RunFailed(RuntimeError):
     """A component died for good; the message says which and why."""
@@ -68,13 +70,49 @@ def free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-def wait_until_free(host: str, port: int, timeout_s: float = 60.0) -> None:
+def port_holders(port: int) -> list[tuple[int, str]]:
+    """(pid, command line) of the processes with a listening TCP socket on `port` (Linux /proc; [] elsewhere
+    or where we may not look)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f"socket:[{f[9]}]")
+    out = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                out.append((int(proc.name), cmd[:200]))
+        except OSError:
+            continue
+    return out
+
+
+def wait_until_free(host: str, port: int, timeout_s: float = 60.0, leftovers: frozenset[int] = frozenset(), grace_s: float = 15.0) -> None:
     """Wait for a port that a process of a killed run may still hold (Ray's actors die with their driver,
-    a few seconds later)."""
+    a few seconds later). `leftovers`: the pids that the killed driver of this run folder recorded
+    (pids.json); one of them still holding the port after `grace_s` is SIGKILLed. Only those: a process
+    we did not start is never touched, and then the port is an error after `timeout_s`."""
     import time
 
     deadline = time.monotonic() + timeout_s
+    kill_at = time.monotonic() + grace_s
     while True:
+        if leftovers and time.monotonic() > kill_at:
+            for pid, cmd in port_holders(port):
+                if pid in leftovers:
+                    log.warning("pid %d of the previous driver's run still holds port %d after %.0f s; killing it (%s)", pid, port, grace_s, cmd[:80])
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            kill_at = float("inf")
         with socket.socket() as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
@@ -82,7 +120,9 @@ def wait_until_free(host: str, port: int, timeout_s: float = 60.0) -> None:
                 return
             except OSError:
                 if time.monotonic() > deadline:
-                    raise RunFailed(f"port {port} on {host} is still in use after {timeout_s:.0f} s (another run of this config?)") from None
+                    held = "; ".join(f"pid {pid}: {cmd}" for pid, cmd in port_holders(port)) or "no process of ours"
+                    raise RunFailed(f"port {port} on {host} is still in use after {timeout_s:.0f} s (another run of this config?); "
+                                    f"held by {held}") from None
         time.sleep(0.5)
 
 

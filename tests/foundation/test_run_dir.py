@@ -57,3 +57,29 @@ def test_the_run_folder_and_its_config_are_the_owners_only(tmp_path):
     rd = RunDir(tmp_path / "runs" / "secret-run")
     rd.write_config('admin_token = "**********"\n')
     assert rd.root.stat().st_mode & 0o077 == 0 and rd.config_path.stat().st_mode & 0o077 == 0
+
+
+LISTENER = "import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); print(s.getsockname()[1], flush=True); time.sleep(600)"
+
+
+def test_a_resumed_run_ends_its_dead_drivers_leftover_that_holds_a_port_and_nothing_else():
+    """A process that the previous (killed) driver recorded, still holding the run's port after the grace
+    period, is killed; one that is not on record is left alone and the port is a clear error naming it."""
+    import pytest
+
+    from swarmrl.processes import RunFailed, port_holders, wait_until_free
+
+    procs = [subprocess.Popen([sys.executable, "-c", LISTENER], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        recorded, stranger = procs
+        ports = [int(p.stdout.readline()) for p in procs]
+        assert [pid for pid, _ in port_holders(ports[0])] == [recorded.pid]
+        wait_until_free("127.0.0.1", ports[0], timeout_s=30, leftovers=frozenset({recorded.pid, 1}), grace_s=0.5)
+        assert recorded.wait(10) == -9  # (had it not been killed, the wait would have raised RunFailed)
+        with pytest.raises(RunFailed, match=f"held by pid {stranger.pid}"):
+            wait_until_free("127.0.0.1", ports[1], timeout_s=1.5, leftovers=frozenset({recorded.pid}), grace_s=0.5)
+        assert stranger.poll() is None
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
