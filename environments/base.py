@@ -8,11 +8,15 @@ worker runs it between turns, the verifier replays it on the trusted side, and t
 token ids byte for byte. A tokenizer is reached only through the `encode` function given at construction
 (text -> token ids, no special tokens), used for the environment's own fixed strings and observations.
 
-The rules every environment shares live here (`reply`); a subclass writes `observe`, the tool itself:
+The rules every environment shares live here (`reply` = `pending_call`, `run_tool`, `observation`); a
+subclass writes `call_text` (the tool's input, read from the call's token ids) and `run_tool` (the tool):
 - a model turn that ends on EOS, or on no stop token at all (it hit its token cap), ends the episode;
 - so does reaching `max_turns` model turns, or an observation that would leave no room in
   `max_episode_tokens` for another model token;
-- otherwise the turn ended on one of the environment's stop tokens (a tool call), and `observe` answers it.
+- otherwise the turn ended on the environment's tool-call token, and the tool's output text, encoded,
+  is the observation.
+The tool is the one part that runs on text from an untrusted worker, so it is a classmethod of plain
+values: the verifier runs it in its sandboxed reward pool (verifier/reward_pool.py) with a time limit.
 """
 
 from __future__ import annotations
@@ -74,22 +78,44 @@ class Environment:
         return max(0, min(self.limits.max_turn_tokens, self.limits.max_episode_tokens - episode_len))
 
     def reply(self, item: TaskItem, episode: Sequence[int], env_mask: Sequence[int], seed: int) -> list[int] | None:
-        """The observation after the last model turn of `episode`, or None: the episode is over."""
+        """The observation after the last model turn of `episode`, or None: the episode is over.
+        (The worker calls this between turns; the verifier runs the same three steps, with `run_tool` in
+        its sandboxed pool.)"""
+        call = self.pending_call(episode, env_mask)
+        if call is None:
+            return None
+        return self.observation(len(episode), self.run_tool(item, call, seed))
+
+    def pending_call(self, episode: Sequence[int], env_mask: Sequence[int]) -> str | None:
+        """The tool input that the last model turn of `episode` asks for, or None: the episode is over."""
         ids = np.asarray(episode, dtype=np.int64)
         turns = model_turns(np.asarray(env_mask))
         if not turns or turns[-1][1] != ids.size:
             raise ValueError("reply is asked after a model turn only")
         start, end = turns[-1]
-        last = int(ids[end - 1])
-        if last != self.tool_call_id or len(turns) >= self.limits.max_turns:
+        if int(ids[end - 1]) != self.tool_call_id or len(turns) >= self.limits.max_turns:
             return None  # EOS, another stop token, the turn's cap, or the last allowed turn
-        obs = [int(t) for t in self.observe(item, [int(t) for t in ids[start : end - 1]], seed)]
-        if self.turn_cap(ids.size + len(obs)) < 1:
+        return self.call_text([int(t) for t in ids[start : end - 1]])
+
+    def observation(self, episode_len: int, tool_output: str) -> list[int] | None:
+        """The tool's output as the observation's token ids, or None when it would leave no room for
+        another model token (the episode ends there)."""
+        obs = [int(t) for t in self.encode(tool_output)]
+        if self.turn_cap(episode_len + len(obs)) < 1:
             return None
         return obs
 
-    def observe(self, item: TaskItem, call: list[int], seed: int) -> list[int]:
-        """The tool's answer to one call (`call`: the model turn's tokens before the tool-call token)."""
+    def call_text(self, call: list[int]) -> str:
+        """The tool's input from the call's token ids (the model turn before the tool-call token). Read
+        through the environment's own token table, never by decoding model text with the tokenizer, so
+        the worker and the verifier get the same string. Default: the tool takes no input."""
+        return ""
+
+    @classmethod
+    def run_tool(cls, item: TaskItem, call: str, seed: int) -> str:
+        """The tool: its output text for one call. A pure function of its arguments that needs no
+        tokenizer, since on the trusted side it runs in the verifier's sandboxed pool with a time limit
+        (the call text comes from an untrusted worker)."""
         raise NotImplementedError
 
     # ----------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from environments.base import EnvLimits, Environment, Encode
 from verifier.tasks import CountdownTask, TaskItem, safe_arithmetic
 
 CALC_CHARS = "0123456789+-*/() "
+OUTSIDE = "\x00"  # stands for a call token outside CALC_CHARS: the call is "err"
 
 
 def format_value(value: float) -> str:
@@ -39,16 +40,19 @@ class CalculatorEnv(Environment):
             if len(ids) == 1:
                 self.chars[int(ids[0])] = ch
 
-    def observe(self, item: TaskItem, call: list[int], seed: int) -> list[int]:
-        text = "".join(self.chars.get(t, "\x00") for t in call)
+    def call_text(self, call: list[int]) -> str:
+        return "".join(self.chars.get(t, OUTSIDE) for t in call)
+
+    @classmethod
+    def run_tool(cls, item: TaskItem, call: str, seed: int) -> str:
         try:
-            if "\x00" in text:
+            if OUTSIDE in call:
                 raise ValueError("token outside the calculator's characters")
-            value, _ = safe_arithmetic(text)
+            value, _ = safe_arithmetic(call)
             shown = format_value(value)
         except (ValueError, ArithmeticError, RecursionError, OverflowError):
             shown = "err"
-        return self.encode(f"={shown};")
+        return f"={shown};"
 
     @classmethod
     def reward(cls, item: TaskItem, answer_text: str, state: dict[str, Any]) -> float:

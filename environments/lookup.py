@@ -23,8 +23,9 @@ class LookupEnv(Environment):
     limits = EnvLimits(max_turns=2, max_turn_tokens=8, max_episode_tokens=24)
     tool_call = "?"
 
-    def observe(self, item: TaskItem, call: list[int], seed: int) -> list[int]:
-        return self.encode(f"{item.answer}=")
+    @classmethod
+    def run_tool(cls, item: TaskItem, call: str, seed: int) -> str:
+        return f"{item.answer}="
 
     @classmethod
     def reward(cls, item: TaskItem, answer_text: str, state: dict[str, Any]) -> float:

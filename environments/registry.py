@@ -1,8 +1,11 @@
-"""Environments by name (like tasks), and the reward entry point the verifier's reward pool calls."""
+"""Environments by name (like tasks; a plug-in is "module:Class"), and the two entry points that the
+verifier's sandboxed pool calls: the tool (`tool_output`) and the reward (`episode_reward`)."""
 
 from __future__ import annotations
 
+import importlib
 import json
+from operator import attrgetter
 from typing import Sequence
 
 from environments.base import Encode, Environment
@@ -11,14 +14,25 @@ from environments.lookup import LookupEnv
 from verifier.tasks import TaskItem
 
 ENVIRONMENTS: dict[str, type[Environment]] = {"lookup": LookupEnv, "calculator": CalculatorEnv}
-# The reward pool runs this as a plug-in (`module:function`, called as fn(text, item, **params)).
+# The reward pool runs these as plug-ins (`module:function`, called as fn(text, item, **params)).
 REWARD_ENTRY = "environments.registry:episode_reward"
+TOOL_ENTRY = "environments.registry:tool_output"
 
 
 def environment_class(name: str) -> type[Environment]:
-    if name not in ENVIRONMENTS:
-        raise ValueError(f"unknown environment {name!r}; choose one of {sorted(ENVIRONMENTS)}")
-    return ENVIRONMENTS[name]
+    """A built-in environment, or a plug-in named "module:Class" (an Environment subclass)."""
+    if name in ENVIRONMENTS:
+        return ENVIRONMENTS[name]
+    module_name, sep, attr = name.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"unknown environment {name!r}; choose one of {sorted(ENVIRONMENTS)} or name a plug-in as 'module:Class'")
+    try:
+        cls = attrgetter(attr)(importlib.import_module(module_name))
+    except Exception as exc:  # ImportError, AttributeError, or whatever the module raises at import time
+        raise ValueError(f"cannot load environment {name!r}: {type(exc).__name__}: {exc}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise ValueError(f"environment {name!r} is not a subclass of environments.base.Environment")
+    return cls
 
 
 def get_environment(name: str, encode: Encode, eos_ids: Sequence[int]) -> Environment:
@@ -40,6 +54,16 @@ def item_from_wire(prompt_id: str, text: str) -> TaskItem:
 def reward_text(answer_text: str, state: dict) -> str:
     """What the verifier sends to the reward pool for an episode (the pool's requests carry text)."""
     return json.dumps({"answer": answer_text, "state": state})
+
+
+def tool_text(call: str, seed: int) -> str:
+    """What the verifier sends to the pool for one tool call."""
+    return json.dumps({"call": call, "seed": int(seed)})
+
+
+def tool_output(text: str, item: TaskItem, environment: str) -> str:
+    data = json.loads(text)
+    return environment_class(environment).run_tool(item, str(data["call"]), int(data["seed"]))
 
 
 def episode_reward(text: str, item: TaskItem, environment: str) -> float:

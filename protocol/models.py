@@ -327,10 +327,14 @@ class RejectionCode(str, Enum):
     verification_failed = "verification_failed"  # the verifier failed on it again and again (crash, timeout)
     env_mismatch = "env_mismatch"  # multi-turn: environment positions that the trusted replay does not write
     episode_incomplete = "episode_incomplete"  # multi-turn: the episode stops where the environment goes on
+    tool_failed = "tool_failed"  # multi-turn: the trusted replay of a tool call timed out, crashed or raised
 
 
-# Rejections that are the trusted side's own failure: the worker gets no strike for them.
-NO_STRIKE = frozenset({RejectionCode.reward_error, RejectionCode.verification_failed})
+# Rejections that are the trusted side's own failure: the worker gets no strike for them. A tool call is the
+# policy's own draws on a deep check (those are checked too, and strike on their own), and the trusted tool's
+# failure on them is not the worker's doing; what it costs the pool is bounded per submission
+# (RewardPoolConfig.group_failure_budget).
+NO_STRIKE = frozenset({RejectionCode.reward_error, RejectionCode.verification_failed, RejectionCode.tool_failed})
 
 
 class Rejection(WireModel):

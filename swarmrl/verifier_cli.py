@@ -31,7 +31,7 @@ DRAW_MODELS = {"tiny": ("tiny", 0), "small": ("small", 0), "small-pretrained": (
 def calibrate(
     out: Path = typer.Option(Path("bench/results"), help="where the results (.md and .json) go"),
     workdir: Path = typer.Option(None, help="scratch folder for models (default: a temporary one)"),
-    part: str = typer.Option("all", help="attacks (the attack matrix), draws (seeded-draw tolerances), or all"),
+    part: str = typer.Option("all", help="attacks (the attack matrix), episodes (its multi-turn rows), draws (seeded-draw tolerances), or all"),
     base_model: Path = typer.Option(None, "--base-model", help="the attack matrix's model (default: a tiny one made here)"),
     trials: int = typer.Option(100, min=1, help="trials per attack"),
     honest_scale: int = typer.Option(1, min=1, help="multiplies the attack matrix's honest completions per setting (104 per dtype at 1)"),
@@ -43,7 +43,8 @@ def calibrate(
     accumulate: bool = typer.Option(False, help="draws: add this run to the results already in --out (a different --seed each time)"),
 ) -> None:
     """Honest vLLM output against the real verifier: the attack matrix (fp32, bf16; every attack must be
-    rejected, every honest rollout accepted) and the seeded-draw calibration (every setting of dtype,
+    rejected, every honest rollout accepted), its multi-turn rows (episode attacks on the lookup
+    environment), and the seeded-draw calibration (every setting of dtype,
     batch size and sampling: false rejections, near ties, largest honest margin against the tolerance)."""
     import os
     import tempfile
@@ -53,8 +54,8 @@ def calibrate(
     from swarmrl.logs import configure_logging
     from trainer.tiny_model import init_model
 
-    if part not in ("attacks", "draws", "all"):
-        raise typer.BadParameter("--part is attacks, draws or all")
+    if part not in ("attacks", "episodes", "draws", "all"):
+        raise typer.BadParameter("--part is attacks, episodes, draws or all")
     unknown = [m for m in models.split(",") if m not in DRAW_MODELS]
     if unknown:
         raise typer.BadParameter(f"unknown models {unknown}; choose from {list(DRAW_MODELS)}")
@@ -76,6 +77,13 @@ def calibrate(
             result = run_matrix(work, base, trials=trials, honest_counts=counts, stale_lrs=(1e-5, 1e-4, 1e-3))
             path = write_results(result, out, tag, {"base_model": str(base_model or "tiny, made here"), "trials": trials, "honest": counts})
             console.print(table_markdown(result))
+            console.print(f"wrote {path}")
+        if part in ("episodes", "all"):
+            from tools import episode_calibration
+
+            result = episode_calibration.run(episode_calibration.make_tool_model(work / "models"), trials)
+            path = episode_calibration.write_results(result, out, trials, 40, 16)
+            console.print(path.read_text())
             console.print(f"wrote {path}")
         if part in ("draws", "all"):
             from tools.draw_calibration import calibrate_draws, merge_rows, read_results

@@ -1,7 +1,7 @@
 """The attack matrix of multi-turn episodes: honest episodes from the real vLLM turn loop must all be
 accepted, each episode attack (tools/episode_attacks.py) rejected in every trial.
 
-    python -m tools.episode_calibration --trials 100 --out bench/results
+    swarmrl verifier calibrate --part episodes --trials 100     (or: python -m tools.episode_calibration)
 
 Each trial is its own one-completion submission: one forged episode, verified alone. Honest episodes are
 verified in submissions of 8. Environment "lookup" on a tiny model taught the tool format (40 pretraining
@@ -112,21 +112,30 @@ def markdown(result: dict, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def make_tool_model(workdir: Path) -> Path:
+    from trainer.tiny_model import init_model
+
+    return init_model(Path(workdir) / "tool-model", "tiny", seed=0, pretrain_steps=40, tool_format=True)
+
+
+def write_results(result: dict, out: Path, trials: int, prompts: int, samples: int) -> Path:
+    meta = {"trials": trials, "environment": "lookup", "model": "tiny, 40 steps of the tool corpus", "episodes": prompts * samples,
+            "command": f"swarmrl verifier calibrate --part episodes --trials {trials}",
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": round(result["total_s"], 1)}
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "verifier_episode_attacks.md"
+    path.write_text(markdown(result, meta))
+    (out / "verifier_episode_attacks.json").write_text(json.dumps({"meta": meta, **result}, indent=1))
+    return path
+
+
 def main(model_dir: Path = typer.Option(None, help="a tiny model taught the tool format; default: make one"),
          trials: int = typer.Option(100), out: Path = typer.Option(Path("bench/results")), prompts: int = 40, samples: int = 16) -> None:
     import tempfile
 
-    from trainer.tiny_model import init_model
-
     with tempfile.TemporaryDirectory(prefix="swarmrl-episodes-") as tmp:
-        model_dir = model_dir or init_model(Path(tmp) / "tool-model", "tiny", seed=0, pretrain_steps=40, tool_format=True)
-        result = run(model_dir, trials, prompts, samples)
-    meta = {"trials": trials, "environment": "lookup", "model": "tiny, 40 steps of the tool corpus", "episodes": prompts * samples,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": round(result["total_s"], 1)}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "verifier_episode_attacks.md").write_text(markdown(result, meta))
-    (out / "verifier_episode_attacks.json").write_text(json.dumps({"meta": meta, **result}, indent=1))
-    print(markdown(result, meta))
+        result = run(model_dir or make_tool_model(Path(tmp)), trials, prompts, samples)
+    print(write_results(result, out, trials, prompts, samples).read_text())
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ limit (it SIGKILLs a child whose current completion runs too long); the child ow
 kernel enforces: address space, CPU seconds per completion, no core files, and death with the pool owner.
 
 Wire format (multiprocessing Connection, pickled):
-  parent -> child: a chunk, (specs, rows): the distinct (task, params) and one (spec index, item, text)
-      per completion; None asks the child to exit.
-  child -> parent: ("ready", pid) once; then lists of (index, reward, status, kind, message, t_start,
+  parent -> child: a chunk, (specs, rows): the distinct (task, params, returns) and one (spec index,
+      item, text) per completion; None asks the child to exit. `returns` is "reward" (a float in [0, 1])
+      or "text" (a string of at most MAX_OUTPUT_CHARS: an environment's tool output).
+  child -> parent: ("ready", pid) once; then lists of (index, value, status, kind, message, t_start,
       t_end), sent when the chunk is done or FLUSH_S after the previous list, whichever comes first.
   shared `progress` (two doubles): [t_start, index] of the completion running now, written before it
       starts. Times are time.monotonic(), one clock for all processes on Linux. The parent reads
@@ -33,6 +34,9 @@ from typing import Any, Callable
 from verifier.tasks import TASKS, TaskItem, get_task
 
 MAX_MESSAGE_CHARS = 300
+# A tool's output becomes an observation that the verifier tokenizes and compares: far more than any
+# episode cap holds (protocol.limits.MAX_COMPLETION_TOKENS), and small enough to cross a pipe cheaply.
+MAX_OUTPUT_CHARS = 16_384
 # Results wait at most this long in the child: a chunk (~20 ms of work, see reward_pool.TARGET_CHUNK_S)
 # comes back in one or a few messages, each one a wake-up of the parent; and a kill loses (requeues) at
 # most this much honest work, since results not yet sent die with the child.
@@ -83,6 +87,15 @@ def check_value(value: Any) -> tuple[float, str, str]:
     return v, "", ""
 
 
+def check_text(value: Any) -> tuple[str, str, str]:
+    """(text, kind, message): kind is "" for a valid tool output, else why it is not one."""
+    if not isinstance(value, str):
+        return "", "not_text", f"returned a {type(value).__name__}, not a str"
+    if len(value) > MAX_OUTPUT_CHARS:
+        return "", "too_long", f"returned {len(value)} characters, over {MAX_OUTPUT_CHARS}"
+    return value, "", ""
+
+
 def _describe(exc: BaseException) -> str:
     try:
         text = str(exc)
@@ -102,18 +115,21 @@ def load(scorers: dict[tuple, Scorer | LoadError], task: str, params: dict) -> S
     return scorers[key]
 
 
-def score_one(scorer: Scorer | LoadError, task: str, item: TaskItem, text: str) -> tuple[float, str, str, str]:
-    """(reward, status, kind, message) for one completion; never raises for anything the reward does."""
+def score_one(scorer: Scorer | LoadError, task: str, item: TaskItem, text: str, returns: str = "reward") -> tuple[float | str, str, str, str]:
+    """(value, status, kind, message) for one completion; never raises for anything the called code does.
+    value: the reward (returns "reward"; 0.0 on failure) or the output text (returns "text"; "" on failure)."""
+    empty: float | str = "" if returns == "text" else 0.0
+    what = "tool" if returns == "text" else "reward"
     if isinstance(scorer, LoadError):
-        return 0.0, "error", "load", str(scorer)[:MAX_MESSAGE_CHARS]
+        return empty, "error", "load", str(scorer)[:MAX_MESSAGE_CHARS]
     try:
         value = scorer(item, text)
     except (Exception, SystemExit, KeyboardInterrupt, GeneratorExit) as exc:  # MemoryError (RLIMIT_AS) lands here
-        return 0.0, "error", type(exc).__name__, f"reward {task!r} raised {_describe(exc)}"[:MAX_MESSAGE_CHARS]
-    reward, kind, message = check_value(value)
+        return empty, "error", type(exc).__name__, f"{what} {task!r} raised {_describe(exc)}"[:MAX_MESSAGE_CHARS]
+    result, kind, message = check_text(value) if returns == "text" else check_value(value)
     if kind:
-        return 0.0, "error", kind, f"reward {task!r} {message}"[:MAX_MESSAGE_CHARS]
-    return reward, "ok", "", ""
+        return empty, "error", kind, f"{what} {task!r} {message}"[:MAX_MESSAGE_CHARS]
+    return result, "ok", "", ""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -208,17 +224,17 @@ def child_main(conn, lifeline, progress, memory_limit_mb: int | None, cpu_limit_
             return  # the parent is gone
         if chunk is None:
             return
-        specs, rows = chunk  # the chunk's distinct (task, params), then (spec index, item, text) per completion
-        fns = [load(scorers, task, params) for task, params in specs]
+        specs, rows = chunk  # the chunk's distinct (task, params, returns), then (spec index, item, text) per completion
+        fns = [load(scorers, task, params) for task, params, _ in specs]
         results, flushed = [], time.monotonic()
         for index, (s, item, text) in enumerate(rows):
             cpu.arm()
             t0 = time.monotonic()
             progress[1] = index
             progress[0] = t0  # one aligned 8-byte store: the parent never reads half of it
-            reward, status, kind, message = score_one(fns[s], specs[s][0], item, text)
+            value, status, kind, message = score_one(fns[s], specs[s][0], item, text, specs[s][2])
             t1 = time.monotonic()
-            results.append((index, reward, status, kind, message, t0, t1))
+            results.append((index, value, status, kind, message, t0, t1))
             if t1 - flushed >= FLUSH_S or index == len(rows) - 1:
                 conn.send(results)
                 results, flushed = [], t1

@@ -14,6 +14,10 @@ returns one `RewardResult` per completion, always, whatever the reward code does
   skipped    not scored because its group (submission) already had `group_failure_budget` timeouts or
              crashes: reward 0. One submission cannot make the pool spend more than budget x limit on it.
 
+The same pool runs multi-turn environments' tools on the trusted side (a request with returns="text",
+environments.registry.tool_output): the call text comes from an untrusted worker just like a completion's,
+so the tool gets the same limits and statuses, and its output string comes back in RewardResult.output.
+
 Batching and the per-completion limit: completions go to an idle child in chunks (one IPC message), and
 results come back in one message per chunk (or per 10 ms of work). Before each completion the child
 writes its index and start time (time.monotonic(), one clock for all processes on Linux) into a small
@@ -38,7 +42,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from enum import Enum
 from multiprocessing.connection import wait
-from typing import Any, Hashable, Mapping, Sequence
+from typing import Any, Hashable, Literal, Mapping, Sequence
 
 from verifier.reward_child import child_main, params_key
 from verifier.reward_config import RewardPoolConfig
@@ -77,6 +81,9 @@ class RewardRequest:
     text: str  # the decoded completion
     params: Mapping[str, Any] = field(default_factory=dict)  # the task's parameters (kwargs for a plug-in)
     group: Hashable | None = None  # e.g. the submission id: the failure budget is per group
+    # "reward": the call returns a reward in [0, 1]. "text": it returns a string (an environment's tool
+    # output, environments.registry.tool_output), which comes back in RewardResult.output.
+    returns: Literal["reward", "text"] = "reward"
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,7 @@ class RewardResult:
     status: RewardStatus
     message: str = ""
     seconds: float = 0.0
+    output: str = ""  # a "text" call's string, when its status is ok
 
 
 class RewardPoolError(RuntimeError):
@@ -113,9 +121,13 @@ class _Call:
     reqs: list[RewardRequest]
     results: list[RewardResult | None]
     queue: deque
-    spec: list[tuple] = field(default_factory=list)  # per request: its (task, params key)
+    spec: list[tuple] = field(default_factory=list)  # per request: its (task, params key, returns)
     failures: Counter = field(default_factory=Counter)  # per group: timed-out and crashed completions
     retries: Counter = field(default_factory=Counter)  # per request: requeues after a death that was not its fault
+
+
+def req_kind(r: RewardRequest) -> str:
+    return "tool" if r.returns == "text" else "reward"
 
 
 def _kill(proc: Any) -> None:
@@ -187,10 +199,10 @@ class RewardPool:
                 raise RuntimeError("the reward pool is closed")
             keys: dict[tuple, tuple] = {}  # requests usually share one params object: key it once
             for r in call.reqs:
-                ident = (r.task, id(r.params))
+                ident = (r.task, id(r.params), r.returns)
                 if ident not in keys:
-                    keys[ident] = (r.task, params_key(dict(r.params)))
-                    self._note_spec(keys[ident], r)
+                    keys[ident] = (r.task, params_key(dict(r.params)), r.returns)
+                    self._note_spec(keys[ident][:2], r)
                 call.spec.append(keys[ident])
             try:
                 while call.queue or any(p.chunk for p in self._procs):
@@ -300,7 +312,7 @@ class RewardPool:
                 specs.setdefault(call.spec[i], i)  # first request of each distinct spec carries its params
             where = {key: n for n, key in enumerate(specs)}
             msg = (
-                [(call.reqs[i].task, dict(call.reqs[i].params)) for i in specs.values()],
+                [(call.reqs[i].task, dict(call.reqs[i].params), call.reqs[i].returns) for i in specs.values()],
                 [(where[call.spec[i]], call.reqs[i].item, call.reqs[i].text) for i in chunk],
             )
             p.progress[0], p.progress[1] = 0.0, -1.0  # the child is idle: nothing of this chunk has started
@@ -330,10 +342,10 @@ class RewardPool:
             p.ready = True
             self._start_failures = 0
             return
-        for index, reward, status, kind, message, t0, t1 in msg:
+        for index, value, status, kind, message, t0, t1 in msg:
             if call is None or index != p.done or index >= len(p.chunk):
                 raise RuntimeError(f"reward process {p.pid} sent result {index} out of turn")
-            self._settle(call, p.chunk[index], reward, RewardStatus(status), kind, message, t1 - t0)
+            self._settle(call, p.chunk[index], value, RewardStatus(status), kind, message, t1 - t0)
             self._ewma_s = (t1 - t0) if self._ewma_s == 0 else 0.9 * self._ewma_s + 0.1 * (t1 - t0)
             p.done += 1
         if p.done == len(p.chunk):
@@ -365,11 +377,11 @@ class RewardPool:
                 call.retries[running] += 1
                 call.queue.appendleft(running)
             elif cause == "timeout":
-                self._settle(call, running, 0.0, RewardStatus.timed_out, "wall", f"reward {task!r} ran past the {limit:g} s limit; its process was killed", ran)
+                self._settle(call, running, 0.0, RewardStatus.timed_out, "wall", f"{req_kind(call.reqs[running])} {task!r} ran past the {limit:g} s limit; its process was killed", ran)
             elif code == -signal.SIGXCPU:
-                self._settle(call, running, 0.0, RewardStatus.timed_out, "cpu", f"reward {task!r} used more than {self.config.cpu_limit_s} CPU seconds; its process was killed", ran)
+                self._settle(call, running, 0.0, RewardStatus.timed_out, "cpu", f"{req_kind(call.reqs[running])} {task!r} used more than {self.config.cpu_limit_s} CPU seconds; its process was killed", ran)
             else:
-                self._settle(call, running, 0.0, RewardStatus.crashed, _exit_text(code), f"reward {task!r} killed its process ({_exit_text(code)})", ran)
+                self._settle(call, running, 0.0, RewardStatus.crashed, _exit_text(code), f"{req_kind(call.reqs[running])} {task!r} killed its process ({_exit_text(code)})", ran)
         elif cause == "start" or not p.ready:
             self._start_failures += 1
             log.warning("reward process %d did not start (%s, %s)", p.pid, cause, _exit_text(code))
@@ -385,9 +397,13 @@ class RewardPool:
         if not self._closed:
             self._start()
 
-    def _settle(self, call: _Call, i: int, reward: float, status: RewardStatus, kind: str, message: str, seconds: float) -> None:
+    def _settle(self, call: _Call, i: int, value: float | str, status: RewardStatus, kind: str, message: str, seconds: float) -> None:
+        """`value`: the child's reward, or a "text" call's output; 0.0 for what the parent settles itself."""
         req = call.reqs[i]
-        call.results[i] = RewardResult(reward, status, message, seconds)
+        if req.returns == "text":
+            call.results[i] = RewardResult(0.0, status, message, seconds, output=value if isinstance(value, str) else "")
+        else:
+            call.results[i] = RewardResult(float(value), status, message, seconds)
         self.counts[status.value] += 1
         if status in (RewardStatus.timed_out, RewardStatus.crashed) and req.group is not None:
             call.failures[req.group] += 1

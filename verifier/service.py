@@ -11,7 +11,8 @@ Pure Python (no Ray): the orchestrator wraps `Verifier` in Ray actors. For each 
    Multi-turn episodes (a lease with an environment, verifier/episodes.py): the prefill runs over prompt
    + whole episode, the seed replay, proofs and logprob checks cover the model positions only (a model
    token's draw position is its index in the episode), and the environment is replayed from the trusted
-   item: every environment position must be its reply, every turn must end as the rules say;
+   item: every environment position must be its reply, every turn must end as the rules say. Its tool
+   calls run in the sandboxed reward pool (time limit per call), batched for all jobs before the checks;
 5. accepted submissions get trusted rewards from the decoded completion text, computed in a pool of
    sandboxed processes with a time limit per completion (verifier/reward_pool.py), and the trusted
    behaviour logprobs (ours, tempered) that the trainer learns from.
@@ -64,6 +65,10 @@ class VerifyJob:
     expected_model_hash: str
     task_params: dict[str, Any] = field(default_factory=dict)
     trust_level: str = "new"
+
+
+# The trusted side's tool runs: {(submission id, completion index): {model turn: the pool's result}}.
+ToolRuns = dict[tuple[str, int], dict[int, RewardResult]]
 
 
 @dataclass
@@ -135,10 +140,11 @@ class Verifier:
     def verify_many(self, jobs: Sequence[VerifyJob]) -> list[Verdict]:
         rejections: list[list[Rejection]] = [self._structural(job) for job in jobs]
         replayed: list[Replayed | None] = [None] * len(jobs)
+        tools = self._run_tools([job for i, job in enumerate(jobs) if not rejections[i]])
         deep = [i for i, job in enumerate(jobs) if not rejections[i] and self._spot_checked(job)]
         for i in set(range(len(jobs))) - set(deep):
             if not rejections[i]:  # not spot-checked: only the checks that need no model
-                rejections[i].extend(self._termination(jobs[i]))
+                rejections[i].extend(self._termination(jobs[i], tools))
         by_version: dict[int, list[int]] = {}
         for i in deep:
             by_version.setdefault(jobs[i].submission.policy_version, []).append(i)
@@ -149,7 +155,7 @@ class Verifier:
                 for i in idx:
                     rejections[i].append(Rejection(code=RejectionCode.lease_mismatch, message=f"policy version {version} unavailable: {exc}"[: limits.MAX_MESSAGE_CHARS]))
                 continue
-            for i, r in zip(idx, self._deep_check(model, [jobs[i] for i in idx], [rejections[i] for i in idx])):
+            for i, r in zip(idx, self._deep_check(model, [jobs[i] for i in idx], [rejections[i] for i in idx], tools)):
                 replayed[i] = r
         return self._verdicts(jobs, rejections, replayed)
 
@@ -191,17 +197,39 @@ class Verifier:
             self._environments[name] = get_environment(name, lambda text: self.tokenizer.encode(text, add_special_tokens=False), sorted(self.eos_ids))
         return self._environments[name]
 
-    def _end_check(self, job: VerifyJob, c) -> checks.Finding | None:
+    def _run_tools(self, jobs: Sequence[VerifyJob]) -> "ToolRuns":
+        """Every tool call of every episode in `jobs`, run in the sandboxed pool in one batch (a time limit
+        per call, a failure budget per submission): {(submission id, completion index): {turn: result}}."""
+        from environments.registry import TOOL_ENTRY, tool_text
+
+        requests, owners = [], []
+        for job in jobs:
+            if job.lease.environment is None:
+                continue
+            env = self.environment(job.lease.environment)
+            params = {"environment": job.lease.environment}
+            for ci, c in enumerate(job.submission.completions):
+                seed = job.lease.prompts[c.prompt_index].seeds[c.sample_index]
+                for turn, call in episodes.tool_calls(env, c):
+                    requests.append(RewardRequest(TOOL_ENTRY, job.items[c.prompt_index], tool_text(call, seed), params, job.submission_id, returns="text"))
+                    owners.append((job.submission_id, ci, turn))
+        runs: ToolRuns = {}
+        for (sid, ci, turn), result in zip(owners, self.rewards.score_many(requests) if requests else []):
+            runs.setdefault((sid, ci), {})[turn] = result
+        return runs
+
+    def _end_check(self, job: VerifyJob, c, ci: int, tools: "ToolRuns") -> checks.Finding | None:
         """A completion's termination; for an episode, every turn's and the environment's replay."""
         if c.env_mask is None:
             return checks.check_termination(c.token_ids, c.finish_reason, job.lease.sampling, self.eos_ids)
         seed = job.lease.prompts[c.prompt_index].seeds[c.sample_index]
-        return episodes.check_episode(self.environment(job.lease.environment), job.items[c.prompt_index], seed, c, job.lease.sampling, self.eos_ids)
+        return episodes.check_episode(self.environment(job.lease.environment), job.items[c.prompt_index], seed, c, job.lease.sampling,
+                                      self.eos_ids, tools.get((job.submission_id, ci), {}))
 
-    def _termination(self, job: VerifyJob) -> list[Rejection]:
+    def _termination(self, job: VerifyJob, tools: "ToolRuns") -> list[Rejection]:
         out = []
         for ci, c in enumerate(job.submission.completions):
-            f = self._end_check(job, c)
+            f = self._end_check(job, c, ci, tools)
             if f:
                 out.append(Rejection(code=RejectionCode(f.code), message=f.message, stats=f.stats, completion_index=ci))
         return out
@@ -213,7 +241,7 @@ class Verifier:
         seed = int.from_bytes(hashlib.sha256(job.submission_id.encode()).digest()[:8], "little")
         return random.Random(seed).random() < rate
 
-    def _deep_check(self, model, jobs: list[VerifyJob], rejections: list[list[Rejection]]) -> list["Replayed"]:
+    def _deep_check(self, model, jobs: list[VerifyJob], rejections: list[list[Rejection]], tools: "ToolRuns") -> list["Replayed"]:
         tol = self.tolerances
         sequences, sampling, seeds, where = [], [], [], []
         for j, job in enumerate(jobs):
@@ -233,7 +261,7 @@ class Verifier:
         diff_sums, diff_tokens = [0.0] * len(jobs), [0] * len(jobs)
         for (j, ci), ref in zip(where, results):
             c = jobs[j].submission.completions[ci]
-            found, diff, drawn = self._check_completion(c, ref, jobs[j])
+            found, diff, drawn = self._check_completion(c, ci, ref, jobs[j], tools)
             for r in found[:MAX_REJECTIONS_PER_COMPLETION]:
                 rejections[j].append(r.model_copy(update={"completion_index": ci}))
             if diff is not None:
@@ -249,13 +277,13 @@ class Verifier:
                     rejections[j].append(Rejection(code=RejectionCode(f.code), message=f.message, stats=f.stats))
         return out
 
-    def _check_completion(self, c, ref, job: VerifyJob) -> tuple[list[Rejection], np.ndarray | None, checks.DrawReport]:
+    def _check_completion(self, c, ci: int, ref, job: VerifyJob, tools: "ToolRuns") -> tuple[list[Rejection], np.ndarray | None, checks.DrawReport]:
         """The completion's own findings, its per-token |logprob diff| for the submission's mean, and
         what the replay of its draws found. An episode's prefill covers all its positions; the proofs,
         logprobs and draws are checked on the model's positions only."""
         tol = self.tolerances
         out: list[Rejection] = []
-        term = self._end_check(job, c)
+        term = self._end_check(job, c, ci, tools)
         if term:
             out.append(Rejection(code=RejectionCode(term.code), message=term.message, stats=term.stats))
         token_ids = c.token_ids

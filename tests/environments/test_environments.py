@@ -12,7 +12,8 @@ from environments.lookup import LookupEnv
 from environments.registry import ENVIRONMENTS, episode_reward, get_environment, item_from_wire, item_to_wire, reward_text
 from protocol.models import Completion, SamplingParams
 from trainer.tiny_model import EOS_ID, make_tokenizer
-from verifier.episodes import check_episode
+from verifier.episodes import check_episode, tool_calls
+from verifier.reward_pool import RewardResult, RewardStatus
 from verifier.tasks import get_task
 
 TOK = make_tokenizer()
@@ -123,6 +124,12 @@ def completion(ids, mask, finishes) -> Completion:
                       finish_reason=finishes[-1], proofs=[b"p"] * -(-n_model // 32), env_mask=np.array(mask, np.uint8), turn_finish_reasons=finishes)
 
 
+def check(e, item, seed, c, sampling=None):
+    """check_episode with the tool calls run in this process (the verifier runs them in its pool)."""
+    tools = {k: RewardResult(0.0, RewardStatus.ok, output=type(e).run_tool(item, call, seed)) for k, call in tool_calls(e, c)}
+    return check_episode(e, item, seed, c, sampling or SAMPLING, {EOS_ID}, tools)
+
+
 def honest_lookup():
     item = lookup_item()
     ids, mask, _ = run(env("lookup"), item, [enc("?"), enc(item.answer) + [EOS_ID]])
@@ -131,29 +138,63 @@ def honest_lookup():
 
 def test_honest_episode_passes_the_episode_checks():
     item, ids, mask = honest_lookup()
-    assert check_episode(env("lookup"), item, 0, completion(ids, mask, ["stop", "stop"]), SAMPLING, {EOS_ID}) is None
+    assert check(env("lookup"), item, 0, completion(ids, mask, ["stop", "stop"])) is None
 
 
 def test_forgeries_are_found_with_their_position():
     e, (item, ids, mask) = env("lookup"), honest_lookup()
     forged = list(ids)
     forged[2] = enc("9" if TOK.decode([ids[2]]) != "9" else "8")[0]  # a friendlier tool result
-    f = check_episode(e, item, 0, completion(forged, mask, ["stop", "stop"]), SAMPLING, {EOS_ID})
+    f = check(e, item, 0, completion(forged, mask, ["stop", "stop"]))
     assert f.code == "env_mismatch" and f.stats["position"] == 2
     # Truncated after the tool call, claimed complete.
-    f = check_episode(e, item, 0, completion(ids[:1], mask[:1], ["stop"]), SAMPLING, {EOS_ID})
+    f = check(e, item, 0, completion(ids[:1], mask[:1], ["stop"]))
     assert f.code == "episode_incomplete"
     # The observation shortened by one token (the turn boundary moved into it).
-    f = check_episode(e, item, 0, completion(ids[:4] + ids[5:], mask[:4] + mask[5:], ["stop", "stop"]), SAMPLING, {EOS_ID})
+    f = check(e, item, 0, completion(ids[:4] + ids[5:], mask[:4] + mask[5:], ["stop", "stop"]))
     assert f.code == "env_mismatch"
     # Environment tokens claimed as the model's: the tool call then sits inside a model turn.
-    f = check_episode(e, item, 0, completion(ids, [0] * len(ids), ["stop"]), SAMPLING, {EOS_ID})
+    f = check(e, item, 0, completion(ids, [0] * len(ids), ["stop"]))
     assert f.code == "bad_termination"
     # A wrong turn finish reason.
-    f = check_episode(e, item, 0, completion(ids, mask, ["length", "stop"]), SAMPLING, {EOS_ID})
+    f = check(e, item, 0, completion(ids, mask, ["length", "stop"]))
     assert f.code == "bad_termination"
     # A model turn over its cap.
     item2 = lookup_item()
     long_turn = enc("12345678") + enc("9")
-    f = check_episode(e, item2, 0, completion(long_turn, [0] * 9, ["length"]), SAMPLING, {EOS_ID})
+    f = check(e, item2, 0, completion(long_turn, [0] * 9, ["length"]))
     assert f.code == "bad_termination"
+
+
+def test_a_tool_run_that_failed_on_the_trusted_side_rejects_the_episode():
+    e, (item, ids, mask) = env("lookup"), honest_lookup()
+    c = completion(ids, mask, ["stop", "stop"])
+    assert tool_calls(e, c) == [(0, "")]  # lookup's tool takes no input
+    timed_out = {0: RewardResult(0.0, RewardStatus.timed_out, "tool ran past the 2 s limit", 2.1)}
+    f = check_episode(e, item, 0, c, SAMPLING, {EOS_ID}, timed_out)
+    assert f.code == "tool_failed" and f.stats["turn"] == 0 and "timed_out" in f.message
+    assert check_episode(e, item, 0, c, SAMPLING, {EOS_ID}, {}).code == "tool_failed"  # never run is no pass either
+    # An episode over its bounds asks for no tool run at all (it is rejected without one).
+    assert tool_calls(e, completion(ids * 3, mask * 3, ["stop"] * len(model_turns(np.array(mask * 3))))) == []
+
+
+def test_the_calculator_reads_its_call_through_its_own_token_table():
+    e = env("calculator")
+    item = get_task("countdown").make_prompts(1, seed=3)[0]
+    ids = enc("3*5?")
+    assert e.pending_call(ids, [0] * 4) == "3*5"
+    assert CalculatorEnv.run_tool(item, "3*5", 0) == "=15;"
+    assert CalculatorEnv.run_tool(item, "3*\x00", 0) == "=err;"  # a token outside the table
+    assert e.pending_call(enc("3*5") + [EOS_ID], [0] * 4) is None  # EOS ends the episode: no tool
+
+
+def test_plugin_environments_are_loaded_by_module_and_class_name():
+    from environments.registry import environment_class
+
+    assert environment_class("environments.lookup:LookupEnv") is LookupEnv
+    with pytest.raises(ValueError, match="not a subclass"):
+        environment_class("environments.calculator:format_value")
+    with pytest.raises(ValueError, match="cannot load"):
+        environment_class("no_such_module_here:Env")
+    with pytest.raises(ValueError, match="unknown environment"):
+        environment_class("nope")

@@ -90,6 +90,12 @@ def hog(text, item):
     block = bytearray(10 * 2**30)  # 10 GB
     return 1.0
 
+def echo(text, item):
+    return text + "|" + item.answer
+
+def long_text(text, item):
+    return "x" * 20000
+
 not_callable = 0.5
 '''
 MOD = "swarmrl_test_rewards"
@@ -356,3 +362,20 @@ def test_config_defaults_and_validation():
     for bad in ({"processes": 0}, {"time_limit_s": 0}, {"memory_limit_mb": 1}, {"start_method": "fork"}, {"nope": 1}):
         with pytest.raises(ValueError):
             RewardPoolConfig(**bad)
+
+
+def test_text_calls_return_their_output_under_the_same_limits(pool):
+    """Tool calls of multi-turn environments (returns="text"): the string comes back; a value that is not
+    a string, a string over the cap, and a call that hangs each get an empty output and a status, in a batch
+    whose honest calls (text and reward alike) come back exactly."""
+    honest, expected = honest_requests()
+    item = TaskItem("x", "p", "ans")
+    text = lambda fn, t="call": RewardRequest(f"{MOD}:{fn}", item, t, group=fn, returns="text")  # noqa: E731
+    calls = [text("echo", "a"), text("string"), text("true"), text("long_text"), text("sleepy"), text("echo", "b")]
+    results = pool.score_many(calls[:3] + honest + calls[3:])
+    got = results[:3] + results[-3:]
+    assert [(r.status, r.output) for r in got] == [
+        (RewardStatus.ok, "a|ans"), (RewardStatus.ok, "0.5"), (RewardStatus.error, ""), (RewardStatus.error, ""),
+        (RewardStatus.timed_out, ""), (RewardStatus.ok, "b|ans")]
+    assert "not a str" in got[2].message and "over 16384" in got[3].message and got[4].message.startswith("tool ")
+    assert_honest(results[3:-3], expected)

@@ -145,3 +145,42 @@ def test_calculator_episodes_from_the_engine_are_accepted(tool_model_dir, verifi
     verdict = verifier.verify(job(lease, items, comps, sid="calc"))
     assert verdict.status == VerdictStatus.accepted, verdict.rejections[:3]
     assert all(0.0 <= r <= 1.0 for r in verdict.rewards)
+
+
+SPINNING_ENV = '''
+from environments.lookup import LookupEnv
+
+class SpinningLookupEnv(LookupEnv):
+    """The lookup environment with a tool that never returns."""
+
+    @classmethod
+    def run_tool(cls, item, call, seed):
+        while True:
+            pass
+'''
+
+
+def test_a_tool_that_hangs_on_the_trusted_side_is_cut_off_by_the_pool(episodes, tool_model_dir, tmp_path, monkeypatch):
+    """The environment's tool runs in the sandboxed pool, not in the verifier: a tool that never returns
+    costs one time limit per call up to the submission's failure budget, the verdict says tool_failed (no
+    strike: not the worker's doing), and the same verifier goes on to accept honest episodes."""
+    from protocol.models import NO_STRIKE
+    from verifier.reward_config import RewardPoolConfig
+
+    (tmp_path / "swarmrl_test_envs.py").write_text(SPINNING_ENV)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    lease, items, comps, _ = episodes
+    multi = [c for c in comps if episode_attacks.multi_turn(c)]
+    spinning = lease.model_copy(update=dict(environment="swarmrl_test_envs:SpinningLookupEnv"))
+    cfg = VerifierConfig(keep_versions=1, rewards=RewardPoolConfig(processes=1, time_limit_s=0.5, import_paths=[str(tmp_path)]))
+    v = Verifier(cfg, lambda version: tool_model_dir, tool_model_dir)
+    try:
+        verdict = v.verify(job(spinning, items, multi, sid="spin"))
+        assert verdict.status == VerdictStatus.rejected
+        assert {r.code for r in verdict.rejections} == {RejectionCode.tool_failed} and RejectionCode.tool_failed in NO_STRIKE
+        assert v.rewards.counts["timed_out"] == cfg.rewards.group_failure_budget  # then the rest were skipped
+        assert v.rewards.counts["skipped"] == len(multi) - cfg.rewards.group_failure_budget
+        verdict = v.verify(job(lease, items, comps, sid="honest-after"))
+        assert verdict.status == VerdictStatus.accepted, verdict.rejections[:3]
+    finally:
+        v.close()
