@@ -109,7 +109,16 @@ def markdown(result: dict, meta: dict) -> str:
     for r in result["rows"]:
         codes = ", ".join(f"{k} {v}" for k, v in sorted(r["codes"].items()))
         lines.append(f"| {r['scenario']} | {r['expect']} | {r['trials']} | {r['accepted']} | {r['rejected']} | {codes} | {r['detail']} |")
+    lines += ["", NOTES]
     return "\n".join(lines) + "\n"
+
+
+NOTES = """Each attack trial is a one-completion submission verified alone; the proofs of a forged episode are rebuilt
+over the model rows it keeps (tools/episode_attacks.py), so the rejection comes from the episode checks. The
+environment's tool ran in the verifier's sandboxed reward pool, as in a run. "first rejection code" is the
+first reason of each rejected verdict: `extra_turn` exceeds lookup's two model turns, which the turn count
+catches before the replay would (`env_mismatch`). "seconds" is wall time on the shared 2-core machine, not a
+benchmark. The single-turn attack matrix is `--part attacks` (bench/results/verifier_attacks_calibration.md)."""
 
 
 def make_tool_model(workdir: Path) -> Path:
