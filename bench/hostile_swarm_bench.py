@@ -121,13 +121,14 @@ def one_run(mode: str, warmup_steps: int, window_s: float, port: int, attacker_n
         attacker_cpu, orch_cpu = time.process_time() - cpu0, cpu_seconds(pid) - orch_cpu0
         stop.set()
         with db(run_dir) as con:
-            accepted = con.execute("SELECT COUNT(*) FROM submissions WHERE worker_id=? AND status='accepted' AND received_at BETWEEN ? AND ?",
-                                   (honest, t0, t1)).fetchone()[0]
+            accepted, tokens = con.execute("SELECT COUNT(*), COALESCE(SUM(num_tokens), 0) FROM submissions WHERE worker_id=? AND status='accepted' "
+                                           "AND received_at BETWEEN ? AND ?", (honest, t0, t1)).fetchone()
         five_xx = sum(n for a in adversaries for code, n in a.statuses.items() if code >= 500)
         minutes = (t1 - t0) / 60
         return {
             "mode": mode, "load_avg_1m_before_after": [load0, round(os.getloadavg()[0], 2)],
             "bench_process_cpu_per_s": round(attacker_cpu / (t1 - t0), 3), "orchestrator_cpu_per_s": round(orch_cpu / (t1 - t0), 3), "window_s": round(t1 - t0, 1), "honest_accepted_per_min": round(accepted / minutes, 1),
+            "honest_tokens_per_min": round(tokens / minutes),
             "trainer_steps_per_min": round((steps1 - steps0) / minutes, 1), "orchestrator_peak_rss_mib": round(peak_rss / 2**20, 1),
             "status_p50_ms": round(statistics.median(status_ms), 1), "status_max_ms": round(max(status_ms), 1), "adversary_5xx": five_xx,
             "adversary_requests": {a.name: sum(a.statuses.values()) for a in adversaries},
@@ -167,7 +168,7 @@ def main() -> None:
             print(json.dumps(result), flush=True)
             runs.append(result)
     pairs = [(a, b) for a, b in zip(runs[::2], runs[1::2])]
-    ratio = {k: [round(b[k] / a[k], 3) if a[k] else None for a, b in pairs] for k in ("honest_accepted_per_min", "trainer_steps_per_min")}
+    ratio = {k: [round(b[k] / a[k], 3) if a[k] else None for a, b in pairs] for k in ("honest_accepted_per_min", "honest_tokens_per_min", "trainer_steps_per_min")}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"hostile_swarm_bench{'_' + args.tag if args.tag else ''}.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs, "ratio": ratio}, indent=1))
     print(json.dumps({"ratio_attacked_over_clean": ratio}, indent=1))
@@ -175,7 +176,7 @@ def main() -> None:
 
 
 def write_markdown(args, runs: list[dict], ratio: dict) -> None:
-    cols = ("repeat", "mode", "window_s", "honest_accepted_per_min", "trainer_steps_per_min", "orchestrator_peak_rss_mib", "status_p50_ms",
+    cols = ("repeat", "mode", "window_s", "honest_accepted_per_min", "honest_tokens_per_min", "trainer_steps_per_min", "orchestrator_peak_rss_mib", "status_p50_ms",
             "status_max_ms", "adversary_5xx", "bench_process_cpu_per_s", "orchestrator_cpu_per_s", "attacker_nice", "load_avg_1m_before_after")
     lines = [
         "# Honest throughput with and without a hostile swarm", "",
@@ -189,7 +190,7 @@ def write_markdown(args, runs: list[dict], ratio: dict) -> None:
         "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols),
         *("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in runs), "",
         f"Attacked / clean, per pair: honest accepted submissions/min {ratio['honest_accepted_per_min']}; "
-        f"trainer steps/min {ratio['trainer_steps_per_min']} (goal >= 0.8).", "",
+        f"honest accepted tokens/min {ratio.get('honest_tokens_per_min')}; trainer steps/min {ratio['trainer_steps_per_min']} (goal >= 0.8).", "",
     ]
     (args.out / f"hostile_swarm_bench{'_' + args.tag if args.tag else ''}.md").write_text("\n".join(lines))
 
