@@ -69,7 +69,27 @@ def cpu_seconds(pid: int | None) -> float:
     return 0.0 if t is None else t.user + t.system
 
 
-def one_run(mode: str, warmup_steps: int, window_s: float, port: int, attacker_nice: int = 0) -> dict:
+class CpuBurner(threading.Thread):
+    """The "cpu_only" control: no request at all, only a thread of this process spinning about `cores` of
+    a CPU (a duty cycle per 10 ms), as the adversaries' client threads do in "attacked" runs. On one
+    2-core machine the attack's own CPU comes out of the run's; this run shows how much of the attacked
+    runs' loss is that, and not the server's defence."""
+
+    def __init__(self, cores: float, stop: threading.Event):
+        super().__init__(name="cpu_burner", daemon=True)
+        self.cores, self.stop = min(1.0, max(0.0, cores)), stop
+        self.statuses: dict[int, int] = {}
+
+    def run(self) -> None:
+        period = 0.01
+        while not self.stop.is_set():
+            end = time.perf_counter() + period * self.cores
+            while time.perf_counter() < end:
+                pass
+            time.sleep(period * (1.0 - self.cores))
+
+
+def one_run(mode: str, warmup_steps: int, window_s: float, port: int, attacker_nice: int = 0, burn_cores: float = 0.6) -> dict:
     import httpx
     import psutil
 
@@ -97,6 +117,8 @@ def one_run(mode: str, warmup_steps: int, window_s: float, port: int, attacker_n
             Adversary.nice = attacker_nice
             adversaries = [kind(name, url, run_dir, stop, ADMIN) for kind, name in
                            ((Hoarder, "hoarder"), (Flooder, "flooder"), (SlowReward, "slow"), (Cheater, "cheater"))]
+        elif mode == "cpu_only":
+            adversaries = [CpuBurner(burn_cores, stop)]
         with db(run_dir) as con:
             honest = con.execute("SELECT worker_id FROM workers WHERE name='local-0'").fetchone()[0]
         t0, steps0, load0 = time.time(), len(steps(run_dir)), round(os.getloadavg()[0], 2)
@@ -156,19 +178,25 @@ def main() -> None:
     ap.add_argument("--attacker-nice", type=int, default=0, help="the adversaries' threads' nice value (19: they run on what the run leaves idle, "
                     "standing in for an attacker's own machine)")
     ap.add_argument("--tag", default="", help="results go to hostile_swarm_bench<_tag>.{json,md}")
+    ap.add_argument("--modes", default="clean,attacked", help="per repeat, in order; the first is the baseline of the ratios. "
+                    "cpu_only: no adversary, a thread spinning --burn-cores (the control for the attackers' own CPU)")
+    ap.add_argument("--burn-cores", type=float, default=0.6, help="cpu_only: the CPU to spin (the attacked runs' bench_process_cpu_per_s)")
     args = ap.parse_args()
+    modes = args.modes.split(",")
     runs = []
     for r in range(args.repeats):
-        for mode in ("clean", "attacked"):
+        for mode in modes:
             from swarmrl.processes import free_port
 
-            result = one_run(mode, args.warmup_steps, args.window_s, args.port or free_port("127.0.0.1"), args.attacker_nice)
+            result = one_run(mode, args.warmup_steps, args.window_s, args.port or free_port("127.0.0.1"), args.attacker_nice, args.burn_cores)
             result["attacker_nice"] = args.attacker_nice if mode == "attacked" else None
             result["repeat"] = r
             print(json.dumps(result), flush=True)
             runs.append(result)
-    pairs = [(a, b) for a, b in zip(runs[::2], runs[1::2])]
-    ratio = {k: [round(b[k] / a[k], 3) if a[k] else None for a, b in pairs] for k in ("honest_accepted_per_min", "honest_tokens_per_min", "trainer_steps_per_min")}
+    metrics = ("honest_accepted_per_min", "honest_tokens_per_min", "trainer_steps_per_min")
+    by = {(x["repeat"], x["mode"]): x for x in runs}
+    ratio = {m: {k: [round(by[r, m][k] / by[r, modes[0]][k], 3) if by[r, modes[0]][k] else None for r in range(args.repeats)] for k in metrics}
+             for m in modes[1:]}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"hostile_swarm_bench{'_' + args.tag if args.tag else ''}.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs, "ratio": ratio}, indent=1))
     print(json.dumps({"ratio_attacked_over_clean": ratio}, indent=1))
@@ -180,17 +208,21 @@ def write_markdown(args, runs: list[dict], ratio: dict) -> None:
             "status_max_ms", "adversary_5xx", "bench_process_cpu_per_s", "orchestrator_cpu_per_s", "attacker_nice", "load_avg_1m_before_after")
     lines = [
         "# Honest throughput with and without a hostile swarm", "",
-        f"Command: `python bench/hostile_swarm_bench.py --repeats {args.repeats} --window-s {args.window_s:g}"
+        f"Command: `python bench/hostile_swarm_bench.py --repeats {args.repeats} --window-s {args.window_s:g} --modes {args.modes}"
+        + (f" --burn-cores {args.burn_cores:g}" if "cpu_only" in args.modes else "")
         + (f" --attacker-nice {args.attacker_nice}" if args.attacker_nice else "") + (f" --tag {args.tag}" if args.tag else "") + "` "
         f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}). The demo loop (small model, one honest local vLLM worker, real "
         "verifier and trainer) on this 2-core machine; runs alternate clean / attacked; 'attacked' adds a hoarder, a flooder, a "
         "slow-reward worker and a banned cheater coming back (tools/adversaries.py) for the whole window. Every run is listed. "
         "bench_process_cpu_per_s: cores used by this benchmark's process, i.e. by the adversaries' threads, taken from the same two "
-        "cores the run has (an attacker's own machine in a real swarm); orchestrator_cpu_per_s: cores the orchestrator's process used.", "",
+        "cores the run has (an attacker's own machine in a real swarm); orchestrator_cpu_per_s: cores the orchestrator's process used. "
+        "cpu_only (when in --modes): no adversary, one thread of this process spinning about --burn-cores, the control for that "
+        "share of the attacked runs' loss.", "",
         "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols),
         *("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in runs), "",
-        f"Attacked / clean, per pair: honest accepted submissions/min {ratio['honest_accepted_per_min']}; "
-        f"honest accepted tokens/min {ratio.get('honest_tokens_per_min')}; trainer steps/min {ratio['trainer_steps_per_min']} (goal >= 0.8).", "",
+        *(f"{m} / {args.modes.split(',')[0]}, per repeat: honest accepted submissions/min {q['honest_accepted_per_min']}; "
+          f"honest accepted tokens/min {q['honest_tokens_per_min']}; trainer steps/min {q['trainer_steps_per_min']} (goal >= 0.8 for attacked)."
+          for m, q in ratio.items()), "",
     ]
     (args.out / f"hostile_swarm_bench{'_' + args.tag if args.tag else ''}.md").write_text("\n".join(lines))
 
