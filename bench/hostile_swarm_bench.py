@@ -113,10 +113,10 @@ def one_run(mode: str, warmup_steps: int, window_s: float, port: int, attacker_n
         pid = listener_pid(port)
         cfg = load_run_config(REPO / "configs" / "demo.toml", environ={}).orchestrator
         Flooder.cap = limits.submission_bytes_cap(cfg.prompts_per_lease * cfg.samples_per_prompt, cfg.sampling.max_tokens)
-        if mode == "attacked":
+        kinds = {"hoarder": Hoarder, "flooder": Flooder, "slow": SlowReward, "cheater": Cheater}
+        if mode == "attacked" or mode in kinds:  # all four, or the one named (what each costs alone)
             Adversary.nice = attacker_nice
-            adversaries = [kind(name, url, run_dir, stop, ADMIN) for kind, name in
-                           ((Hoarder, "hoarder"), (Flooder, "flooder"), (SlowReward, "slow"), (Cheater, "cheater"))]
+            adversaries = [kind(name, url, run_dir, stop, ADMIN) for name, kind in kinds.items() if mode in ("attacked", name)]
         elif mode == "cpu_only":
             adversaries = [CpuBurner(burn_cores, stop)]
         with db(run_dir) as con:
@@ -179,6 +179,7 @@ def main() -> None:
                     "standing in for an attacker's own machine)")
     ap.add_argument("--tag", default="", help="results go to hostile_swarm_bench<_tag>.{json,md}")
     ap.add_argument("--modes", default="clean,attacked", help="per repeat, in order; the first is the baseline of the ratios. "
+                    "attacked: all four adversaries; hoarder, flooder, slow or cheater: that one alone; "
                     "cpu_only: no adversary, a thread spinning --burn-cores (the control for the attackers' own CPU)")
     ap.add_argument("--burn-cores", type=float, default=0.6, help="cpu_only: the CPU to spin (the attacked runs' bench_process_cpu_per_s)")
     args = ap.parse_args()
@@ -189,7 +190,7 @@ def main() -> None:
             from swarmrl.processes import free_port
 
             result = one_run(mode, args.warmup_steps, args.window_s, args.port or free_port("127.0.0.1"), args.attacker_nice, args.burn_cores)
-            result["attacker_nice"] = args.attacker_nice if mode == "attacked" else None
+            result["attacker_nice"] = args.attacker_nice if mode not in ("clean", "cpu_only") else None
             result["repeat"] = r
             print(json.dumps(result), flush=True)
             runs.append(result)
