@@ -3,15 +3,13 @@ verifier's sandboxed pool calls: the tool (`tool_output`) and the reward (`episo
 
 from __future__ import annotations
 
-import importlib
 import json
-from operator import attrgetter
 from typing import Sequence
 
 from environments.base import Encode, Environment
 from environments.calculator import CalculatorEnv
 from environments.lookup import LookupEnv
-from verifier.tasks import TaskItem
+from verifier.tasks import TaskItem, import_plugin
 
 ENVIRONMENTS: dict[str, type[Environment]] = {"lookup": LookupEnv, "calculator": CalculatorEnv}
 # The reward pool runs these as plug-ins (`module:function`, called as fn(text, item, **params)).
@@ -23,13 +21,9 @@ def environment_class(name: str) -> type[Environment]:
     """A built-in environment, or a plug-in named "module:Class" (an Environment subclass)."""
     if name in ENVIRONMENTS:
         return ENVIRONMENTS[name]
-    module_name, sep, attr = name.partition(":")
-    if not sep or not module_name or not attr:
+    if ":" not in name:
         raise ValueError(f"unknown environment {name!r}; choose one of {sorted(ENVIRONMENTS)} or name a plug-in as 'module:Class'")
-    try:
-        cls = attrgetter(attr)(importlib.import_module(module_name))
-    except Exception as exc:  # ImportError, AttributeError, or whatever the module raises at import time
-        raise ValueError(f"cannot load environment {name!r}: {type(exc).__name__}: {exc}") from None
+    cls = import_plugin(name, "environment")
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ValueError(f"environment {name!r} is not a subclass of environments.base.Environment")
     return cls

@@ -23,6 +23,7 @@ from swarmrl.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
+
 class RunFailed(RuntimeError):
     """A component died for good; the message says which and why."""
 

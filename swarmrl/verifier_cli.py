@@ -82,7 +82,7 @@ def calibrate(
             from tools import episode_calibration
 
             result = episode_calibration.run(episode_calibration.make_tool_model(work / "models"), trials)
-            path = episode_calibration.write_results(result, out, trials, 40, 16)
+            path = episode_calibration.write_results(result, out, trials)
             console.print(path.read_text())
             console.print(f"wrote {path}")
         if part in ("draws", "all"):

@@ -100,7 +100,7 @@ def run(model_dir: Path, trials: int, n_prompts: int = 40, samples: int = 16, se
                          "detail": f"from {len(multi)} honest episodes with a tool call", "codes": dict(codes)})
     finally:
         verifier.close()
-    return {"rows": rows, "generate_s": generated_s, "total_s": time.perf_counter() - started}
+    return {"rows": rows, "prompts": n_prompts, "samples": samples, "generate_s": generated_s, "total_s": time.perf_counter() - started}
 
 
 def markdown(result: dict, meta: dict) -> str:
@@ -127,8 +127,8 @@ def make_tool_model(workdir: Path) -> Path:
     return init_model(Path(workdir) / "tool-model", "tiny", seed=0, pretrain_steps=40, tool_format=True)
 
 
-def write_results(result: dict, out: Path, trials: int, prompts: int, samples: int) -> Path:
-    meta = {"trials": trials, "environment": "lookup", "model": "tiny, 40 steps of the tool corpus", "episodes": prompts * samples,
+def write_results(result: dict, out: Path, trials: int) -> Path:
+    meta = {"trials": trials, "environment": "lookup", "model": "tiny, 40 steps of the tool corpus", "episodes": result["prompts"] * result["samples"],
             "command": f"swarmrl verifier calibrate --part episodes --trials {trials}",
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": round(result["total_s"], 1)}
     out.mkdir(parents=True, exist_ok=True)
@@ -144,7 +144,7 @@ def main(model_dir: Path = typer.Option(None, help="a tiny model taught the tool
 
     with tempfile.TemporaryDirectory(prefix="swarmrl-episodes-") as tmp:
         result = run(model_dir or make_tool_model(Path(tmp)), trials, prompts, samples)
-    print(write_results(result, out, trials, prompts, samples).read_text())
+    print(write_results(result, out, trials).read_text())
 
 
 if __name__ == "__main__":

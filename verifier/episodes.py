@@ -38,7 +38,8 @@ def _bounds(env: Environment, ids: np.ndarray, turns: list) -> Finding | None:
 
 def tool_calls(env: Environment, c: Completion) -> list[tuple[int, str]]:
     """(model turn, tool input) for every turn after which the environment's tool must run: what the
-    verifier sends to its sandboxed pool. None for an episode over its bounds (check_episode rejects it)."""
+    verifier sends to its sandboxed pool. None at all for an episode over its bounds (check_episode rejects
+    it without them)."""
     ids = np.asarray(c.token_ids, dtype=np.int64)
     mask = np.asarray(c.env_mask, dtype=np.int8)
     turns = model_turns(mask)

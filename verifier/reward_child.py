@@ -19,7 +19,6 @@ Wire format (multiprocessing Connection, pickled):
 from __future__ import annotations
 
 import fcntl
-import importlib
 import math
 import numbers
 import os
@@ -28,10 +27,9 @@ import select
 import signal
 import sys
 import time
-from operator import attrgetter
 from typing import Any, Callable
 
-from verifier.tasks import TASKS, TaskItem, get_task
+from verifier.tasks import TASKS, TaskItem, get_task, import_plugin
 
 MAX_MESSAGE_CHARS = 300
 # A tool's output becomes an observation that the verifier tokenizes and compares: far more than any
@@ -60,13 +58,12 @@ def resolve(task: str, params: dict[str, Any]) -> Scorer:
             return get_task(task, **params).reward
         except ValueError as exc:
             raise LoadError(str(exc)) from None
-    module_name, sep, attr = task.partition(":")
-    if not sep or not module_name or not attr:
+    if ":" not in task:
         raise LoadError(f"unknown task {task!r}: not one of {sorted(TASKS)} and not 'module:function'")
     try:
-        fn = attrgetter(attr)(importlib.import_module(module_name))
-    except Exception as exc:  # ImportError, AttributeError, or whatever the module raises at import time
-        raise LoadError(f"cannot load reward {task!r}: {type(exc).__name__}: {exc}") from None
+        fn = import_plugin(task, "reward")
+    except ValueError as exc:
+        raise LoadError(str(exc)) from None
     if not callable(fn):
         raise LoadError(f"reward {task!r} is a {type(fn).__name__}, not a function")
     return lambda item, text: fn(text, item, **params)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import importlib
 import operator
 import random
 import threading
@@ -271,3 +272,15 @@ def get_task(name: str, **params: Any) -> Task:
         return TASKS[name](**params)
     except TypeError as exc:
         raise ValueError(f"task {name!r}: bad parameters {params}: {exc}") from None
+
+
+def import_plugin(name: str, what: str) -> Any:
+    """The object a plug-in name "module:attr" names (attr may be dotted), for plug-in rewards and
+    environments alike. ValueError, saying why, when the name is not of that form or does not load."""
+    module_name, sep, attr = name.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{what} {name!r} is not a plug-in name of the form 'module:name'")
+    try:
+        return operator.attrgetter(attr)(importlib.import_module(module_name))
+    except Exception as exc:  # ImportError, AttributeError, or whatever the module raises at import time
+        raise ValueError(f"cannot load {what} {name!r}: {type(exc).__name__}: {exc}") from None
