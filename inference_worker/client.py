@@ -204,9 +204,10 @@ class OrchestratorClient:
         resp = self._request(api.HEARTBEAT, token=self._worker_token(), body=beat.model_dump_json().encode(), retries=retries, worker_id=self.worker_id)
         return self._parse(resp, m.HeartbeatAck)
 
-    def lease(self, loaded_policy_version: int, max_prompts: int = 1) -> m.LeaseResponse:
+    def lease(self, loaded_policy_version: int, max_prompts: int = 1, wait_s: float = 0.0) -> m.LeaseResponse:
+        """`wait_s`: how long the orchestrator may hold the request for room under the async bound."""
         # One idempotency key per lease call: the body (and so the key) is the same on every retry.
-        req = m.LeaseRequest(loaded_policy_version=loaded_policy_version, max_prompts=max_prompts, request_id=f"r{secrets.token_hex(8)}")
+        req = m.LeaseRequest(loaded_policy_version=loaded_policy_version, max_prompts=max_prompts, request_id=f"r{secrets.token_hex(8)}", wait_s=wait_s)
         resp = self._request(api.LEASE, token=self._worker_token(), body=req.model_dump_json().encode())
         return self._parse(resp, m.LeaseResponse)
 

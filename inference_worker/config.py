@@ -2,6 +2,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from protocol.limits import MAX_LEASE_WAIT_S
+
 
 class EngineConfig(BaseModel):
     """vLLM engine settings. A GPU is a config, not a fork of the code."""
@@ -36,6 +38,10 @@ class WorkerConfig(BaseModel):
     work_dir: str = Field("", description="weights download folder; a temporary one if empty")
     engine: EngineConfig = EngineConfig()
     max_prompts_per_lease: int = Field(8, ge=1)
+    lease_wait_s: float = Field(
+        2.0, ge=0, le=MAX_LEASE_WAIT_S, description="when the run's generation budget is full, the orchestrator holds a lease request "
+        "this long for room (a long poll) instead of the worker sleeping a retry-after; 0: ask and sleep",
+    )
     backoff_initial_s: float = Field(0.5, gt=0)
     backoff_max_s: float = Field(30.0, gt=0)
     request_timeout_s: float = Field(30.0, gt=0)

@@ -45,7 +45,7 @@ import torch
 from inference_worker.config import EngineConfig
 from inference_worker.generation import GenerationStats, LeaseNotGeneratable, finish_reason as _finish_reason  # noqa: F401 - re-exported
 from protocol import limits
-from protocol.models import Completion, FinishReason, TaskLease
+from protocol.models import Completion, TaskLease
 
 log = logging.getLogger(__name__)
 

@@ -235,7 +235,7 @@ class Worker:
     def _task_once(self) -> None:
         self._set_state(WorkerState.idle)
         try:
-            resp = self.client.lease(self.engine.policy_version, self.max_prompts)
+            resp = self.client.lease(self.engine.policy_version, self.max_prompts, self.config.lease_wait_s)
         except c.OrchestratorUnavailable as e:
             self.stats.reconnects += 1
             self.stats.event(f"orchestrator unreachable: {e}")

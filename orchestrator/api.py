@@ -103,7 +103,7 @@ def handlers(orch: Orchestrator) -> dict[api.Endpoint, Handler]:
     return {
         api.REGISTER: register,
         api.HEARTBEAT: lambda r, worker, body: orch.heartbeat(worker, r.path_params["worker_id"], body),
-        api.LEASE: lambda r, worker, body: orch.lease(worker, body),
+        api.LEASE: lambda r, worker, body: orch.lease_held(worker, body) if body.wait_s > 0 else orch.lease(worker, body),
         api.RELEASE: lambda r, worker, body: orch.release(worker, r.path_params["lease_id"]),
         api.SUBMIT: submit,
         api.VERDICT: lambda r, worker, body: orch.verdict(worker, r.path_params["submission_id"]),

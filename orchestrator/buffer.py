@@ -19,6 +19,7 @@ import secrets
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -157,6 +158,7 @@ class RolloutBuffer:
     def __init__(self, db: Database, max_staleness: int | None = None):
         self.db = db
         self.max_staleness = max_staleness
+        self.room_freed: Callable[[], None] = lambda: None  # the lease book's long poll (leases.RoomSignal)
         db.create(SCHEMA, counters=COUNTERS)
         with db.tx() as conn:  # a run started before multi-turn episodes: its table lacks env_masks
             if "env_masks" not in {r[1] for r in conn.execute("PRAGMA table_info(sample_groups)").fetchall()}:
@@ -237,6 +239,7 @@ class RolloutBuffer:
                     db.execute(f"UPDATE sample_groups SET status='stale', {CLEARED_ARRAYS} WHERE status='ready' AND behaviour_version<?", (lowest,))
                     Database.add(db, "samples_dropped_stale", dropped)
                     Database.add(db, BUFFERED_SAMPLES, -dropped)
+                    self.room_freed()
             # Ready groups are taken in seq order, so a batch is every ready group up to the last one it needs.
             last, total = None, 0
             for seq, size in db.execute("SELECT seq, num_samples FROM sample_groups WHERE status='ready' ORDER BY seq LIMIT ?", (max(1, n),)):
@@ -277,6 +280,7 @@ class RolloutBuffer:
         trained = sum(gaps.values())
         Database.add(db, "samples_trained", trained)
         Database.add(db, BUFFERED_SAMPLES, -(trained + dropped))
+        self.room_freed()
         Database.add(db, "samples_dropped_stale", dropped)
         Database.add(db, "step", 1)
         return gaps

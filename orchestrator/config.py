@@ -109,11 +109,21 @@ class OrchestratorConfig(BaseModel):
     requests_in_flight_per_worker: int = Field(8, ge=1, description="requests one worker may have open at once")
     failed_auth_per_min: float = Field(30.0, gt=0, description="refused credentials per minute per client address before it is refused outright")
     max_connections: int = Field(2048, ge=16, description="open connections (and requests) at once; beyond, 503")
+    max_connections_per_address: int = Field(128, ge=1, description="open connections from one client address; beyond, closed at once")
+    refusal_delay_s: float = Field(
+        1.0, ge=0, description="a request refused for being over a budget is answered after this long (at most its retry-after): "
+        "a client that ignores Retry-After waits anyway, so one connection cannot flood",
+    )
     header_timeout_s: float = Field(10.0, gt=0, description="a request's line and headers must arrive within this (slow-loris)")
     strikes_to_ban: int = Field(3, ge=1)
     ban_scope: BanScope = Field(BanScope.token, description="a ban by strikes: the worker only (identity), or its join token too (token)")
     max_identities_per_token: int = Field(8, ge=1, description="live workers per join token (a Sybil cap)")
     registrations_per_min_per_token: float = Field(6.0, gt=0)
+    probation_share: float = Field(
+        0.1, ge=0, le=1, description="while join tokens with a record of accepted work want leases, the tokens without one "
+        "share this fraction of the async bound between them (at least one prompt): a crowd of new identities cannot crowd out "
+        "the workers that deliver, and a new volunteer still gets work to earn its record",
+    )
     lease_cooldown_s: float = Field(10.0, ge=0, description="a join token that let a whole lease go unsubmitted waits this long; doubles with its debt")
     lease_debt_per_strike: float = Field(2.0, gt=0, description="leases' worth of debt per strike against the worker that let them go")
     heartbeat_interval_s: float = Field(5.0, gt=0)

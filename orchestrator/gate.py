@@ -1,13 +1,17 @@
 """What every request meets before the app runs: requests are a budget.
 
 - The connection: its request line and headers must arrive within `header_timeout_s` (a slow-loris
-  holds nothing), and uvicorn caps open connections at `max_connections` (`GuardedHttpToolsProtocol`,
-  `uvicorn_config`).
+  holds nothing); one client address may hold `max_connections_per_address` connections, and uvicorn caps
+  all open connections at `max_connections` (`GuardedHttpToolsProtocol`, `uvicorn_config`).
 - Credentials first: the endpoint's credential (protocol.api's table) is checked from the headers before
   one byte of the body is read, so an unauthenticated flood costs a dictionary lookup, not a buffer.
   Refused credentials are counted per client address; an address over `failed_auth_per_min` gets 429
   for anything not already known good, without a database lookup.
 - Budgets per worker and per join token: requests per second, body bytes per second, requests in flight.
+- A refusal for being over a budget (429) is answered only after `refusal_delay_s` (at most its
+  retry-after): a well-behaved client would have waited that long anyway, and a client that ignores
+  Retry-After gets one request per connection per delay instead of as many as the server can refuse. With
+  the per-address connection cap this bounds what one address can make the server do, whatever it sends.
 - The body: read under the endpoint's cap (a submission: the largest honest body for the run's leases,
   protocol.limits.submission_bytes_cap) and the whole request under `request_timeout_s`.
 
@@ -46,6 +50,7 @@ class Gate:
         self.admin_token = orch.cfg.admin_token.get_secret_value().encode()
         cfg = orch.cfg
         self.timeout_s = cfg.request_timeout_s
+        self.refusal_delay_s = cfg.refusal_delay_s
         self.submit_cap = limits.submission_bytes_cap(cfg.prompts_per_lease * cfg.samples_per_prompt, cfg.sampling.max_tokens,
                                                       episodes=cfg.environment is not None)
         self.failed = RateLimiter(cfg.failed_auth_per_min / 60.0, burst=max(5.0, cfg.failed_auth_per_min))
@@ -80,10 +85,10 @@ class Gate:
             async with asyncio.timeout(self.timeout_s):
                 caller = self.authorize(ep, scope) if ep is not None else None
                 if isinstance(caller, str):
-                    worker_id = caller
-                    if self.in_flight.get(worker_id, 0) >= self.orch.cfg.requests_in_flight_per_worker:
+                    if self.in_flight.get(caller, 0) >= self.orch.cfg.requests_in_flight_per_worker:
                         raise ApiError(ErrorCode.rate_limited, "too many requests in flight", retry_after_s=1.0)
-                    self.in_flight[worker_id] = self.in_flight.get(worker_id, 0) + 1
+                    self.in_flight[caller] = self.in_flight.get(caller, 0) + 1
+                    worker_id = caller  # only now: the finally below gives back what was taken, never more
                 scope.setdefault("state", {})[CALLER] = caller
                 body = await self.read_body(scope, receive, self.submit_cap if ep is api.SUBMIT else MAX_SMALL_BODY_BYTES, worker_id)
                 if body is None:
@@ -92,6 +97,9 @@ class Gate:
         except ApiError as exc:
             self.orch.metrics.requests_refused.labels(exc.code.value).inc()
             if not started:
+                if exc.code is ErrorCode.rate_limited and self.refusal_delay_s > 0:
+                    # Held while the worker's in-flight slot stays taken: parallel requests meet that cap.
+                    await asyncio.sleep(min(self.refusal_delay_s, exc.retry_after_s or self.refusal_delay_s))
                 await error_response(exc)(scope, receive, send)
         except TimeoutError:
             log.warning("request timed out", extra={"path": scope.get("path")})
@@ -99,7 +107,11 @@ class Gate:
                 await error_response(ApiError(ErrorCode.timeout, f"request not completed within {self.timeout_s:g} s", retry_after_s=1.0))(scope, receive, send)
         finally:
             if worker_id is not None:
-                self.in_flight[worker_id] -= 1
+                left = self.in_flight[worker_id] - 1
+                if left:
+                    self.in_flight[worker_id] = left
+                else:
+                    del self.in_flight[worker_id]
 
     def authorize(self, ep: api.Endpoint, scope: dict) -> Any:
         """The endpoint's credential, from the headers. A correct credential is never refused here; an
@@ -188,14 +200,23 @@ def _replay(body: bytes, receive: Any) -> Any:
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with a deadline on each request's head: from the connection (or the
-    end of the previous response's keep-alive wait) to the end of the headers, at most `header_timeout_s`
-    (set as a class attribute by `uvicorn_config`); otherwise the connection is closed."""
+    end of the previous response's keep-alive wait) to the end of the headers, at most `header_timeout_s`;
+    otherwise the connection is closed. A client address holding `max_per_address` connections has any
+    further one closed at once. (Class attributes, set per server by `uvicorn_protocol`.)"""
 
     header_timeout_s = 10.0
+    max_per_address = 128
+    per_address: dict[str, int] = {}
 
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._head_timer: asyncio.TimerHandle | None = None
+        self._address = (self.client or ("?",))[0]
+        count = self.per_address[self._address] = self.per_address.get(self._address, 0) + 1
+        if count > self.max_per_address:
+            log.info("closing a connection over its address's cap", extra={"client": self._address, "cap": self.max_per_address})
+            self.transport.close()
+            return
         self._arm_head_timer()
 
     def _arm_head_timer(self) -> None:
@@ -221,11 +242,17 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+        left = self.per_address.get(self._address, 1) - 1
+        if left > 0:
+            self.per_address[self._address] = left
+        else:
+            self.per_address.pop(self._address, None)
         super().connection_lost(exc)
 
 
-def uvicorn_protocol(header_timeout_s: float) -> type[GuardedHttpToolsProtocol]:
-    return type("GuardedHttp", (GuardedHttpToolsProtocol,), {"header_timeout_s": header_timeout_s})
+def uvicorn_protocol(header_timeout_s: float, max_per_address: int) -> type[GuardedHttpToolsProtocol]:
+    """The protocol class of one server: its own connection counts."""
+    return type("GuardedHttp", (GuardedHttpToolsProtocol,), {"header_timeout_s": header_timeout_s, "max_per_address": max_per_address, "per_address": {}})
 
 
 def _now() -> float:

@@ -8,11 +8,15 @@ a token may hold
     share = max(1, ceil(bound * w_token / sum of w over those tokens)),  w = 1 + credit
 
 prompts, where credit counts the prompts of its recently accepted leases (halving every
-CREDIT_HALF_LIFE_S) and halves again whenever the token lets a lease go unsubmitted. A newcomer and a
-token that never delivers weigh 1: it gets about one prompt beside workers that deliver, so a hoarder,
-a flooder or a banned identity that keeps registering holds almost nothing of the bound, while a token
-with a record gets the rest. Equal records give equal shares, the plain fair share. Only the weights
-live in memory: after a restart every token starts at 1 again, which is the fair share.
+CREDIT_HALF_LIFE_S; a submission accepted with a strike earns none) and halves again whenever the token
+lets a lease go unsubmitted. Equal records give equal shares, the plain fair share.
+
+Probation. A token whose credit is below PROVEN_CREDIT has no record. While tokens with a record want
+leases, the tokens without one share a pool of `probation_share` of the bound between them (at least one
+prompt), and the tokens with a record share the rest: however many identities an attacker makes, they
+hold the pool together, and a new honest volunteer still gets work from the pool to earn its record. With
+no token on record (the start of a run, or after a restart: only the weights live in memory) everyone
+shares the whole bound.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import sqlite3
 DEMAND_WINDOW_S = 10.0
 # How fast a token's record fades: a worker that stopped delivering a minute ago still weighs half.
 CREDIT_HALF_LIFE_S = 60.0
+# Credit (accepted prompts, decayed) that takes a token off probation.
+PROVEN_CREDIT = 1.0
 
 
 class NoLeaseNow(Exception):
@@ -36,7 +42,8 @@ class NoLeaseNow(Exception):
 
 
 class LeaseShares:
-    def __init__(self) -> None:
+    def __init__(self, probation_share: float = 0.1) -> None:
+        self.probation_share = probation_share
         self._demand: dict[str, float] = {}  # join token -> when it last registered a worker or asked for a lease
         self._credit: dict[str, tuple[float, float]] = {}  # join token -> (credit, when it was last updated)
         self._holding = (0.0, frozenset())  # (computed at, join tokens holding open training leases), refreshed each second
@@ -58,7 +65,8 @@ class LeaseShares:
         self._credit[token_id] = (self.credit(token_id, now) / 2, now)
 
     def room(self, db: sqlite3.Connection, token_id: str, bound_prompts: int, now: float) -> int:
-        """Prompts this token may still lease: its share of the bound, less what its workers hold."""
+        """Prompts this token may still lease: its share of the bound (of the probation pool, or of the
+        rest, when some tokens have a record), less what its workers hold."""
         at, holding = self._holding
         if now - at > 1.0:
             holding = frozenset(r[0] for r in db.execute("SELECT DISTINCT token_id FROM leases WHERE status='open' AND eval_version IS NULL AND token_id IS NOT NULL"))
@@ -66,12 +74,31 @@ class LeaseShares:
             self._demand = {t: t_at for t, t_at in self._demand.items() if now - t_at <= DEMAND_WINDOW_S}
             self._credit = {t: (v, t_at) for t, (v, t_at) in self._credit.items() if self.credit(t, now) > 0.01}
         wanting = {t for t, t_at in self._demand.items() if now - t_at <= DEMAND_WINDOW_S} | holding | {token_id}
+        proven = {t for t in wanting if self.credit(t, now) >= PROVEN_CREDIT}
+        on_probation = wanting - proven
+        pool = 0
+        if proven and on_probation:  # the tokens without a record share a pool; the others, the rest
+            pool = max(1, math.ceil(self.probation_share * bound_prompts - 1e-9))
+            peers = proven if token_id in proven else on_probation
+            bound_prompts = bound_prompts - pool if token_id in proven else pool
+        else:
+            peers = wanting
         weight = 1.0 + self.credit(token_id, now)
-        total = sum(1.0 + self.credit(t, now) for t in wanting)
+        total = sum(1.0 + self.credit(t, now) for t in peers)
         share = max(1, math.ceil(bound_prompts * weight / total - 1e-3))  # - 1e-3: credit decays while we compute
         held = db.execute(
             "SELECT COALESCE(SUM(json_array_length(prompt_indices)), 0) FROM leases WHERE token_id=? AND status='open' AND eval_version IS NULL", (token_id,)
         ).fetchone()[0]
         if held >= share:
             raise NoLeaseNow(f"join token {token_id} holds its share of the generation budget ({share} prompts)", 1.0)
-        return share - int(held)
+        room = share - int(held)
+        if pool and token_id in on_probation:  # what the other tokens on probation hold comes out of the same pool
+            others = db.execute(
+                "SELECT token_id, COALESCE(SUM(json_array_length(prompt_indices)), 0) FROM leases WHERE status='open' AND eval_version IS NULL "
+                "AND token_id IS NOT NULL AND token_id != ? GROUP BY token_id", (token_id,)
+            ).fetchall()
+            used = int(held) + sum(int(n) for t, n in others if t not in proven)
+            if used >= pool:
+                raise NoLeaseNow(f"join token {token_id} has no record of accepted work yet, and the pool for such tokens is in use ({pool} prompts)", 1.0)
+            room = min(room, pool - used)
+        return room

@@ -13,6 +13,7 @@ that doubles, then strikes), so hoarding loses its slot; a worker that crashes l
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import secrets
@@ -65,6 +66,35 @@ class GenerationBoundReached(Exception):
     """Generation is async_level steps ahead of the trainer; wait for it to consume a batch."""
 
 
+class RoomSignal:
+    """Wakes the lease requests held on the event loop (a long poll) when room under the async bound may
+    have freed up. `notify` is called from any thread (verification, the trainer's pulls, housekeeping);
+    each waiter then tries again, so a spurious wake-up costs one check."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._event: asyncio.Event | None = None
+
+    async def wait(self, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop or self._event is None:
+            self._loop, self._event = loop, asyncio.Event()
+        try:
+            await asyncio.wait_for(self._event.wait(), timeout_s)
+        except TimeoutError:
+            pass
+
+    def notify(self) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        event, self._event = self._event, asyncio.Event()  # later waiters wait for the next change
+        if event is not None:
+            event.set()
+
+
 @dataclass
 class LeaseRow:
     lease_id: str
@@ -92,6 +122,7 @@ class LeaseBook:
         workers: Workers | None = None, tokens: JoinTokens | None = None,
     ):
         self.evals: EvalBook | None = None  # set by the orchestrator when the run evaluates
+        self.room = RoomSignal()  # notified whenever leased prompts go down (the buffer notifies it too)
         self.db = db
         self.prompts = prompts
         self.config = config
@@ -117,7 +148,7 @@ class LeaseBook:
             db.set(conn, LEASED_PROMPTS, int(leased))
         # Leases whose deadline passed before this process served are not their workers' fault: no debt.
         self.serving_since = time.time()
-        self.shares = LeaseShares()
+        self.shares = LeaseShares(config.probation_share)
         # Open leases, parsed, so a submission does not re-parse its lease (a cache: SQLite is the truth).
         self._open: dict[str, TaskLease] = {}
         # Prompt index -> (prompt_id, token ids) as validated by the first lease that carried the prompt.
@@ -311,9 +342,10 @@ class LeaseBook:
         """In the submission's transaction: the lease now has its submission (False if it was not open)."""
         return db.execute("UPDATE leases SET status='submitted' WHERE lease_id=? AND status='open'", (lease_id,)).rowcount == 1
 
-    def finish(self, db: sqlite3.Connection, lease_id: str, accepted: bool) -> None:
+    def finish(self, db: sqlite3.Connection, lease_id: str, accepted: bool, credit: bool = True) -> None:
         """In the verdict's transaction: an accepted lease is done (its samples move to the buffer's
-        count); a rejected one gives its prompts back for re-issue."""
+        count) and, unless `credit` is False (accepted with a strike), adds to its token's record; a
+        rejected one gives its prompts back for re-issue."""
         if not accepted:
             self._end(db, lease_id, "rejected", "submitted")
             return
@@ -321,7 +353,8 @@ class LeaseBook:
         db.execute("UPDATE leases SET status='done' WHERE lease_id=?", (lease_id,))
         if row is not None and row[0] in ("open", "submitted") and row[2] is None:
             Database.add(db, LEASED_PROMPTS, -int(row[1]))
-            if row[3] is not None:
+            self.room.notify()
+            if row[3] is not None and credit:
                 self.shares.note_accepted(row[3], int(row[1]), time.time())
 
     def release(self, lease_id: str, worker_id: str) -> bool:
@@ -369,6 +402,7 @@ class LeaseBook:
         else:
             db.executemany("INSERT INTO reissue (prompt_index) VALUES (?)", [(i,) for i in indices])
             Database.add(db, LEASED_PROMPTS, -len(indices))  # from_status is open or submitted
+            self.room.notify()
         if charge and row[2] is not None:
             self._charge(db, row[1], row[2], len(indices), row[3], row[4], time.time() if now is None else now)
         return True

@@ -28,7 +28,7 @@ def uvicorn_config(app: Any, host: str, port: int, cfg: OrchestratorConfig) -> u
         app,
         host=host,
         port=port,
-        http=uvicorn_protocol(cfg.header_timeout_s),  # a deadline on each request's head (gate.py)
+        http=uvicorn_protocol(cfg.header_timeout_s, cfg.max_connections_per_address),  # head deadline, per-address cap (gate.py)
         limit_concurrency=cfg.max_connections,  # beyond: 503, so a flood of connections cannot exhaust the host
         log_level="warning",
         access_log=False,
@@ -98,6 +98,7 @@ class OrchestratorServer:
             self.stop()
 
     def stop(self) -> None:
+        self.orch.stop_holding()
         self.server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=15)

@@ -120,6 +120,7 @@ class Orchestrator:
         # no batch goes out until the trainer has reconciled (see reconcile_trainer).
         self.reconciled = not self.batches.unsettled()
         self.leases = LeaseBook(db, prompts, config, shape, self.workers, self.tokens)
+        self.buffer.room_freed = self.leases.room.notify
         if isinstance(prompts, HeldOutPrompts) and evaluation is not None:
             self.leases.evals = EvalBook(
                 db, prompts, evaluation, train_k=config.samples_per_prompt, prompts_per_lease=config.prompts_per_lease, seed_key=self.leases.seed_key,
@@ -214,6 +215,32 @@ class Orchestrator:
         )
 
     def lease(self, worker_id: str, req: LeaseRequest) -> LeaseResponse:
+        try:
+            return self._lease(worker_id, req)
+        except GenerationBoundReached:
+            return self._bound_reached()
+
+    async def lease_held(self, worker_id: str, req: LeaseRequest) -> LeaseResponse:
+        """`lease`, held on the event loop for up to `req.wait_s` while the async bound is full (a long
+        poll): the worker gets its lease as soon as a verdict, a trained batch or a lease given back makes
+        room, instead of sleeping a guessed retry-after. Each wake-up is one more try."""
+        deadline = time.monotonic() + min(req.wait_s, self.cfg.request_timeout_s / 2)
+        while True:
+            try:
+                return self._lease(worker_id, req)
+            except GenerationBoundReached:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.ready:
+                    return self._bound_reached()
+            await self.leases.room.wait(left)
+
+    def _bound_reached(self) -> LeaseResponse:
+        self.windows.bound_reached(time.time())
+        self.metrics.leases_refused_async_bound.inc()
+        return LeaseResponse(lease=None, retry_after_s=0.2)
+
+    def _lease(self, worker_id: str, req: LeaseRequest) -> LeaseResponse:
+        """A lease, a reason to come back later, or GenerationBoundReached."""
         if self.finished:
             return LeaseResponse(lease=None, retry_after_s=max(self.cfg.heartbeat_interval_s, 5.0))
         if self.verification.backlog() >= MAX_VERIFY_BACKLOG:
@@ -225,10 +252,6 @@ class Orchestrator:
             lease = self.leases.issue(
                 worker_id, req.max_prompts, self._version, now, loaded_version=req.loaded_policy_version, request_id=req.request_id
             )
-        except GenerationBoundReached:
-            self.windows.bound_reached(now)
-            self.metrics.leases_refused_async_bound.inc()
-            return LeaseResponse(lease=None, retry_after_s=0.2)
         except NoLeaseNow as exc:  # this worker's token: its share is in use, or it is cooling down
             self.metrics.leases_refused_budget.inc()
             return LeaseResponse(lease=None, retry_after_s=round(exc.retry_after_s, 3))
@@ -390,6 +413,12 @@ class Orchestrator:
         """The run is over (or failed): /v1/status says so, and workers get no new leases."""
         self.finished = True
         self.error = error
+        self.leases.room.notify()  # held lease requests answer now: no more leases
+
+    def stop_holding(self) -> None:
+        """The server is shutting down: held lease requests answer now instead of holding it up."""
+        self.ready = False
+        self.leases.room.notify()
 
     def publish_version(self, version: int, model_hash: str) -> None:
         """A policy version is available to workers (version 0, or one re-published after a restart)."""

@@ -370,11 +370,12 @@ class Verification:
                 return False, False
             status = "accepted" if a.accepted else "rejected"
             db.execute("UPDATE submissions SET status=?, verdict=?, body=NULL WHERE submission_id=?", (status, a.verdict.model_dump_json(), a.submission_id))
-            self.leases.finish(db, row["lease_id"], a.accepted)
+            charged = a.accepted and any(st in CHARGED_REWARD_STATUS for st in a.verdict.reward_status or ())
+            self.leases.finish(db, row["lease_id"], a.accepted, credit=not charged)
             tokens = a.verdict.verified_tokens if a.accepted else 0
             strike = not a.accepted and any(r.code not in NO_STRIKE for r in a.verdict.rejections)
             banned_now = self.workers.record_verdict(db, row["worker_id"], a.accepted, tokens, self.strikes_to_ban, strike=strike)
-            if a.accepted and any(st in CHARGED_REWARD_STATUS for st in a.verdict.reward_status or ()):
+            if charged:
                 # Text whose reward ran past its time limit (or killed its process): the worker's doing.
                 banned_now = self.workers.strike(db, row["worker_id"], "completions whose rewards ran out of time", self.strikes_to_ban) or banned_now
             if a.accepted and a.evaluation is not None:

@@ -11,6 +11,7 @@ MAX_VOCAB_SIZE = 1 << 20
 
 # Shape of a task / submission
 MAX_PROMPTS_PER_TASK = 64
+MAX_LEASE_WAIT_S = 5.0  # how long a lease request may ask to be held for room under the async bound
 MAX_SAMPLES_PER_PROMPT = 64
 MAX_COMPLETIONS_PER_SUBMISSION = 256
 MAX_STOP_TOKEN_IDS = 16

@@ -205,6 +205,10 @@ class LeaseRequest(WireModel):
     # Idempotency key: a retried request (the answer to the first one was lost) gets the same open
     # lease back instead of a second one that the worker would never know it holds.
     request_id: Id | None = None
+    # When the run's generation budget is full: how long the server may hold this request until room
+    # frees up (a verdict, a trained batch, a lease given back), instead of answering "none now" at once
+    # and leaving the worker to guess when to ask again. 0: answer at once.
+    wait_s: Annotated[float, Field(ge=0, le=limits.MAX_LEASE_WAIT_S)] = 0.0
 
 
 class LeaseResponse(WireModel):

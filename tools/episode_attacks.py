@@ -58,7 +58,7 @@ def extra_turn(c: Completion, hidden: torch.Tensor, rng: np.random.Generator) ->
 def env_as_model(c: Completion, hidden: torch.Tensor, rng: np.random.Generator | None = None) -> Completion:
     ids, mask = np.asarray(c.token_ids), np.asarray(c.env_mask).copy()
     turns = model_turns(mask)
-    (a0, b0), (a1, b1) = turns[0], turns[1]
+    (a0, b0), (a1, _) = turns[0], turns[1]
     mask[b0:a1] = 0  # turns 0 and 1 merge into one model turn over the observation
     obs_lp = np.full(a1 - b0, -0.1, dtype=np.float32)
     n0 = b0 - a0

@@ -171,7 +171,7 @@ def test_hot_endpoints_documented_like_the_others(client):
         assert op["responses"]["422"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorBody"}
     lease_request = spec["components"]["schemas"]["LeaseRequest"]
     assert lease_request["required"] == ["loaded_policy_version"] and lease_request["additionalProperties"] is False
-    assert set(lease_request["properties"]) == {"loaded_policy_version", "max_prompts", "request_id"}
+    assert set(lease_request["properties"]) == {"loaded_policy_version", "max_prompts", "request_id", "wait_s"}
 
 
 def test_submit_and_verdict(client, server):

@@ -71,8 +71,8 @@ def test_a_token_alone_may_use_the_whole_bound(tmp_path):
 
 def test_a_token_that_delivers_gets_the_shares_that_hoarders_do_not(tmp_path):
     """Shares are weighted by delivered work: once the honest token's lease is verified and accepted, it
-    may hold most of the bound while a hoarder that never submits keeps about one prompt; a token that
-    lets a lease go loses half its record."""
+    has a record and may hold most of the bound, while a hoarder that never submits is on probation and
+    holds at most the probation pool; a token that lets a lease go loses half its record."""
     cfg = run_config(tmp_path, async_level=7, max_open_leases_per_worker=10, prompts_per_lease=2)
     cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"samples_per_step": 8})})  # bound (1+7) x 8 / 4 = 16 prompts
     orch = make_orchestrator(cfg)
@@ -85,15 +85,43 @@ def test_a_token_that_delivers_gets_the_shares_that_hoarders_do_not(tmp_path):
     while orch.verification.verify_pending():
         pass
     hoarded = sum(len(lease.prompts) for lease in (ask(orch, hoarder).lease for _ in range(6)) if lease is not None)
-    # weights 1 + 2 (two accepted prompts) against 1: the hoarder's share is 16 / 4 = 4 prompts
-    assert hoarded == 4
-    got = sum(len(lease.prompts) for lease in (ask(orch, honest).lease for _ in range(6)) if lease is not None)
-    # its share is 12: all that is left of the bound (16, less the 2 accepted prompts in the buffer and
-    # the hoarder's 4), more than the equal share of 8 it would get without its record
-    assert got == 10
+    # the hoarder has no record beside one that has: the probation pool, 10% of 16 prompts, rounded up
+    assert hoarded == 2
+    got = sum(len(lease.prompts) for lease in (ask(orch, honest).lease for _ in range(8)) if lease is not None)
+    # its share is the rest, 14: all that is left of the bound (16, less the 2 accepted prompts in the
+    # buffer and the hoarder's 2), more than the equal share of 8 it would get without its record
+    assert got == 12
     assert orch.leases.shares.credit(honest_token, time.time()) == pytest.approx(2.0, rel=0.01)
     orch.leases.shares.note_forfeit(honest_token, time.time())
     assert orch.leases.shares.credit(honest_token, time.time()) == pytest.approx(1.0, rel=0.01)
+    orch.db.close()
+
+
+def test_new_identities_share_the_probation_pool_and_a_new_volunteer_still_gets_work(tmp_path):
+    """Beside a token with a record, tokens without one hold the probation pool together however many
+    there are (a Sybil crowd), and each new volunteer can still get work from it to earn a record; with
+    the crowd gone, the token with a record may use the whole bound again."""
+    cfg = run_config(tmp_path, async_level=9, max_open_leases_per_worker=10, prompts_per_lease=2, probation_share=0.2)
+    cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"samples_per_step": 8})})  # bound (1+9) x 8 / 4 = 20 prompts
+    orch = make_orchestrator(cfg)
+    rng = np.random.default_rng(1)
+    honest, _, _ = volunteer(orch, "honest")
+    first = ask(orch, honest).lease
+    orch.submit(honest, encode(make_submission(first, rng)), None)
+    while orch.verification.verify_pending():
+        pass
+    crowd = [volunteer(orch, f"sybil{i}")[0] for i in range(6)]
+    held = sum(len(lease.prompts) for w in crowd for lease in (ask(orch, w).lease for _ in range(3)) if lease is not None)
+    assert held == 4  # the pool: 20% of 20 prompts, for all six together
+    got = sum(len(lease.prompts) for lease in (ask(orch, honest).lease for _ in range(10)) if lease is not None)
+    assert got == 20 - 2 - 4  # the rest of the bound, less its 2 accepted prompts in the buffer
+    # A new honest volunteer gets work from the pool once the crowd lets go of it.
+    newcomer, _, _ = volunteer(orch, "newcomer")
+    assert ask(orch, newcomer).lease is None
+    for lease in list(orch.leases._open.values()):
+        if orch.leases.get(lease.lease_id).worker_id in crowd:
+            orch.leases.release(lease.lease_id, orch.leases.get(lease.lease_id).worker_id)
+    assert len(ask(orch, newcomer).lease.prompts) >= 1
     orch.db.close()
 
 

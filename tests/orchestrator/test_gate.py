@@ -60,7 +60,7 @@ def test_refused_credentials_are_limited_per_address_but_known_workers_keep_work
 
 
 def test_requests_in_flight_per_worker_are_capped(tmp_path):
-    srv = serve(tmp_path, requests_in_flight_per_worker=2, request_timeout_s=5.0)
+    srv = serve(tmp_path, requests_in_flight_per_worker=2, request_timeout_s=5.0, refusal_delay_s=0.05)
     try:
         with httpx.Client(base_url=srv.url, timeout=10) as c:
             w = register(c)
@@ -70,14 +70,75 @@ def test_requests_in_flight_per_worker_are_capped(tmp_path):
                 s.sendall(f"POST {api.SUBMIT.path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {w.secret}\r\nContent-Length: 100\r\n\r\n".encode())
                 held.append(s)
             time.sleep(0.3)
-            r = c.post(api.HEARTBEAT.url("", worker_id=w.worker_id), json={"state": "idle"}, headers=bearer(w.secret))
-            assert r.status_code == 429 and "in flight" in r.json()["detail"]
+            # Every one refused while both are held: a refusal gives back no slot it never took (it once
+            # did, and each refusal let one more request through).
+            for _ in range(4):
+                r = c.post(api.HEARTBEAT.url("", worker_id=w.worker_id), json={"state": "idle"}, headers=bearer(w.secret))
+                assert r.status_code == 429 and "in flight" in r.json()["detail"]
             for s in held:
                 s.close()  # the client goes away: its slots are free again
             deadline = time.time() + 5
             while (r := c.post(api.HEARTBEAT.url("", worker_id=w.worker_id), json={"state": "idle"}, headers=bearer(w.secret))).status_code != 200:
                 assert time.time() < deadline, r.text
                 time.sleep(0.1)
+    finally:
+        srv.stop()
+
+
+def test_a_refusal_over_budget_is_held_so_one_connection_cannot_flood(tmp_path):
+    """A client that ignores Retry-After gets its 429 only after refusal_delay_s: over one connection it
+    can make the server refuse about one request per delay, not thousands per second."""
+    srv = serve(tmp_path, rate_limit_per_s=5.0, refusal_delay_s=0.5)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=10) as c:
+            w = register(c)
+            hb = api.HEARTBEAT.url("", worker_id=w.worker_id)
+            codes, held = [], []
+            for _ in range(20):
+                started = time.monotonic()
+                r = c.post(hb, json={"state": "idle"}, headers=bearer(w.secret))
+                codes.append(r.status_code)
+                if r.status_code == 429:  # held for the delay, or less when the budget frees up sooner
+                    held.append(time.monotonic() - started - min(0.5, r.json()["retry_after_s"]))
+                    assert "retry-after" in r.headers
+            assert held and codes.count(200) >= 5  # the burst passes; then the budget is what it is
+            assert min(held) >= -0.01  # every refusal was held (a deliberate sleep, not a measured speed)
+            # Forged credentials over the address's budget are held too.
+            forged = [c.post(api.LEASE.path, json={"loaded_policy_version": 0}, headers=bearer(f"w-{i:016x}.forged")) for i in range(40)]
+            late = [r.status_code for r in forged[30:]]  # past the burst of 30: mostly held 429s, a 401 as the budget refills
+            assert late.count(429) >= 7 and set(late) <= {401, 429}
+    finally:
+        srv.stop()
+
+
+def test_one_address_holds_at_most_its_cap_of_connections(tmp_path):
+    srv = serve(tmp_path, max_connections_per_address=3)
+    try:
+        held = [raw(srv) for _ in range(3)]
+        for s in held:  # each is served: a request on it is answered
+            s.sendall(f"GET {api.HEALTH.path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            assert s.recv(4096).startswith(b"HTTP/1.1 200")
+        extra = raw(srv)  # the fourth is closed at once, before it can send anything
+        extra.settimeout(5)
+        assert extra.recv(4096) == b""
+        extra.close()
+        held.pop().close()
+        deadline = time.time() + 5
+        while True:  # a slot freed is a slot again (once the server saw the close)
+            s = raw(srv)
+            s.settimeout(5)
+            s.sendall(f"GET {api.HEALTH.path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            try:
+                if s.recv(4096).startswith(b"HTTP/1.1 200"):
+                    break
+            except OSError:
+                pass
+            finally:
+                s.close()
+            assert time.time() < deadline
+            time.sleep(0.05)
+        for s in held:
+            s.close()
     finally:
         srv.stop()
 
@@ -192,3 +253,64 @@ def test_the_server_refuses_demo_tokens_on_a_reachable_address(tmp_path, host):
     cfg = run_config(tmp_path)  # the demo tokens
     with pytest.raises(ValueError, match="demo or placeholder"):
         OrchestratorServer(make_orchestrator(cfg), host=host, port=0)
+
+
+def test_a_lease_request_is_held_until_the_async_bound_has_room(tmp_path):
+    """A long poll: with the generation budget full, a request with wait_s is answered with a lease as soon
+    as a lease is given back, not after a retry-after guessed by the worker; with nothing freeing room it
+    is held for wait_s and answered "none now"; wait_s=0 is answered at once."""
+    cfg = run_config(tmp_path, admin_token=ADMIN, join_tokens=[JOIN], async_level=0, max_open_leases_per_worker=8)
+    cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"samples_per_step": 8})})  # the bound: 2 prompts
+    srv = OrchestratorServer(make_orchestrator(cfg), port=0).start()
+    stopped = False
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            w = register(c)
+
+            def ask(wait_s: float) -> tuple[LeaseResponse, float]:
+                started = time.monotonic()
+                r = c.post(api.LEASE.path, json={"loaded_policy_version": 0, "max_prompts": 2, "wait_s": wait_s}, headers=bearer(w.secret))
+                assert r.status_code == 200, r.text
+                return LeaseResponse.model_validate_json(r.content), time.monotonic() - started
+
+            held = ask(0)[0].lease
+            assert held is not None
+            none_now, _ = ask(0)
+            assert none_now.lease is None and none_now.retry_after_s > 0
+            timed_out, took = ask(0.6)
+            assert timed_out.lease is None and took >= 0.6 - 0.01  # held for its wait (a deliberate hold)
+
+            got: list = []
+            with httpx.Client(base_url=srv.url, timeout=30) as other:  # the poll holds its own connection
+                def poll() -> None:
+                    r = other.post(api.LEASE.path, json={"loaded_policy_version": 0, "max_prompts": 2, "wait_s": 5.0}, headers=bearer(w.secret))
+                    got.append((r, time.monotonic()))
+
+                waiter = threading.Thread(target=poll)
+                waiter.start()
+                time.sleep(0.5)
+                released_at = time.monotonic()
+                r = c.post(api.RELEASE.url("", lease_id=held.lease_id), json={"reason": "test"}, headers=bearer(w.secret))
+                assert r.status_code == 200 and r.json()["released"]
+                waiter.join(10)
+            resp, answered_at = got[0]
+            lease = LeaseResponse.model_validate_json(resp.content).lease
+            assert lease is not None and answered_at >= released_at
+            assert answered_at - released_at < 4.0  # woken by the release, not by its 5 s running out
+
+            # A request held when the server stops is answered ("none now"), not left to hold up the shutdown.
+            got.clear()
+            with httpx.Client(base_url=srv.url, timeout=30) as other:
+                waiter = threading.Thread(target=poll)
+                waiter.start()
+                time.sleep(0.5)
+                stop_asked = time.monotonic()
+                srv.stop()
+                stopped = True
+                waiter.join(10)
+            resp, answered_at = got[0]
+            assert resp.status_code == 200 and LeaseResponse.model_validate_json(resp.content).lease is None
+            assert answered_at - stop_asked < 4.0
+    finally:
+        if not stopped:
+            srv.stop()
