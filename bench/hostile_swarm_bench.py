@@ -31,6 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 ADMIN = "demo-admin-token"
+KEEP = False  # --keep: leave each run's folder for inspection
 
 
 def start(out: Path, port: int) -> subprocess.Popen:
@@ -89,6 +90,18 @@ class CpuBurner(threading.Thread):
             time.sleep(period * (1.0 - self.cores))
 
 
+WATCHED = ("swarmrl_leases_issued_total", "swarmrl_leases_refused_async_bound_total", "swarmrl_leases_refused_budget_total",
+           "swarmrl_groups_dropped_zero_signal_total", "swarmrl_verify_seconds_sum", "swarmrl_verify_seconds_count")
+
+
+def counters(http) -> dict[str, float]:
+    """The orchestrator's Prometheus counters that say where the honest worker's time went."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = http.get("/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
+    return {s.name: s.value for fam in text_string_to_metric_families(r.text) for s in fam.samples if s.name in WATCHED}
+
+
 def one_run(mode: str, warmup_steps: int, window_s: float, port: int, attacker_nice: int = 0, burn_cores: float = 0.6) -> dict:
     import httpx
     import psutil
@@ -125,10 +138,11 @@ def one_run(mode: str, warmup_steps: int, window_s: float, port: int, attacker_n
         # CPU seconds over the window: this process (the adversaries' threads: on this one machine the attack
         # is paid from the same two cores as the run) and the orchestrator's process (what refusing it costs).
         cpu0, orch_cpu0 = time.process_time(), cpu_seconds(pid)
+        watch = httpx.Client(base_url=url, timeout=30)
+        metrics0 = counters(watch)
         for a in adversaries:
             a.start()
         peak_rss, status_ms = 0, []
-        watch = httpx.Client(base_url=url, timeout=30)
         while time.time() < t0 + window_s:
             if pid is not None:
                 try:
@@ -140,11 +154,23 @@ def one_run(mode: str, warmup_steps: int, window_s: float, port: int, attacker_n
             status_ms.append(1e3 * (time.perf_counter() - s))
             time.sleep(1)
         t1, steps1 = time.time(), len(steps(run_dir))
+        metrics1 = counters(watch)
+        delta = {k.removeprefix("swarmrl_").removesuffix("_total"): round(metrics1.get(k, 0) - metrics0.get(k, 0), 2) for k in WATCHED}
+        batches = delta.pop("verify_seconds_count")
+        delta["verify_batch_mean_s"] = round(delta.pop("verify_seconds_sum") / batches, 3) if batches else None
         attacker_cpu, orch_cpu = time.process_time() - cpu0, cpu_seconds(pid) - orch_cpu0
         stop.set()
+        for a in adversaries:  # their statuses are complete once they have stopped
+            a.join(timeout=30)
         with db(run_dir) as con:
             accepted, tokens = con.execute("SELECT COUNT(*), COALESCE(SUM(num_tokens), 0) FROM submissions WHERE worker_id=? AND status='accepted' "
                                            "AND received_at BETWEEN ? AND ?", (honest, t0, t1)).fetchone()
+            # Where the honest worker's time goes: lease -> submission (generation), submission -> next lease.
+            leases = con.execute("SELECT l.issued_at, s.received_at, json_array_length(l.prompt_indices) FROM leases l JOIN submissions s "
+                                 "ON s.lease_id = l.lease_id WHERE l.worker_id=? AND l.issued_at BETWEEN ? AND ? ORDER BY l.issued_at",
+                                 (honest, t0, t1)).fetchall()
+        gen_s = [r - i for i, r, _ in leases]
+        wait_s = [b[0] - a[1] for a, b in zip(leases, leases[1:]) if b[0] >= a[1]]
         five_xx = sum(n for a in adversaries for code, n in a.statuses.items() if code >= 500)
         minutes = (t1 - t0) / 60
         return {
@@ -153,6 +179,11 @@ def one_run(mode: str, warmup_steps: int, window_s: float, port: int, attacker_n
             "honest_tokens_per_min": round(tokens / minutes),
             "trainer_steps_per_min": round((steps1 - steps0) / minutes, 1), "orchestrator_peak_rss_mib": round(peak_rss / 2**20, 1),
             "status_p50_ms": round(statistics.median(status_ms), 1), "status_max_ms": round(max(status_ms), 1), "adversary_5xx": five_xx,
+            "honest_prompts_per_lease": round(statistics.mean(n for *_, n in leases), 2) if leases else None,
+            "honest_lease_to_submit_p50_s": round(statistics.median(gen_s), 3) if gen_s else None,
+            "honest_submit_to_next_lease_p50_s": round(statistics.median(wait_s), 3) if wait_s else None,
+            "honest_overlapping_leases": len(leases) - 1 - len(wait_s) if leases else 0,
+            "orchestrator_counters": delta,
             "adversary_requests": {a.name: sum(a.statuses.values()) for a in adversaries},
         }
     finally:
@@ -165,7 +196,10 @@ def one_run(mode: str, warmup_steps: int, window_s: float, port: int, attacker_n
                 proc.wait(120)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-        shutil.rmtree(out, ignore_errors=True)
+        if not KEEP:
+            shutil.rmtree(out, ignore_errors=True)
+        else:
+            print(f"kept {out}", file=sys.stderr)
 
 
 def main() -> None:
@@ -182,7 +216,10 @@ def main() -> None:
                     "attacked: all four adversaries; hoarder, flooder, slow or cheater: that one alone; "
                     "cpu_only: no adversary, a thread spinning --burn-cores (the control for the attackers' own CPU)")
     ap.add_argument("--burn-cores", type=float, default=0.6, help="cpu_only: the CPU to spin (the attacked runs' bench_process_cpu_per_s)")
+    ap.add_argument("--keep", action="store_true", help="keep each run's folder (logs, SQLite) and print where")
     args = ap.parse_args()
+    global KEEP
+    KEEP = args.keep
     modes = args.modes.split(",")
     runs = []
     for r in range(args.repeats):
@@ -205,7 +242,8 @@ def main() -> None:
 
 
 def write_markdown(args, runs: list[dict], ratio: dict) -> None:
-    cols = ("repeat", "mode", "window_s", "honest_accepted_per_min", "honest_tokens_per_min", "trainer_steps_per_min", "orchestrator_peak_rss_mib", "status_p50_ms",
+    cols = ("repeat", "mode", "window_s", "honest_accepted_per_min", "honest_tokens_per_min", "trainer_steps_per_min", "honest_prompts_per_lease",
+            "honest_lease_to_submit_p50_s", "honest_submit_to_next_lease_p50_s", "honest_overlapping_leases", "orchestrator_peak_rss_mib", "status_p50_ms",
             "status_max_ms", "adversary_5xx", "bench_process_cpu_per_s", "orchestrator_cpu_per_s", "attacker_nice", "load_avg_1m_before_after")
     lines = [
         "# Honest throughput with and without a hostile swarm", "",

@@ -3,7 +3,8 @@
 HTTP to a running `swarmrl run`, and records every status it gets.
 
 - Hoarder: leases all it can and lets the leases go, unsubmitted, just before their deadlines.
-- Flooder: junk submissions at the body cap and forged credentials, as fast as it can.
+- Flooder: junk submissions at the body cap and forged credentials, as fast as it can, over several
+  connections at once.
 - SlowReward: honest-shaped submissions whose text ('zzzz...') makes tests/e2e/soak_reward.py run forever.
 - Cheater: gets itself banned (wrong model hashes), then tries to come back with its token and old secret.
 """
@@ -103,15 +104,33 @@ class Hoarder(Adversary):
 
 class Flooder(Adversary):
     cap = limits.submission_bytes_cap(1, 1)  # set to the run's submission cap before starting
+    connections = 8  # in parallel, each ignoring Retry-After (one connection is what a naive script does)
 
     def attack(self) -> None:
-        junk = np.random.default_rng(0).bytes(self.cap - 64)
-        forged = [f"w-{i:016x}.forged-secret" for i in range(1000)]
-        i = 0
-        while not self.stop.is_set():
-            self.post(api.SUBMIT.path, None, self.reg.secret, content=junk)
-            self.post(api.LEASE.path, {"loaded_policy_version": 0}, forged[i % len(forged)])
-            i += 1
+        lock = threading.Lock()
+        others = [threading.Thread(target=self.flood, args=(c, lock), daemon=True) for c in range(1, self.connections)]
+        for t in others:
+            t.start()
+        self.flood(0, lock)
+        for t in others:
+            t.join()
+
+    def flood(self, connection: int, lock: threading.Lock) -> None:
+        if self.nice:
+            os.setpriority(os.PRIO_PROCESS, 0, self.nice)
+        junk = np.random.default_rng(connection).bytes(self.cap - 64)
+        forged = [f"w-{connection:04x}{i:012x}.forged-secret" for i in range(1000)]
+        headers = {"Authorization": f"Bearer {self.reg.secret}", "content-type": "application/json"}
+        statuses: Counter[int] = Counter()
+        with httpx.Client(base_url=self.url, timeout=15) as http:
+            i = 0
+            while not self.stop.is_set():
+                statuses[http.post(api.SUBMIT.path, content=junk, headers=headers).status_code] += 1
+                lease = {"loaded_policy_version": 0}
+                statuses[http.post(api.LEASE.path, json=lease, headers={"Authorization": f"Bearer {forged[i % len(forged)]}"}).status_code] += 1
+                i += 1
+        with lock:
+            self.statuses.update(statuses)
 
 
 class SlowReward(Adversary):
