@@ -19,6 +19,7 @@ import json
 import secrets
 import sqlite3
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,31 +69,43 @@ class GenerationBoundReached(Exception):
 
 class RoomSignal:
     """Wakes the lease requests held on the event loop (a long poll) when room under the async bound may
-    have freed up. `notify` is called from any thread (verification, the trainer's pulls, housekeeping);
-    each waiter then tries again, so a spurious wake-up costs one check."""
+    have freed up. `notify` is called from any thread (verification, the trainer's pulls, housekeeping).
+
+    One waiter per notification, first come first served, and a waiter that got a lease (or any answer
+    but "the bound is full") passes it on: a freed prompt costs one retry, not one per waiting worker (a
+    thousand workers waking for every verdict would be the herd the long poll exists to avoid)."""
 
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._event: asyncio.Event | None = None
+        self._waiters: deque[asyncio.Future[None]] = deque()
 
     async def wait(self, timeout_s: float) -> None:
-        loop = asyncio.get_running_loop()
-        if self._loop is not loop or self._event is None:
-            self._loop, self._event = loop, asyncio.Event()
+        loop = self._loop = asyncio.get_running_loop()
+        woken: asyncio.Future[None] = loop.create_future()
+        self._waiters.append(woken)
         try:
-            await asyncio.wait_for(self._event.wait(), timeout_s)
+            await asyncio.wait_for(woken, timeout_s)
         except TimeoutError:
             pass
+        finally:
+            if not woken.done() or woken.cancelled():
+                try:
+                    self._waiters.remove(woken)
+                except ValueError:
+                    pass
 
-    def notify(self) -> None:
+    def notify(self, everyone: bool = False) -> None:
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._wake)
+            loop.call_soon_threadsafe(self._wake, everyone)
 
-    def _wake(self) -> None:
-        event, self._event = self._event, asyncio.Event()  # later waiters wait for the next change
-        if event is not None:
-            event.set()
+    def _wake(self, everyone: bool) -> None:
+        while self._waiters:
+            woken = self._waiters.popleft()
+            if not woken.done():
+                woken.set_result(None)
+                if not everyone:
+                    return
 
 
 @dataclass

@@ -225,14 +225,24 @@ class Orchestrator:
         poll): the worker gets its lease as soon as a verdict, a trained batch or a lease given back makes
         room, instead of sleeping a guessed retry-after. Each wake-up is one more try."""
         deadline = time.monotonic() + min(req.wait_s, self.cfg.request_timeout_s / 2)
+        woken = False
         while True:
             try:
-                return self._lease(worker_id, req)
+                answer = self._lease(worker_id, req)
             except GenerationBoundReached:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self.ready:
                     return self._bound_reached()
+            except ApiError:  # e.g. its version is too old: the room it was woken for is someone else's
+                if woken:
+                    self.leases.room.notify()
+                raise
+            else:
+                if woken:  # there may be room for the next waiter too (leases.RoomSignal: one at a time)
+                    self.leases.room.notify()
+                return answer
             await self.leases.room.wait(left)
+            woken = True
 
     def _bound_reached(self) -> LeaseResponse:
         self.windows.bound_reached(time.time())
@@ -413,12 +423,12 @@ class Orchestrator:
         """The run is over (or failed): /v1/status says so, and workers get no new leases."""
         self.finished = True
         self.error = error
-        self.leases.room.notify()  # held lease requests answer now: no more leases
+        self.leases.room.notify(everyone=True)  # held lease requests answer now: no more leases
 
     def stop_holding(self) -> None:
         """The server is shutting down: held lease requests answer now instead of holding it up."""
         self.ready = False
-        self.leases.room.notify()
+        self.leases.room.notify(everyone=True)
 
     def publish_version(self, version: int, model_hash: str) -> None:
         """A policy version is available to workers (version 0, or one re-published after a restart)."""

@@ -314,3 +314,31 @@ def test_a_lease_request_is_held_until_the_async_bound_has_room(tmp_path):
     finally:
         if not stopped:
             srv.stop()
+
+
+def test_a_freed_prompt_wakes_one_held_request_not_all_of_them():
+    """RoomSignal: each notification wakes the longest-waiting request only (the others keep waiting, no
+    herd of retries); `everyone` wakes them all (the run finished, the server stops)."""
+    import asyncio
+
+    from orchestrator.leases import RoomSignal
+
+    async def scenario() -> tuple[list[int], list[int]]:
+        room, woken = RoomSignal(), []
+
+        async def waiter(i: int) -> None:
+            await room.wait(5.0)
+            woken.append(i)
+
+        tasks = [asyncio.create_task(waiter(i)) for i in range(4)]
+        await asyncio.sleep(0.05)
+        room.notify()  # as the verification thread would (call_soon_threadsafe)
+        await asyncio.sleep(0.05)
+        after_one = list(woken)
+        room.notify(everyone=True)
+        await asyncio.gather(*tasks)
+        return after_one, woken
+
+    after_one, everyone = asyncio.run(scenario())
+    assert after_one == [0]
+    assert sorted(everyone) == [0, 1, 2, 3]
