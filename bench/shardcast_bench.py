@@ -61,11 +61,13 @@ def client_main(argv: list[str]) -> None:
     client = ShardcastClient(a.urls.split(","), a.pub, Path(a.dest), run_id=RUN_ID, parallelism=a.parallelism, keep_state=False)
     print("ready", flush=True)
     sys.stdin.readline()
-    cpu_ready = cpu_seconds()
+    cpu_ready, ready = cpu_seconds(), os.times()
     while client.latest_version() is None:
         time.sleep(0.02)
     pulled = client.pull()
-    cpu = {"startup": round(cpu_ready, 3), "pull": round(cpu_seconds() - cpu_ready, 3)}
+    done = os.times()
+    cpu = {"startup": round(cpu_ready, 3), "pull": round(cpu_seconds() - cpu_ready, 3),
+           "pull_user": round(done.user - ready.user, 3), "pull_system": round(done.system - ready.system, 3)}
     print(json.dumps({"t_done": time.time(), "version": pulled.version, "path": str(pulled.path), "cpu_s": cpu, "stats": json.loads(describe_stats(client.stats))}), flush=True)
 
 
@@ -229,7 +231,7 @@ def summarize(name: str, t0: float, results: list[dict], bytes_per_client: int, 
         "aggregate_goodput_MBps": round(len(results) * bytes_per_client / seconds / 1e6, 1) if ok else None,
     }
     if all("cpu_s" in r for r in results):  # our clients: CPU before "go" (interpreter, imports) and for the pull
-        row["client_cpu_s"] = {k: round(sum(r["cpu_s"][k] for r in results), 2) for k in ("startup", "pull")}
+        row["client_cpu_s"] = {k: round(sum(r["cpu_s"][k] for r in results), 2) for k in ("startup", "pull", "pull_user", "pull_system")}
     if not ok:
         row["errors"] = results
     row.update(extra or {})
