@@ -476,7 +476,7 @@ def write_results(out: str, rounds: list[list[dict]], meta: dict) -> None:
         "",
         f"`{meta['command']}` — {meta['when']}, {meta['gib']} GiB in {meta['shards']} shards, {meta['clients']} clients, loopback, "
         f"{os.cpu_count()} cores shared with other jobs (load before: {meta['loadavg_before']}, after: {meta.get('loadavg_after')}). "
-        f"{len(rounds)} rounds; in each, every scenario ran once, in this order, with a cleanup + sync + pause between.",
+        f"{len(rounds)} rounds after one warm-up pull (origin_direct, not in the tables; its figures are in the JSON's meta); in each round, every scenario ran once, in this order, with a cleanup + sync + pause between.",
         "",
         "Median [min–max] over the rounds:",
         "",
@@ -613,6 +613,11 @@ def main() -> None:
                     proc.wait(10)
             return run
 
+        # A warm-up pull, not reported: the first scenario after the publish took 2-4x the kernel time of the
+        # same scenario later (origin_direct 6.8 vs 1.8 CPU-s of client system time; nginx_curl 13.3 vs 6.1-8.6
+        # CPU-s), which favoured whichever scenario ran second in round 1 (shardcast_notes.md).
+        warmup = measured([], lambda: scenario_origin_direct(work, origin, manifest, pub, a.clients, procs, a.client_parallelism))
+        meta["warmup_origin_direct"] = {k: warmup.get(k) for k in ("seconds_until_all_clients_done", "client_cpu_s", "vmstat_delta")}
         for i in range(a.rounds):
             rows: list[dict] = []
             if not a.skip_nginx:
