@@ -98,7 +98,8 @@ class Gate:
             self.orch.metrics.requests_refused.labels(exc.code.value).inc()
             if not started:
                 if exc.code is ErrorCode.rate_limited and self.refusal_delay_s > 0:
-                    # Held while the worker's in-flight slot stays taken: parallel requests meet that cap.
+                    # A refusal after the worker's in-flight slot was taken (its byte budget) keeps the slot
+                    # while held; parallel requests are bounded by the per-address connection cap.
                     await asyncio.sleep(min(self.refusal_delay_s, exc.retry_after_s or self.refusal_delay_s))
                 await error_response(exc)(scope, receive, send)
         except TimeoutError:

@@ -86,18 +86,17 @@ class LeaseShares:
         weight = 1.0 + self.credit(token_id, now)
         total = sum(1.0 + self.credit(t, now) for t in peers)
         share = max(1, math.ceil(bound_prompts * weight / total - 1e-3))  # - 1e-3: credit decays while we compute
-        held = db.execute(
-            "SELECT COALESCE(SUM(json_array_length(prompt_indices)), 0) FROM leases WHERE token_id=? AND status='open' AND eval_version IS NULL", (token_id,)
-        ).fetchone()[0]
+        on_pool = bool(pool) and token_id in on_probation  # then what every token on probation holds counts too
+        which, args = ("token_id IS NOT NULL", ()) if on_pool else ("token_id=?", (token_id,))
+        held_by = {t: int(n) for t, n in db.execute(
+            f"SELECT token_id, SUM(json_array_length(prompt_indices)) FROM leases WHERE status='open' AND eval_version IS NULL AND {which} GROUP BY token_id", args
+        )}
+        held = held_by.get(token_id, 0)
         if held >= share:
             raise NoLeaseNow(f"join token {token_id} holds its share of the generation budget ({share} prompts)", 1.0)
-        room = share - int(held)
-        if pool and token_id in on_probation:  # what the other tokens on probation hold comes out of the same pool
-            others = db.execute(
-                "SELECT token_id, COALESCE(SUM(json_array_length(prompt_indices)), 0) FROM leases WHERE status='open' AND eval_version IS NULL "
-                "AND token_id IS NOT NULL AND token_id != ? GROUP BY token_id", (token_id,)
-            ).fetchall()
-            used = int(held) + sum(int(n) for t, n in others if t not in proven)
+        room = share - held
+        if on_pool:
+            used = sum(n for t, n in held_by.items() if t not in proven)
             if used >= pool:
                 raise NoLeaseNow(f"join token {token_id} has no record of accepted work yet, and the pool for such tokens is in use ({pool} prompts)", 1.0)
             room = min(room, pool - used)
