@@ -31,7 +31,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 ADMIN = "demo-admin-token"
-KEEP = False  # --keep: leave each run's folder for inspection
 
 
 def start(out: Path, port: int) -> subprocess.Popen:
@@ -102,7 +101,7 @@ def counters(http) -> dict[str, float]:
     return {s.name: s.value for fam in text_string_to_metric_families(r.text) for s in fam.samples if s.name in WATCHED}
 
 
-def one_run(mode: str, warmup_steps: int, window_s: float, port: int, attacker_nice: int = 0, burn_cores: float = 0.6) -> dict:
+def one_run(mode: str, warmup_steps: int, window_s: float, port: int, attacker_nice: int = 0, burn_cores: float = 0.6, keep: bool = False) -> dict:
     import httpx
     import psutil
 
@@ -196,7 +195,7 @@ def one_run(mode: str, warmup_steps: int, window_s: float, port: int, attacker_n
                 proc.wait(120)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-        if not KEEP:
+        if not keep:
             shutil.rmtree(out, ignore_errors=True)
         else:
             print(f"kept {out}", file=sys.stderr)
@@ -218,15 +217,13 @@ def main() -> None:
     ap.add_argument("--burn-cores", type=float, default=0.6, help="cpu_only: the CPU to spin (the attacked runs' bench_process_cpu_per_s)")
     ap.add_argument("--keep", action="store_true", help="keep each run's folder (logs, SQLite) and print where")
     args = ap.parse_args()
-    global KEEP
-    KEEP = args.keep
     modes = args.modes.split(",")
     runs = []
     for r in range(args.repeats):
         for mode in modes:
             from swarmrl.processes import free_port
 
-            result = one_run(mode, args.warmup_steps, args.window_s, args.port or free_port("127.0.0.1"), args.attacker_nice, args.burn_cores)
+            result = one_run(mode, args.warmup_steps, args.window_s, args.port or free_port("127.0.0.1"), args.attacker_nice, args.burn_cores, args.keep)
             result["attacker_nice"] = args.attacker_nice if mode not in ("clean", "cpu_only") else None
             result["repeat"] = r
             print(json.dumps(result), flush=True)

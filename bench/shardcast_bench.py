@@ -61,13 +61,13 @@ def client_main(argv: list[str]) -> None:
     client = ShardcastClient(a.urls.split(","), a.pub, Path(a.dest), run_id=RUN_ID, parallelism=a.parallelism, keep_state=False)
     print("ready", flush=True)
     sys.stdin.readline()
-    cpu_ready, ready = cpu_seconds(), os.times()
+    ready = os.times()
     while client.latest_version() is None:
         time.sleep(0.02)
     pulled = client.pull()
     done = os.times()
-    cpu = {"startup": round(cpu_ready, 3), "pull": round(cpu_seconds() - cpu_ready, 3),
-           "pull_user": round(done.user - ready.user, 3), "pull_system": round(done.system - ready.system, 3)}
+    user, system = done.user - ready.user, done.system - ready.system
+    cpu = {"startup": round(ready.user + ready.system, 3), "pull": round(user + system, 3), "pull_user": round(user, 3), "pull_system": round(system, 3)}
     print(json.dumps({"t_done": time.time(), "version": pulled.version, "path": str(pulled.path), "cpu_s": cpu, "stats": json.loads(describe_stats(client.stats))}), flush=True)
 
 
@@ -83,11 +83,6 @@ def vmstat() -> dict[str, int]:
         return {}
     pairs = (line.split() for line in lines if line)
     return {k: int(v) for k, v in pairs if k in VMSTAT_KEYS}
-
-
-def cpu_seconds() -> float:
-    t = os.times()
-    return t.user + t.system
 
 
 CURL_CLIENT = r"""
