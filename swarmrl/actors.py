@@ -242,7 +242,9 @@ class OrchestratorActor:
     def __init__(self, config: RunConfig, verifier_actors: list[Any], *, relay_urls: list[str] | None = None, manifest_public_key: str = "", origin_url: str = ""):
         component_logging(RunDir(config.run_dir), "orchestrator", config.log_level)
         pin_to_cpus(config.resources.cpu_affinity.get("orchestrator"))
-        self.pool = RayVerifierPool(verifier_actors)
+        # The run's verifier.timeout_s, not the pool's default: a call stuck on a dying actor is split
+        # and retried after it, so it bounds how long a verifier crash can hold verification back.
+        self.pool = RayVerifierPool(verifier_actors, timeout_s=config.verifier.timeout_s)
         self.orch = build_orchestrator(
             config, self.pool, relay_urls=relay_urls, manifest_public_key=manifest_public_key, origin_url=origin_url,
         )

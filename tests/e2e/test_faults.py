@@ -34,14 +34,16 @@ def chaos_run(tmp_path, rounds: int, seed: int):
     start = lambda: start_run(tmp_path, *RUN)  # noqa: E731 - the same command every time
     run_dir = tmp_path / "chaos"
     lines: list[str] = []
-    chaos = Chaos(run_dir, start(), start, seed=seed, log=lines.append)
+    # Each wait gives up well before pytest's timeout, so a stall fails with the logs below, not bare.
+    chaos = Chaos(run_dir, start(), start, seed=seed, log=lines.append, timeout_s=240)
     try:
         kills = chaos.run(TARGETS, rounds=rounds)
         base = chaos.steps()
         chaos.wait_for(lambda: chaos.steps() >= base + 2, "two steps after the last recovery")
     except AssertionError as exc:
-        log = (tmp_path / "driver.log").read_text(errors="replace")[-6000:]
-        raise AssertionError(f"{exc}\n{chr(10).join(lines)}\n--- driver.log ---\n{log}") from None
+        logs = [("driver.log", tmp_path / "driver.log")] + [(p.name, p) for p in sorted((run_dir / "logs").glob("*.log"))]
+        tails = "".join(f"\n--- {name} ---\n{path.read_text(errors='replace')[-3000:]}" for name, path in logs if path.exists())
+        raise AssertionError(f"{exc}\n{chr(10).join(lines)}{tails}") from None
     finally:
         code = stop_run(chaos.driver)
     assert code == 130, (tmp_path / "driver.log").read_text(errors="replace")[-4000:]  # a clean stop on Ctrl-C
@@ -76,6 +78,7 @@ def check(run_dir, kills, lines):
     return audit
 
 
+@pytest.mark.timeout(1500)  # 6 kills of at most 4 waits of 240 s each: a stall fails with its logs
 def test_every_component_killed_at_random_instants_nothing_lost_nothing_twice(tmp_path):
     seed = int(os.environ.get("SWARMRL_CHAOS_SEED", random.randrange(1 << 16)))
     print(f"chaos seed {seed} (SWARMRL_CHAOS_SEED={seed} repeats this schedule)")
