@@ -1,7 +1,7 @@
 """Signed policy manifests: what shardcast publishes for each policy version, and its listing.
 
-A manifest names every file of a version with its sha256 and size and is signed by the run's key, so a
-relay can serve the files but never change them (`shardcast.keys` signs and checks `signing_payload()`).
+A manifest names every file of a version with its sha256, its blake3 and its size and is signed by the run's
+key, so a relay can serve the files but never change them (`shardcast.keys` signs and checks `signing_payload()`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from protocol import limits
 from protocol.models import RunId, Sha256Hex, Version, WireModel
 
+Blake3Hex = Sha256Hex  # both are 32-byte digests in lowercase hex
 
 ShardName = Annotated[
     str,
@@ -31,6 +32,10 @@ class ShardEntry(WireModel):
     name: ShardName
     sha256: Sha256Hex
     size: Annotated[int, Field(ge=0, le=1 << 40)]
+    # What receivers check the file with when it is there (shardcast.files.file_hash): blake3 hashes 6x faster
+    # than sha256 on one core here (9.6 vs 1.5 GB/s, AVX-512), and every relay and client hashes every byte.
+    # Signed with the rest, so a relay cannot strip it to force the slower check; absent in older manifests.
+    blake3: Blake3Hex | None = None
 
     @field_validator("name")
     @classmethod
@@ -86,7 +91,8 @@ class PolicyManifest(WireModel):
 
     def signing_payload(self) -> bytes:
         """Canonical bytes that the signature covers: every field but the signature, sorted, compact."""
-        body = self.model_dump(mode="json", exclude={"signature"})
+        # exclude_none: an entry without blake3 signs the same bytes as before the field existed
+        body = self.model_dump(mode="json", exclude={"signature"}, exclude_none=True)
         return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
     @property

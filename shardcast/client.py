@@ -1,7 +1,7 @@
 """The shardcast client: get a signed version of this run from several untrusted servers, fast and safely.
 
 - A manifest is trusted only after its ed25519 signature and run id check out; it then authenticates every
-  file through its sha256 (transfer.py), and names the model hash that any path to the version must yield.
+  file through its signed digest (transfer.py), and names the model hash that any path to the version must yield.
 - The plan (plan.py): the cheapest path in bytes from what the client holds (the last pulled weights in
   memory, verified version folders on disk) to the version: its full shards, or deltas applied in turn,
   or an anchor's full shards and then deltas. Manifests of the chain are fetched first, in parallel.
@@ -73,7 +73,7 @@ class ShardcastClient:
     """Pull signed versions of one run into `dest_root/v<version>` (`*.safetensors` + manifest.json).
 
     durable: fdatasync every file before the final rename. Off by default because a version folder left by
-    an earlier process is re-checked (per-file sha256, or the model hash) before it is trusted, so a power
+    an earlier process is re-checked (per-file digest, or the model hash) before it is trusted, so a power
     cut costs a re-check (at worst a re-download), never wrong weights. One client per `dest_root` at a time.
     keep_state: keep the last pulled weights in memory, as the base of the next delta (and for hot reload).
     write_behind: a version reached by deltas is written to its folder in the background, after `pull`

@@ -1,7 +1,7 @@
 """The run's ed25519 key: the origin signs every manifest, relays and clients verify with the public key.
 
 The signature covers `PolicyManifest.signing_payload()` (every field but the signature, canonical JSON),
-so the per-file sha256 values and the run id are signed too: one signature authenticates every byte of a
+so the per-file digests and the run id are signed too: one signature authenticates every byte of a
 version, and a manifest signed with the same key in another run is told apart by its run id.
 """
 

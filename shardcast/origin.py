@@ -5,7 +5,7 @@ publish(v, state_dict):
   2. decide (below) whether v is an anchor: full safetensors shards, plus that delta if any, so workers that
      follow the chain never download the full model; otherwise the delta alone;
   3. write each file into a fresh temp folder, hashing the exact bytes written;
-  4. write the signed manifest (run id, files with sha256 and size, deltas with their bases' model hashes,
+  4. write the signed manifest (run id, files with size, sha256 and blake3, deltas with their bases' model hashes,
      the anchor, the full size) last, fsync, and rename the folder to `v<version>` (one atomic step);
   5. prune versions outside the window (the newest K and the chain back to their anchor).
 A failure at any step (a full disk included) removes the temp folder and raises; no version appears.
@@ -19,7 +19,6 @@ full version. So a worker that holds nothing fetches at most 1 + max_chain_fract
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
 import shutil
@@ -34,6 +33,7 @@ from prometheus_client import Counter, Gauge
 
 from protocol.manifests import DeltaRef, PolicyManifest, ShardEntry
 from shardcast.config import DEFAULTS, ShardcastConfig
+from shardcast.files import signed_entry
 from shardcast.keys import public_key_b64, sign_manifest
 from shardcast.store import MANIFEST_FILE, DiskFullError, VersionStore
 
@@ -133,7 +133,7 @@ class Origin(VersionStore):
             if delta is not None:
                 name = delta_file_name(prev.version)
                 write_file_durably(tmp / name, delta)
-                entries.append(ShardEntry(name=name, sha256=hashlib.sha256(delta).hexdigest(), size=len(delta)))
+                entries.append(signed_entry(name, delta))
                 refs.append(DeltaRef(base_version=prev.version, base_model_hash=prev.model_hash, file=name))
             manifest = sign_manifest(
                 PolicyManifest(
@@ -203,7 +203,7 @@ class Origin(VersionStore):
             name = shard_file_name(i, len(plan))
             data = serialize_shard({n: tensors[n] for n in names}, aliases)
             write_file_durably(folder / name, data)
-            entries.append(ShardEntry(name=name, sha256=hashlib.sha256(data).hexdigest(), size=len(data)))
+            entries.append(signed_entry(name, data))
             del data
         return entries
 

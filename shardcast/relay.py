@@ -4,7 +4,7 @@ back to their anchors, and serves them.
 - A version is listed only once its manifest's signature and run id checked out against the run's key.
 - Each file (full shard or delta object: both are opaque signed files here) is downloaded by the same code
   as the client (parallel, resumable, throughput-weighted over several upstreams, no upstream can stall
-  it) into `.<name>.part`, and becomes servable only after its sha256 matched the signed manifest
+  it) into `.<name>.part`, and becomes servable only after its digest matched the signed manifest
   (renamed to its final name, then added to the index). Clients asking for a listed file that is still
   on its way wait for it (bounded; then 503), so a relay serves a version while it arrives.
 - A relay can start empty, or restart on its folder: it re-checks the signatures and run ids of what it

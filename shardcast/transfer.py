@@ -2,10 +2,11 @@
 resumable downloads of files (full shards and delta objects alike). Used by the client and by relays.
 
 - A manifest is trusted only after its ed25519 signature and its run id check out; it then authenticates
-  every file through its sha256, so a bad server is caught per file, not after the whole download.
+  every file through its digest (blake3, or sha256 in older manifests: `files.file_hash`), so a bad server
+  is caught per file, not after the whole download.
 - Files download in parallel threads, each from a server picked by `sources.Sources` (throughput-weighted,
   the origin as fallback). Each file streams straight into `.<name>.part` in its folder, hashed on the fly,
-  and is renamed to its name once its sha256 matched.
+  and is renamed to its name once its digest matched.
 - No source can stall a pull (`TransferPolicy`): every wait is bounded by the stall timeout, a transfer
   slower than the floor rate over a window is moved to another source (its bytes are kept and resumed with
   `Range`), each file has a deadline over all its attempts, and the caller gives a deadline for the pull.
@@ -18,7 +19,6 @@ No torch here: volunteers import this.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import logging
 import mmap
 import os
@@ -36,7 +36,7 @@ from protocol.manifests import PolicyManifest, ShardEntry, VersionList
 from protocol.retry import backoff_delays
 from shardcast.config import DEFAULTS
 from shardcast.connections import Http, TransferFailed
-from shardcast.files import disk_error, hash_prefix, write_all
+from shardcast.files import disk_error, file_hash, hash_prefix, write_all
 from shardcast.keys import ManifestError, parse_public_key, parse_verified_manifest
 from shardcast.sources import ServerStats, Sources, TransferPolicy
 
@@ -272,9 +272,9 @@ class _FileFetch:
                 time.sleep(min(next(pauses), max(0.0, self.deadline - time.monotonic())))
 
     def _transfer(self, server: ServerStats) -> None:
-        """Stream the file into `.part`, resuming what is there, and check its sha256 (raises on mismatch)."""
+        """Stream the file into `.part`, resuming what is there, and check its digest (raises on mismatch)."""
         pool, entry, url = self.pool, self.entry, server.url
-        h = hashlib.sha256()
+        h, want = file_hash(entry)
         try:
             fd = os.open(self.part, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
@@ -294,11 +294,11 @@ class _FileFetch:
                 t0 = time.monotonic()  # rates count from the head: a relay may hold a request for a file on its way
                 got = self._read_body(url, resp, have, fd, h, t0)
                 pool.sources.record_success(url, got, time.monotonic() - t0)
-            if h.hexdigest() != entry.sha256:
+            if h.hexdigest() != want:
                 os.ftruncate(fd, 0)
                 mixed = len(self.sources_of_part) > 1
                 self.sources_of_part.clear()
-                msg = f"file {entry.name} of version {self.job.version} does not match its signed sha256"
+                msg = f"file {entry.name} of version {self.job.version} does not match its signed {h.name}"
                 if mixed:  # bytes from several sources: no one to blame yet; start over from one source
                     self.fresh_only = True
                     raise TransferFailed(msg + " (bytes from several sources; starting over from one)")
@@ -315,7 +315,7 @@ class _FileFetch:
             raise TransferFailed(f"HTTP {resp.status} for {self.entry.name}", missing=resp.status == 404, not_yet=resp.status == 503)
         if resp.status == 200 and have:  # the server ignored Range: start over
             os.ftruncate(fd, 0)
-            h = hashlib.sha256()
+            h = file_hash(self.entry)[0]
             have = 0
             self.sources_of_part.clear()
         if resp.length != size - have:

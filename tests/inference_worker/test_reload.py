@@ -106,7 +106,7 @@ def test_a_delta_chain_reloads_from_memory_and_a_flipped_delta_never_reaches_vll
             finally:
                 flipper.stop()
         assert pulled.steps == ["held 0", "delta 1", "delta 2", "delta 3"] and pulled.state is not None
-        assert "sha256" in (client.stats[flipper.url].banned or "")  # the flipped delta was caught, not applied
+        assert "signed blake3" in (client.stats[flipper.url].banned or "")  # the flipped delta was caught, not applied
         assert model_hash(pulled.state) == pulled.manifest.model_hash == model_hash(published[3])
         for f in list(pulled.path.glob("*.safetensors")):  # from memory: the folder is not read at all
             f.unlink()

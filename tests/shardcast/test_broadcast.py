@@ -157,7 +157,7 @@ def test_tampering_relay_is_detected_per_shard_and_avoided(tmp_path, pub, origin
     client.stats[origin_server.url].throughput = 1.0
     pulled = client.pull()
     assert files_of(pulled.path) == files_of(o.version_dir(0))
-    assert "sha256" in (client.stats[bad.url].banned or "")
+    assert "signed blake3" in (client.stats[bad.url].banned or "")
     # Detected per shard: at most one shard per download thread came from the bad relay, not the whole version.
     shard_size = max(s.size for s in o.manifest(0).shards)
     assert client.stats[bad.url].bytes <= parallelism * shard_size < o.manifest(0).total_bytes

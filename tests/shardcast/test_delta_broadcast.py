@@ -97,7 +97,7 @@ def test_a_relay_serving_a_delta_with_one_flipped_byte(tmp_path, key, pub, runni
     careful, careful_url = start_relay(running, [flipper.url, server.url], tmp_path / "careful", pub)
     careful.upstream.stats[flipper.url].throughput = 1e12  # it looks fastest
     wait_until(lambda: careful.store.complete_versions() == [0, 1, 2], what="the relay to mirror the chain")
-    assert "sha256" in (careful.upstream.stats[flipper.url].banned or "")
+    assert "signed blake3" in (careful.upstream.stats[flipper.url].banned or "")
     assert (tmp_path / "careful" / "v0000000002" / delta).read_bytes() == (o.version_dir(2) / delta).read_bytes()
     only_flipper = Relay([flipper.url], tmp_path / "fooled", pub, run_id=RUN, policy=POLICY)
     only_flipper.sync_once()
@@ -114,7 +114,7 @@ def test_a_relay_serving_a_delta_with_one_flipped_byte(tmp_path, key, pub, runni
     path.write_bytes(bytes(data))
     pulled = client.pull(2)
     assert pulled.steps == ["held 1", "delta 2"] and same_weights(pulled.path, states[2])
-    assert "sha256" in (client.stats[careful_url].banned or "")
+    assert "signed blake3" in (client.stats[careful_url].banned or "")
 
 
 def test_a_delta_is_never_applied_to_the_wrong_base(tmp_path, key, pub, running):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import stat
@@ -11,6 +12,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from protocol.manifests import PolicyManifest, ShardEntry
+from shardcast.files import file_hash, file_matches, signed_entry
 from shardcast.keys import (
     ManifestError,
     load_signing_key,
@@ -46,6 +48,31 @@ def test_signed_manifest_verifies_and_every_change_breaks_it(key, pub):
             verify_manifest(signed.model_copy(update=change), pub)
 
 
+def test_a_signed_blake3_cannot_be_stripped_or_changed_and_older_manifests_still_verify(tmp_path, key, pub):
+    """Receivers check a file with blake3 when its signed entry has one: a relay that strips it (to force the
+    slower sha256) or changes it breaks the signature. A manifest signed before the field existed verifies,
+    and its files are checked with sha256."""
+    data = b"0123456789"
+    entry = signed_entry("model-00001-of-00001.safetensors", data)
+    assert entry.blake3 is not None and file_hash(entry)[0].name == "blake3"
+    signed = sign_manifest(_manifest().model_copy(update={"shards": [entry]}), key)
+    verify_manifest(signed, pub)
+    for change in ({"blake3": None}, {"blake3": "00" * 32}):
+        with pytest.raises(ManifestError, match="forged"):
+            verify_manifest(signed.model_copy(update={"shards": [entry.model_copy(update=change)]}), pub)
+    # An older origin's manifest: no blake3 key at all in what it signed.
+    body = _manifest().model_dump(mode="json", exclude={"signature"})
+    body["shards"] = [{"name": entry.name, "sha256": entry.sha256, "size": entry.size}]
+    body["signature"] = base64.b64encode(key.sign(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())).decode()
+    older = parse_verified_manifest(json.dumps(body).encode(), pub, version=3, run_id=RUN)
+    assert older.shards[0].blake3 is None and file_hash(older.shards[0])[0].name == "sha256"
+    path = tmp_path / entry.name
+    path.write_bytes(data)
+    assert file_matches(path, older.shards[0]) and file_matches(path, entry)
+    path.write_bytes(b"0123456788")
+    assert not file_matches(path, older.shards[0]) and not file_matches(path, entry)
+
+
 def test_unsigned_forged_and_malformed_manifests_are_rejected(key, pub):
     with pytest.raises(ManifestError, match="unsigned"):
         verify_manifest(_manifest(), pub)
@@ -75,8 +102,6 @@ def test_signed_manifest_with_path_traversal_names_is_rejected(key, pub, name):
     body = _manifest().model_dump(mode="json", exclude={"signature"})
     body["shards"][0]["name"] = name
     payload = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    import base64
-
     body["signature"] = base64.b64encode(key.sign(payload)).decode()
     with pytest.raises(ManifestError, match="malformed"):
         parse_verified_manifest(json.dumps(body).encode(), pub, run_id=RUN)
