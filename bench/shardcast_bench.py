@@ -5,11 +5,15 @@ between scenarios of the same round; every round is reported):
   1. nginx_curl   nginx (Debian, sendfile on) serving the shard files; 4 clients = curl, 4 parallel transfers
                   each, writing the shards (no verification): the raw ceiling of this machine.
   2. nginx_ours   the same nginx serving the same files laid out as our read-only API (static files), pulled by
-                  our client (signed manifest, per-shard sha256, streamed into place, atomic folder).
+                  our client (signed manifest, per-shard blake3, streamed into place, atomic folder).
                   This is "the same shards served by nginx to the same clients" of issue 3.
   3. origin_direct  our origin server straight to the same 4 clients (our server in nginx's place).
   4. swarmrl      our origin -> 2 relays (mirroring, verifying every shard) -> 4 clients (relays only).
-  5. pypi_shardcast  PRIME-RL's shardcast 0.3.2 (own venv, --pypi-venv): origin -> 2 middle nodes -> 4
+  5. nginx_relays_curl  the same topology with the field's tools and no verification: the nginx origin -> 2
+                  nginx caching proxies (proxy_cache, one fetch per shard per relay, streamed to the client while
+                  it is cached) -> 4 curl clients, each taking every other shard from each relay. What the relay
+                  hop itself costs on this box, whoever implements it.
+  6. pypi_shardcast  PRIME-RL's shardcast 0.3.2 (own venv, --pypi-venv): origin -> 2 middle nodes -> 4
                   clients on one 1 GiB file of the same bytes, 64 MiB shards, all its sleeps set to 1 s.
 Clients and relays are separate processes; each waits for a "go" line, and t0 is when the version is
 visible at the origin (publishing is timed separately). Goodput = clients * bytes / (last client done - t0).
@@ -280,13 +284,48 @@ http {{
 """
 
 
-def run_nginx(work: Path, vdir: Path, version: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    api = work / "nginx-api"
-    api.mkdir(exist_ok=True)
-    (api / "versions.json").write_text(json.dumps({"versions": [version]}))
-    conf = work / "nginx.conf"
-    conf.write_text(NGINX_CONF.format(work=work, port=port, api=api, vdir=vdir, version=version))
+# A caching relay in front of the nginx origin: each shard is fetched upstream once (concurrent requests for
+# it wait on the lock) and streamed to the first client while it is written to the cache.
+NGINX_RELAY_CONF = """
+worker_processes 1;
+daemon off;
+user root;
+pid {work}/nginx-relay{i}.pid;
+error_log {work}/nginx-relay{i}-error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+  access_log off;
+  sendfile on;
+  tcp_nopush on;
+  keepalive_requests 100000;
+  client_body_temp_path {work}/nginx-relay{i}-body;
+  proxy_temp_path {work}/nginx-relay{i}-proxy;
+  fastcgi_temp_path {work}/nginx-relay{i}-fastcgi;
+  uwsgi_temp_path {work}/nginx-relay{i}-uwsgi;
+  scgi_temp_path {work}/nginx-relay{i}-scgi;
+  proxy_cache_path {work}/nginx-relay{i}-cache levels=1 keys_zone=relay{i}:10m max_size=8g inactive=60m use_temp_path=off;
+  upstream origin {{ server {upstream}; keepalive 16; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass http://origin;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_cache relay{i};
+      proxy_cache_valid 200 60m;
+      proxy_cache_lock on;
+      proxy_cache_lock_timeout 120s;
+      proxy_cache_lock_age 120s;
+      proxy_max_temp_file_size 0;
+    }}
+  }}
+}}
+"""
+
+
+def start_nginx(work: Path, conf_name: str, conf_text: str, port: int, probe: str) -> tuple[subprocess.Popen, str]:
+    conf = work / conf_name
+    conf.write_text(conf_text)
     proc = subprocess.Popen(["nginx", "-c", str(conf), "-p", str(work)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     import httpx
@@ -294,25 +333,55 @@ def run_nginx(work: Path, vdir: Path, version: int) -> tuple[subprocess.Popen, s
     deadline = time.time() + 20
     while time.time() < deadline:
         try:
-            if httpx.get(url + "/v1/versions", timeout=2).status_code == 200:
+            if httpx.get(url + probe, timeout=2).status_code == 200:
                 return proc, url
         except httpx.HTTPError:
             time.sleep(0.1)
     proc.kill()
-    raise RuntimeError("nginx did not start; see " + str(work / "nginx-error.log"))
+    raise RuntimeError(f"nginx did not start; see the error log next to {conf}")
+
+
+def run_nginx(work: Path, vdir: Path, version: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    api = work / "nginx-api"
+    api.mkdir(exist_ok=True)
+    (api / "versions.json").write_text(json.dumps({"versions": [version]}))
+    return start_nginx(work, "nginx.conf", NGINX_CONF.format(work=work, port=port, api=api, vdir=vdir, version=version), port, "/v1/versions")
 
 
 def scenario_nginx_curl(work: Path, url: str, manifest, n_clients: int, procs: Procs) -> dict:
-    urls = ",".join(f"{url}/v1/versions/{manifest.version}/shards/{s.name}" for s in manifest.shards)
+    return _curl_pull(work, "nginx_curl", [url], manifest, n_clients, procs)
+
+
+def scenario_nginx_relays_curl(work: Path, origin_url: str, manifest, n_clients: int, procs: Procs) -> dict:
+    """curl through 2 nginx caching relays (cold caches) in front of the nginx origin."""
+    relays = []
+    try:
+        for i in range(2):
+            port = free_port()
+            conf = NGINX_RELAY_CONF.format(work=work, i=i, port=port, upstream=origin_url.removeprefix("http://"))
+            relays.append(start_nginx(work, f"nginx-relay{i}.conf", conf, port, "/v1/versions"))
+        return _curl_pull(work, "nginx_relays_curl", [url for _, url in relays], manifest, n_clients, procs)
+    finally:
+        for proc, _ in relays:
+            proc.terminate()
+            proc.wait(10)
+        for i in range(2):
+            shutil.rmtree(work / f"nginx-relay{i}-cache", ignore_errors=True)
+
+
+def _curl_pull(work: Path, scenario: str, servers: list[str], manifest, n_clients: int, procs: Procs) -> dict:
+    """4 curl clients; with several servers, client i takes shard j from server (i + j) mod n."""
     clients = []
     for i in range(n_clients):
+        urls = ",".join(f"{servers[(i + j) % len(servers)]}/v1/versions/{manifest.version}/shards/{s.name}" for j, s in enumerate(manifest.shards))
         dest = work / f"curl-client{i}"
         dest.mkdir()
         clients.append(procs.start([sys.executable, "-c", CURL_CLIENT, urls, str(dest)]))
     t0 = time.time()
     go(clients)
     res = results_of(clients)
-    row = summarize("nginx_curl", t0, res, manifest.total_bytes, {"verified": False})
+    row = summarize(scenario, t0, res, manifest.total_bytes, {"verified": False})
     for i in range(n_clients):
         assert dir_bytes(work / f"curl-client{i}") == manifest.total_bytes
         shutil.rmtree(work / f"curl-client{i}")
@@ -441,6 +510,8 @@ RATIOS = {  # name: (numerator scenario, denominator scenario); goodput over goo
     "origin_direct_over_nginx_ours": ("origin_direct", "nginx_ours"),
     "nginx_ours_over_nginx_curl": ("nginx_ours", "nginx_curl"),
     "swarmrl_relays_over_pypi_shardcast": ("swarmrl", "pypi_shardcast"),
+    "nginx_relays_curl_over_nginx_curl": ("nginx_relays_curl", "nginx_curl"),
+    "swarmrl_relays_over_nginx_relays_curl": ("swarmrl", "nginx_relays_curl"),
 }
 
 
@@ -505,7 +576,7 @@ def write_results(out: str, rounds: list[list[dict]], meta: dict) -> None:
     for name in scenarios:
         cells = [f"{r.get('seconds_until_all_clients_done')} / {r.get('aggregate_goodput_MBps')}" for rows in rounds for r in rows if r["scenario"] == name]
         lines.append(f"- {name}: " + "; ".join(cells))
-    lines += ["", f"publish (origin: split, serialize, sha256, fsync, sign) of {meta['gib']} GiB: {meta['publish_s']} s"]
+    lines += ["", f"publish (origin: split, serialize, sha256 and blake3, fsync, sign) of {meta['gib']} GiB: {meta['publish_s']} s"]
     Path(out + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -620,6 +691,8 @@ def main() -> None:
                 measured(rows, with_nginx(lambda url: scenario_nginx_ours(work, url, manifest, pub, a.clients, procs, a.client_parallelism)))
             measured(rows, lambda: scenario_origin_direct(work, origin, manifest, pub, a.clients, procs, a.client_parallelism))
             measured(rows, lambda: scenario_swarmrl(work, origin, manifest, pub, a.clients, procs, a.relay_parallelism, a.client_parallelism))
+            if not a.skip_nginx:
+                measured(rows, with_nginx(lambda url: scenario_nginx_relays_curl(work, url, manifest, a.clients, procs)))
             for j in range(2):
                 shutil.rmtree(work / f"relay{j}", ignore_errors=True)
             if not a.skip_pypi and i < a.pypi_rounds:
