@@ -5,6 +5,7 @@ Layout under `root`:
     .partial-v0000000042/        (relays) a version being mirrored: its verified manifest.json, the shards
                                  verified so far under their final names, `.<name>.part` files in flight
     .tmp-*, .trash-*             being written / being deleted; removed at start-up
+    .lock                        held (flock) by the relay process that owns the folder (`lock_folder`)
 
 No marker files: a version appears by renaming a finished folder (the manifest is written last), and a
 relay's shard appears by renaming a verified file. Everything the server can see is in the in-memory
@@ -22,6 +23,7 @@ Deleting old versions never breaks a download:
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import re
@@ -37,6 +39,36 @@ from typing import BinaryIO, Iterator
 from protocol.manifests import PolicyManifest, ShardEntry
 
 log = logging.getLogger(__name__)
+
+LOCK_FILE = ".lock"
+
+
+class FolderInUse(RuntimeError):
+    """Another process holds the folder (`lock_folder`)."""
+
+
+def lock_folder(root: Path, wait_s: float, what: str) -> int:
+    """Hold an exclusive lock on `root` for the rest of this process's life; returns its fd. The kernel drops
+    it when the process exits, SIGKILL included. Why: two processes on one folder write the same `.part`
+    files, each sees bytes that fail the signed digest, and bans the honest server that sent them (a relay
+    still shutting down after its driver was killed, beside the one the new driver started, banned the
+    origin, its only upstream, and the run stalled). Waits up to `wait_s` for the previous holder to exit."""
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise FolderInUse(f"{root} is in use by another {what} (pid {holder}); one process per folder") from None
+            time.sleep(0.1)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 MANIFEST_FILE = "manifest.json"
 _COMPLETE = re.compile(r"^v(\d{10})$")

@@ -50,6 +50,9 @@ def keygen(out: Path = typer.Option(..., "--out", help="where to write the new e
 
 
 RUN_ID_HELP = "the run id signed into (and required of) every manifest"
+# A relay told to stop frees its port first and exits within seconds; its successor on the same folder
+# (the supervisor starts it once the port is free) waits this long for it to be gone.
+RELAY_LOCK_WAIT_S = 60.0
 
 
 @app.command()
@@ -101,7 +104,12 @@ def relay(
     _logging(log_level)
     from shardcast.relay import Relay
     from shardcast.server import serve_relay
+    from shardcast.store import FolderInUse, lock_folder
 
+    try:
+        lock_folder(root, RELAY_LOCK_WAIT_S, "relay")
+    except FolderInUse as e:
+        raise typer.BadParameter(str(e), param_hint="--root") from None
     try:
         r = Relay(upstream, root, public_key, run_id=run_id, keep_versions=keep_versions, poll_interval_s=poll_interval_s, parallelism=parallelism, grace_s=grace_s)
     except ValueError as e:
@@ -112,7 +120,9 @@ def relay(
 
     def stop() -> None:
         server.stop()
-        r.stop()
+        # Not a long wait: a download in flight is resumed from its `.part` by the next relay on this folder,
+        # which waits for this process (and its lock) to be gone.
+        r.stop(timeout_s=2.0)
 
     _serve_until_signal(stop)
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
+import select
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -20,9 +24,9 @@ from shardcast.keys import public_key_b64
 from shardcast.origin import Origin
 from shardcast.relay import Relay
 from shardcast.server import REQUESTS, SHARD_BYTES_SERVED, ShardServer, serve_origin, serve_relay
-from shardcast.store import MANIFEST_FILE, DiskFullError, VersionStore
+from shardcast.store import MANIFEST_FILE, DiskFullError, FolderInUse, VersionStore, lock_folder
 from shardcast.weights import load_version_dir, model_hash
-from shardcast_helpers import RUN, start_cli, state_dict, stop_proc, tmpfs
+from shardcast_helpers import REPO, RUN, start_cli, state_dict, stop_proc, tmpfs
 
 
 def wait_until(cond, timeout=30.0, what="condition"):
@@ -404,3 +408,39 @@ def test_client_keeps_only_its_newest_versions(tmp_path, pub, origin):
     o.publish(1, state_dict(seed=1, layers=2))
     second = client.pull()
     assert second.version == 1 and second.path.is_dir() and not first.path.exists()
+
+
+def test_a_second_relay_on_the_same_folder_waits_until_the_first_is_gone(tmp_path, pub, origin):
+    """Two relay processes on one folder would write the same `.part` files, fail the signed digest and ban
+    their honest upstream. A relay told to stop (SIGTERM, what a killed driver's children get) frees its
+    port at once and its folder moments later; the next one on the folder starts only then."""
+    o, origin_server = origin
+    root = tmp_path / "relay"
+    args = ["relay", "--upstream", origin_server.url, "--root", str(root), "--public-key", pub, "--run-id", RUN, "--poll-interval-s", "0.05"]
+    first, first_info = start_cli(*args)
+    second = None
+    try:
+        wait_until(lambda: relay_has(first_info["url"], 0), what="the first relay to mirror version 0")
+        second = subprocess.Popen([sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", *args], cwd=REPO,
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        ready, _, _ = select.select([second.stdout], [], [], 3.0)
+        assert not ready and second.poll() is None, "the second relay started while the first held the folder"
+        assert (root / ".lock").read_text().strip() == str(first.pid)
+        first.send_signal(signal.SIGTERM)
+        ready, _, _ = select.select([second.stdout], [], [], 30.0)
+        assert ready, "the second relay did not start after the first stopped"
+        assert first.poll() is not None
+        info = json.loads(second.stdout.readline())
+        wait_until(lambda: relay_has(info["url"], 0), what="the second relay to serve version 0")
+        assert (root / ".lock").read_text().strip() == str(second.pid)
+        assert files_of(root / "v0000000000") == files_of(o.version_dir(0))
+    finally:
+        stop_proc(first)
+        if second is not None:
+            stop_proc(second)
+
+
+def test_a_folder_held_by_another_process_is_refused_with_its_pid(tmp_path):
+    lock_folder(tmp_path / "relay", wait_s=0, what="relay")
+    with pytest.raises(FolderInUse, match=rf"in use by another relay \(pid {os.getpid()}\)"):
+        lock_folder(tmp_path / "relay", wait_s=0.3, what="relay")
