@@ -36,6 +36,10 @@ class WorkerConfig(BaseModel):
         "shardcast. Empty: use the downloaded version folder, which must then hold config.json",
     )
     work_dir: str = Field("", description="weights download folder; a temporary one if empty")
+    work_dir_wait_s: float = Field(
+        120.0, ge=0, description="one worker process per work_dir: a new one waits this long for the previous one (finishing "
+        "its task after SIGTERM) to exit, then gives up (two would write the same weight files)",
+    )
     engine: EngineConfig = EngineConfig()
     max_prompts_per_lease: int = Field(8, ge=1)
     lease_wait_s: float = Field(

@@ -168,6 +168,14 @@ def worker(
         sys.stdout.write(cfg.model_dump_json(indent=2) + "\n")
         return
     configure_logging(log_level)
+    if cfg.work_dir:
+        from shardcast.store import FolderInUse, lock_folder
+
+        try:
+            lock_folder(Path(cfg.work_dir), cfg.work_dir_wait_s, "worker")
+        except FolderInUse as exc:
+            console.print(f"[red]{exc}[/]")
+            raise typer.Exit(2) from None
     from inference_worker.loop import run_worker
 
     raise typer.Exit(run_worker(cfg))

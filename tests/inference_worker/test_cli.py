@@ -44,3 +44,17 @@ def test_live_panel_renders_the_counters():
     text = console.export_text()
     assert "generating" in text and "w7" in text and "3 loaded / 4 current" in text
     assert "1,234" in text and "4 / 1" in text
+
+
+def test_a_work_dir_in_use_by_another_worker_process_is_refused(tmp_path):
+    """Two workers on one work dir would write the same weight files (a new driver's worker beside the old
+    one finishing its task after SIGTERM): the second waits `work_dir_wait_s`, then exits 2 naming the holder."""
+    import os
+
+    from shardcast.store import lock_folder
+
+    lock_folder(tmp_path / "w", wait_s=0, what="worker")  # held by this process, as by a live worker
+    res = invoke(["--orchestrator", "http://127.0.0.1:9", "--join-token", "t", "--work-dir", str(tmp_path / "w"), "--work_dir_wait_s", "0.3"])
+    assert res.exit_code == 2, res.output
+    said = " ".join(res.output.split())  # rich wraps long lines
+    assert "in use by another worker" in said and f"pid {os.getpid()}" in said
