@@ -223,9 +223,29 @@ def results_of(procs: list[subprocess.Popen], timeout: float = 600) -> list[dict
     return [o if o is not None else {"error": "timeout"} for o in out]
 
 
+COMPACT = False  # --compact: settle() also has the kernel compact free memory
+
+
 def settle() -> None:
     os.sync()
+    if COMPACT:
+        try:
+            Path("/proc/sys/vm/compact_memory").write_text("1\n")
+        except OSError as e:
+            raise SystemExit(f"--compact needs a writable /proc/sys/vm/compact_memory (root): {e}") from None
     time.sleep(3)
+
+
+def free_blocks_mib() -> dict[str, float]:
+    """Free memory of the Normal zone in blocks of at least 64 KiB (order 4) and 2 MiB (order 9), from
+    /proc/buddyinfo: how much room the page cache has for large folios, which need contiguous pages."""
+    try:
+        line = next(x for x in Path("/proc/buddyinfo").read_text().splitlines() if "Normal" in x)
+    except (OSError, StopIteration):
+        return {}
+    counts = [int(c) for c in line.split("Normal", 1)[1].split()]
+    mib = lambda lo: round(sum(n * (4 << order) for order, n in enumerate(counts) if order >= lo) / 1024, 1)  # noqa: E731
+    return {"order>=4": mib(4), "order>=9": mib(9)}
 
 
 def dir_bytes(path: Path) -> int:
@@ -542,7 +562,8 @@ def write_results(out: str, rounds: list[list[dict]], meta: dict) -> None:
         "",
         f"`{meta['command']}` — {meta['when']}, {meta['gib']} GiB in {meta['shards']} shards, {meta['clients']} clients, loopback, "
         f"{os.cpu_count()} cores shared with other jobs (load before: {meta['loadavg_before']}, after: {meta.get('loadavg_after')}). "
-        f"{len(rounds)} rounds after one warm-up pull (origin_direct, not in the tables; its figures are in the JSON's meta); in each round, every scenario ran once, in this order, with a cleanup + sync + pause between.",
+        f"{len(rounds)} rounds after one warm-up pull (origin_direct, not in the tables; its figures are in the JSON's meta); in each round, every scenario ran once, in this order, with a cleanup + sync + pause between"
+        + (" and free memory compacted before each (--compact)." if meta.get("compact") else "."),
         "",
         "Median [min–max] over the rounds:",
         "",
@@ -567,6 +588,10 @@ def write_results(out: str, rounds: list[list[dict]], meta: dict) -> None:
                     cells.append(cell)
         if cells:
             lines.append(f"- {name}: " + "; ".join(cells))
+    lines += ["", "Free memory in blocks of 2 MiB or more before each scenario (MiB, per round; large folios need them):", ""]
+    for name in scenarios:
+        cells = [str(r.get("free_MiB_in_blocks_before", {}).get("order>=9", "—")) for rows in rounds for r in rows if r["scenario"] == name]
+        lines.append(f"- {name}: " + ", ".join(cells))
     lines += ["", "Goodput ratios, each from scenarios of the same round:", "", "| ratio | median [min–max] | every round |", "|---|---|---|"]
     for name in RATIOS:
         vals = [r[name] for r in ratios]
@@ -606,6 +631,7 @@ def main() -> None:
     p.add_argument("--relay-parallelism", type=int, default=2)
     p.add_argument("--client-parallelism", type=int, default=8)
     p.add_argument("--out", default=str(RESULTS / "shardcast_bench"))
+    p.add_argument("--compact", action="store_true", help="compact free memory before every scenario (root): each starts from the same unfragmented state")
     a = p.parse_args()
 
     import torch
@@ -613,8 +639,9 @@ def main() -> None:
     from shardcast.keys import generate_signing_key, public_key_b64
     from shardcast.origin import Origin
 
-    global PYPI_VENV
+    global PYPI_VENV, COMPACT
     PYPI_VENV = Path(a.pypi_venv)
+    COMPACT = a.compact
     if a.setup:
         setup_references(PYPI_VENV)
     WORK.mkdir(parents=True, exist_ok=True)
@@ -623,7 +650,7 @@ def main() -> None:
     procs = Procs()
     rounds: list[list[dict]] = []
     meta = {"command": "python " + " ".join(["bench/shardcast_bench.py"] + sys.argv[1:]), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "gib": a.gib, "clients": a.clients, "loadavg_before": [round(x, 2) for x in os.getloadavg()]}
+            "gib": a.gib, "clients": a.clients, "loadavg_before": [round(x, 2) for x in os.getloadavg()], "compact": a.compact}
     try:
         key = generate_signing_key(work / "run-key.pem")
         pub = public_key_b64(key)
@@ -646,11 +673,12 @@ def main() -> None:
         def measured(rows: list[dict], run) -> dict:
             """Run one scenario; add the CPU seconds of every process it used (children reaped, plus ours)."""
             c0, s0 = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
-            vm0 = vmstat()
+            vm0, free0 = vmstat(), free_blocks_mib()
             row = run()
             vm1 = vmstat()
             # The kernel's page work during the scenario (4 KiB pages): the clients' extra CPU through relays is system time.
             row["vmstat_delta"] = {k: vm1[k] - vm0[k] for k in vm0 if k in vm1 and vm1[k] != vm0[k]}
+            row["free_MiB_in_blocks_before"] = free0
             by_process = procs.cpu_by_process()
             procs.stop_all()
             c1, s1 = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
