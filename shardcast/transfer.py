@@ -286,6 +286,12 @@ class _FileFetch:
             have = hash_prefix(fd, h, self.buf, entry.size)
             if have == 0:
                 self.sources_of_part.clear()
+            elif have == entry.size and self.sources_of_part == {"disk"} and h.hexdigest() != want:
+                # A whole-length `.part` that an earlier process left (the splice path sizes the file before the
+                # bytes arrive, so a killed download looks complete): nobody's bytes. Start over; blame no one.
+                os.ftruncate(fd, 0)
+                self.sources_of_part.clear()
+                h, have = file_hash(entry)[0], 0
             if have < entry.size:
                 headers = {"Range": f"bytes={have}-"} if have else {}
                 resp = pool.http.request(url, api.SHARDCAST_SHARD.format(version=self.job.version, name=entry.name), self.deadline, headers)

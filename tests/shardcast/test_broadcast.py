@@ -24,6 +24,7 @@ from shardcast.keys import public_key_b64
 from shardcast.origin import Origin
 from shardcast.relay import Relay
 from shardcast.server import REQUESTS, SHARD_BYTES_SERVED, ShardServer, serve_origin, serve_relay
+from shardcast.transfer import FileJob, ServerPool
 from shardcast.store import MANIFEST_FILE, DiskFullError, FolderInUse, VersionStore, lock_folder
 from shardcast.weights import load_version_dir, model_hash
 from shardcast_helpers import REPO, RUN, start_cli, state_dict, stop_proc, tmpfs
@@ -444,3 +445,22 @@ def test_a_folder_held_by_another_process_is_refused_with_its_pid(tmp_path):
     lock_folder(tmp_path / "relay", wait_s=0, what="relay")
     with pytest.raises(FolderInUse, match=rf"in use by another relay \(pid {os.getpid()}\)"):
         lock_folder(tmp_path / "relay", wait_s=0.3, what="relay")
+
+
+def test_a_whole_length_part_left_by_a_killed_download_is_refetched_and_blames_no_server(tmp_path, pub, origin):
+    """The splice path sizes `.part` to the whole file before the bytes arrive, so a download killed with
+    SIGKILL leaves a file of the right length and the wrong bytes. The next process on the folder must start
+    that file over, not ban the server it asks next (a restarted relay banned the origin, its only upstream,
+    for bytes the origin never sent, and the run stalled)."""
+    o, origin_server = origin
+    manifest = o.manifest(0)
+    folder = tmp_path / "mirror"
+    folder.mkdir()
+    for s in manifest.shards:  # what a process killed right after it sized its files leaves
+        with open(folder / f".{s.name}.part", "wb") as f:
+            f.truncate(s.size)
+    pool = ServerPool([origin_server.url], pub, run_id=RUN, parallelism=2)
+    pool.download_files([FileJob(0, s, folder) for s in manifest.shards])
+    want = {name: data for name, data in files_of(o.version_dir(0)).items() if name != MANIFEST_FILE}
+    assert files_of(folder) == want  # every shard verified and in place, no `.part` left
+    assert pool.stats[origin_server.url].banned is None and pool.stats[origin_server.url].failures == 0
