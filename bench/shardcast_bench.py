@@ -243,8 +243,11 @@ def free_blocks_mib() -> dict[str, float]:
         line = next(x for x in Path("/proc/buddyinfo").read_text().splitlines() if "Normal" in x)
     except (OSError, StopIteration):
         return {}
-    counts = [int(c) for c in line.split("Normal", 1)[1].split()]
-    mib = lambda lo: round(sum(n * (4 << order) for order, n in enumerate(counts) if order >= lo) / 1024, 1)  # noqa: E731
+    counts = [int(c) for c in line.split("Normal", 1)[1].split()]  # free blocks of 4 KiB << order
+
+    def mib(lowest: int) -> float:
+        return round(sum(n * (4 << order) for order, n in enumerate(counts) if order >= lowest) / 1024, 1)
+
     return {"order>=4": mib(4), "order>=9": mib(9)}
 
 
@@ -276,57 +279,49 @@ def summarize(name: str, t0: float, results: list[dict], bytes_per_client: int, 
 # Scenarios
 
 
-NGINX_CONF = """
-worker_processes 2;
+def nginx_conf(work: Path, name: str, workers: int, port: int, locations: str, http_extra: str = "") -> str:
+    """One nginx instance's config: its pid, logs and temp folders under `work`, prefixed with `name`."""
+    return f"""
+worker_processes {workers};
 daemon off;
 user root;
-pid {work}/nginx.pid;
-error_log {work}/nginx-error.log warn;
+pid {work}/{name}.pid;
+error_log {work}/{name}-error.log warn;
 events {{ worker_connections 1024; }}
 http {{
   access_log off;
   sendfile on;
   tcp_nopush on;
   keepalive_requests 100000;
-  client_body_temp_path {work}/nginx-body;
-  proxy_temp_path {work}/nginx-proxy;
-  fastcgi_temp_path {work}/nginx-fastcgi;
-  uwsgi_temp_path {work}/nginx-uwsgi;
-  scgi_temp_path {work}/nginx-scgi;
+  client_body_temp_path {work}/{name}-body;
+  proxy_temp_path {work}/{name}-proxy;
+  fastcgi_temp_path {work}/{name}-fastcgi;
+  uwsgi_temp_path {work}/{name}-uwsgi;
+  scgi_temp_path {work}/{name}-scgi;
   default_type application/octet-stream;
+{http_extra}
   server {{
     listen 127.0.0.1:{port};
-    location = /v1/versions {{ default_type application/json; alias {api}/versions.json; }}
-    location = /v1/versions/{version}/manifest {{ default_type application/json; alias {vdir}/manifest.json; }}
-    location /v1/versions/{version}/shards/ {{ alias {vdir}/; }}
+{locations}
   }}
 }}
 """
 
 
+# The origin: the shard files and our read-only API's two JSON answers, as static files.
+NGINX_ORIGIN_LOCATIONS = """
+    location = /v1/versions {{ default_type application/json; alias {api}/versions.json; }}
+    location = /v1/versions/{version}/manifest {{ default_type application/json; alias {vdir}/manifest.json; }}
+    location /v1/versions/{version}/shards/ {{ alias {vdir}/; }}
+"""
+
 # A caching relay in front of the nginx origin: each shard is fetched upstream once (concurrent requests for
 # it wait on the lock) and streamed to the first client while it is written to the cache.
-NGINX_RELAY_CONF = """
-worker_processes 1;
-daemon off;
-user root;
-pid {work}/nginx-relay{i}.pid;
-error_log {work}/nginx-relay{i}-error.log warn;
-events {{ worker_connections 1024; }}
-http {{
-  access_log off;
-  sendfile on;
-  tcp_nopush on;
-  keepalive_requests 100000;
-  client_body_temp_path {work}/nginx-relay{i}-body;
-  proxy_temp_path {work}/nginx-relay{i}-proxy;
-  fastcgi_temp_path {work}/nginx-relay{i}-fastcgi;
-  uwsgi_temp_path {work}/nginx-relay{i}-uwsgi;
-  scgi_temp_path {work}/nginx-relay{i}-scgi;
+NGINX_RELAY_HTTP = """
   proxy_cache_path {work}/nginx-relay{i}-cache levels=1 keys_zone=relay{i}:10m max_size=8g inactive=60m use_temp_path=off;
   upstream origin {{ server {upstream}; keepalive 16; }}
-  server {{
-    listen 127.0.0.1:{port};
+"""
+NGINX_RELAY_LOCATIONS = """
     location / {{
       proxy_pass http://origin;
       proxy_http_version 1.1;
@@ -338,8 +333,6 @@ http {{
       proxy_cache_lock_age 120s;
       proxy_max_temp_file_size 0;
     }}
-  }}
-}}
 """
 
 
@@ -366,7 +359,8 @@ def run_nginx(work: Path, vdir: Path, version: int) -> tuple[subprocess.Popen, s
     api = work / "nginx-api"
     api.mkdir(exist_ok=True)
     (api / "versions.json").write_text(json.dumps({"versions": [version]}))
-    return start_nginx(work, "nginx.conf", NGINX_CONF.format(work=work, port=port, api=api, vdir=vdir, version=version), port, "/v1/versions")
+    conf = nginx_conf(work, "nginx", 2, port, NGINX_ORIGIN_LOCATIONS.format(api=api, vdir=vdir, version=version))
+    return start_nginx(work, "nginx.conf", conf, port, "/v1/versions")
 
 
 def scenario_nginx_curl(work: Path, url: str, manifest, n_clients: int, procs: Procs) -> dict:
@@ -379,7 +373,8 @@ def scenario_nginx_relays_curl(work: Path, origin_url: str, manifest, n_clients:
     try:
         for i in range(2):
             port = free_port()
-            conf = NGINX_RELAY_CONF.format(work=work, i=i, port=port, upstream=origin_url.removeprefix("http://"))
+            http_extra = NGINX_RELAY_HTTP.format(work=work, i=i, upstream=origin_url.removeprefix("http://"))
+            conf = nginx_conf(work, f"nginx-relay{i}", 1, port, NGINX_RELAY_LOCATIONS.format(i=i), http_extra)
             relays.append(start_nginx(work, f"nginx-relay{i}.conf", conf, port, "/v1/versions"))
         return _curl_pull(work, "nginx_relays_curl", [url for _, url in relays], manifest, n_clients, procs)
     finally:

@@ -53,8 +53,11 @@ def test_a_work_dir_in_use_by_another_worker_process_is_refused(tmp_path):
 
     from shardcast.store import lock_folder
 
-    lock_folder(tmp_path / "w", wait_s=0, what="worker")  # held by this process, as by a live worker
-    res = invoke(["--orchestrator", "http://127.0.0.1:9", "--join-token", "t", "--work-dir", str(tmp_path / "w"), "--work_dir_wait_s", "0.3"])
+    held = lock_folder(tmp_path / "w", wait_s=0, what="worker")  # held by this process, as by a live worker
+    try:
+        res = invoke(["--orchestrator", "http://127.0.0.1:9", "--join-token", "t", "--work-dir", str(tmp_path / "w"), "--work_dir_wait_s", "0.3"])
+    finally:
+        os.close(held)
     assert res.exit_code == 2, res.output
     said = " ".join(res.output.split())  # rich wraps long lines
     assert "in use by another worker" in said and f"pid {os.getpid()}" in said

@@ -442,9 +442,13 @@ def test_a_second_relay_on_the_same_folder_waits_until_the_first_is_gone(tmp_pat
 
 
 def test_a_folder_held_by_another_process_is_refused_with_its_pid(tmp_path):
-    lock_folder(tmp_path / "relay", wait_s=0, what="relay")
-    with pytest.raises(FolderInUse, match=rf"in use by another relay \(pid {os.getpid()}\)"):
-        lock_folder(tmp_path / "relay", wait_s=0.3, what="relay")
+    held = lock_folder(tmp_path / "relay", wait_s=0, what="relay")
+    try:
+        with pytest.raises(FolderInUse, match=rf"in use by another relay \(pid {os.getpid()}\)"):
+            lock_folder(tmp_path / "relay", wait_s=0.3, what="relay")
+    finally:
+        os.close(held)
+    os.close(lock_folder(tmp_path / "relay", wait_s=0, what="relay"))  # free once its holder let go
 
 
 def test_a_whole_length_part_left_by_a_killed_download_is_refetched_and_blames_no_server(tmp_path, pub, origin):
