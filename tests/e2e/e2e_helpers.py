@@ -37,10 +37,18 @@ def start_run(out: Path, *overrides: str) -> subprocess.Popen:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     log = (out / "driver.log").open("ab")
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "swarmrl", "run", "--config", str(REPO / "configs" / "demo.toml"), "--output_dir", str(out), *FAST, *overrides],
         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True,
     )
+    proc.output_dir = out  # so a failed wait can print the run's logs
+    return proc
+
+
+def log_tails(out: Path, chars: int = 3000) -> str:
+    """The end of the driver's log and of every component's log under `out`: what a failed wait prints."""
+    logs = [out / "driver.log", *sorted(out.glob("*/logs/*.log"))]
+    return "".join(f"\n--- {p.relative_to(out)} ---\n{p.read_text(errors='replace')[-chars:]}" for p in logs if p.exists())
 
 
 def wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None, poll_s: float = 0.5):
@@ -50,9 +58,14 @@ def wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen | No
         if value:
             return value
         if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the run exited (code {proc.returncode}) while waiting for {what}")
+            raise AssertionError(f"the run exited (code {proc.returncode}) while waiting for {what}{_tails(proc)}")
         time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}{_tails(proc)}")
+
+
+def _tails(proc: subprocess.Popen | None) -> str:
+    out = getattr(proc, "output_dir", None)
+    return log_tails(out) if out is not None else ""
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -15,7 +15,7 @@ import sqlite3
 
 import pytest
 
-from e2e_helpers import start_run, stop_run
+from e2e_helpers import log_tails, start_run, stop_run
 from swarmrl.audit import audit_run
 from tools.chaos import Chaos, restart_counts
 
@@ -41,9 +41,7 @@ def chaos_run(tmp_path, rounds: int, seed: int):
         base = chaos.steps()
         chaos.wait_for(lambda: chaos.steps() >= base + 2, "two steps after the last recovery")
     except AssertionError as exc:
-        logs = [("driver.log", tmp_path / "driver.log")] + [(p.name, p) for p in sorted((run_dir / "logs").glob("*.log"))]
-        tails = "".join(f"\n--- {name} ---\n{path.read_text(errors='replace')[-3000:]}" for name, path in logs if path.exists())
-        raise AssertionError(f"{exc}\n{chr(10).join(lines)}{tails}") from None
+        raise AssertionError(f"{exc}\n{chr(10).join(lines)}{log_tails(tmp_path)}") from None
     finally:
         code = stop_run(chaos.driver)
     assert code == 130, (tmp_path / "driver.log").read_text(errors="replace")[-4000:]  # a clean stop on Ctrl-C
