@@ -11,6 +11,7 @@ import ctypes
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -65,7 +66,33 @@ def child_env(threads: int) -> dict[str, str]:
     return env
 
 
-def free_port(host: str) -> int:
+# Ray's workers listen on 10002-19999 (its default min/max_worker_port); the kernel's ephemeral range
+# (ip_local_port_range, 32768-60999 by default) is where every bind to port 0 and every outgoing
+# connection lands. A port the run keeps for its life is drawn between the two.
+STABLE_PORTS = (20000, 32767)
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(host: str, tries: int = 200) -> int:
+    """A free port outside the kernel's ephemeral range: a port chosen by bind(0) can be taken by any
+    process that binds port 0 before we serve on it (Ray starts several such listeners right after),
+    or again while a component restarts on the same port. Falls back to bind(0) if none is free."""
+    lo, hi = STABLE_PORTS[0], min(STABLE_PORTS[1], _ephemeral_low() - 1)
+    rng = random.SystemRandom()
+    for _ in range(tries if hi > lo else 0):
+        port = rng.randint(lo, hi)
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        return port
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]

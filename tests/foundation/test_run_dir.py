@@ -83,3 +83,27 @@ def test_a_resumed_run_ends_its_dead_drivers_leftover_that_holds_a_port_and_noth
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_the_runs_ports_are_drawn_outside_the_kernels_ephemeral_range():
+    """A port picked by bind(0) sits where Ray's agents and every outgoing connection land, so one of them
+    can take it before the component serves on it; the run's ports come from below that range, and a port
+    someone already listens on is never chosen."""
+    import socket
+
+    from swarmrl.processes import STABLE_PORTS, free_port
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    held = []
+    try:
+        for _ in range(20):
+            port = free_port("127.0.0.1")
+            assert STABLE_PORTS[0] <= port < min(low, STABLE_PORTS[1] + 1), port
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", port))  # still free: the chooser did not leave it bound
+            sock.listen()
+            held.append(sock)
+        assert len({s.getsockname()[1] for s in held}) == len(held)  # a listening port is never handed out again
+    finally:
+        for sock in held:
+            sock.close()
