@@ -21,6 +21,8 @@ Each scenario also reports the CPU seconds of all its processes (servers, relays
 2-core box, throughput is CPU-bound, and the relays' mirroring is paid from the same two cores.
 
     python bench/shardcast_bench.py [--setup] [--rounds 3] [--gib 1] [--clients 4] [--skip-pypi] [--pypi-venv DIR]
+--compact and --resident GIB (both for this VM, whose free memory goes back to its host within seconds and
+costs a host fault to touch again) put every scenario on the same footing; see shardcast_notes.md.
 --setup installs the references if missing: Debian's nginx (apt-get) and a venv with shardcast==0.3.2.
 Results: bench/results/shardcast_bench.{json,md}. Everything under bench/.work/shardcast-bench-* is removed.
 """
@@ -234,6 +236,25 @@ def settle() -> None:
         except OSError as e:
             raise SystemExit(f"--compact needs a writable /proc/sys/vm/compact_memory (root): {e}") from None
     time.sleep(3)
+
+
+RESIDENT_GIB = 0.0  # --resident: touch this much memory right before each scenario
+
+
+def make_resident(gib: float) -> float:
+    """Touch `gib` GiB of fresh memory and free it; returns the seconds it took. This box is a VM that hands
+    free memory back to its host within seconds (free page reporting); the next touch of such a page costs
+    a host fault, ~2.3 CPU-s of system time per GiB here against ~0.05 for a page freed a moment ago. Large
+    page-cache writes (1 MiB splices) draw on that memory, 16 KiB writes (curl's) hardly do, so without this
+    a scenario's cost depends on where the free memory happens to be (shardcast_notes.md). After it, every
+    scenario starts with memory the VM holds, as a machine without a hypervisor always does."""
+    import torch
+
+    if gib <= 0:
+        return 0.0
+    t = time.perf_counter()
+    torch.ones(int(gib * (1 << 30)), dtype=torch.uint8)  # written, then freed at once
+    return round(time.perf_counter() - t, 2)
 
 
 def free_blocks_mib() -> dict[str, float]:
@@ -558,7 +579,8 @@ def write_results(out: str, rounds: list[list[dict]], meta: dict) -> None:
         f"`{meta['command']}` — {meta['when']}, {meta['gib']} GiB in {meta['shards']} shards, {meta['clients']} clients, loopback, "
         f"{os.cpu_count()} cores shared with other jobs (load before: {meta['loadavg_before']}, after: {meta.get('loadavg_after')}). "
         f"{len(rounds)} rounds after one warm-up pull (origin_direct, not in the tables; its figures are in the JSON's meta); in each round, every scenario ran once, in this order, with a cleanup + sync + pause between"
-        + (" and free memory compacted before each (--compact)." if meta.get("compact") else "."),
+        + (" and free memory compacted before each (--compact)" if meta.get("compact") else "")
+        + (f"; right before each, {meta['resident_gib']} GiB of memory touched and freed (--resident), so that no scenario starts on memory this VM had handed back to its host." if meta.get("resident_gib") else "."),
         "",
         "Median [min–max] over the rounds:",
         "",
@@ -627,6 +649,8 @@ def main() -> None:
     p.add_argument("--client-parallelism", type=int, default=8)
     p.add_argument("--out", default=str(RESULTS / "shardcast_bench"))
     p.add_argument("--compact", action="store_true", help="compact free memory before every scenario (root): each starts from the same unfragmented state")
+    p.add_argument("--resident", type=float, default=0.0, metavar="GIB",
+                   help="touch GIB of memory right before every scenario, so that none starts on memory this VM handed back to its host")
     a = p.parse_args()
 
     import torch
@@ -634,9 +658,10 @@ def main() -> None:
     from shardcast.keys import generate_signing_key, public_key_b64
     from shardcast.origin import Origin
 
-    global PYPI_VENV, COMPACT
+    global PYPI_VENV, COMPACT, RESIDENT_GIB
     PYPI_VENV = Path(a.pypi_venv)
     COMPACT = a.compact
+    RESIDENT_GIB = a.resident
     if a.setup:
         setup_references(PYPI_VENV)
     WORK.mkdir(parents=True, exist_ok=True)
@@ -645,7 +670,7 @@ def main() -> None:
     procs = Procs()
     rounds: list[list[dict]] = []
     meta = {"command": "python " + " ".join(["bench/shardcast_bench.py"] + sys.argv[1:]), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "gib": a.gib, "clients": a.clients, "loadavg_before": [round(x, 2) for x in os.getloadavg()], "compact": a.compact}
+            "gib": a.gib, "clients": a.clients, "loadavg_before": [round(x, 2) for x in os.getloadavg()], "compact": a.compact, "resident_gib": a.resident}
     try:
         key = generate_signing_key(work / "run-key.pem")
         pub = public_key_b64(key)
@@ -667,6 +692,7 @@ def main() -> None:
 
         def measured(rows: list[dict], run) -> dict:
             """Run one scenario; add the CPU seconds of every process it used (children reaped, plus ours)."""
+            resident_s = make_resident(RESIDENT_GIB)  # before the CPU is read: not the scenario's work
             c0, s0 = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
             vm0, free0 = vmstat(), free_blocks_mib()
             row = run()
@@ -674,6 +700,8 @@ def main() -> None:
             # The kernel's page work during the scenario (4 KiB pages): the clients' extra CPU through relays is system time.
             row["vmstat_delta"] = {k: vm1[k] - vm0[k] for k in vm0 if k in vm1 and vm1[k] != vm0[k]}
             row["free_MiB_in_blocks_before"] = free0
+            if RESIDENT_GIB:
+                row["made_resident_before"] = {"GiB": RESIDENT_GIB, "seconds": resident_s}
             by_process = procs.cpu_by_process()
             procs.stop_all()
             c1, s1 = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
