@@ -22,7 +22,9 @@ Each scenario also reports the CPU seconds of all its processes (servers, relays
 
     python bench/shardcast_bench.py [--setup] [--rounds 3] [--gib 1] [--clients 4] [--skip-pypi] [--pypi-venv DIR]
 --compact and --resident GIB (both for this VM, whose free memory goes back to its host within seconds and
-costs a host fault to touch again) put every scenario on the same footing; see shardcast_notes.md.
+costs a host fault to touch again) put every scenario on the same footing; see shardcast_notes.md. GIB must
+cover all the memory a scenario takes fresh: the relay scenarios write (2 relays + 4 clients) x 1 GiB of page
+cache besides their processes, and 6 was measured too little for them (12 is enough).
 --setup installs the references if missing: Debian's nginx (apt-get) and a venv with shardcast==0.3.2.
 Results: bench/results/shardcast_bench.{json,md}. Everything under bench/.work/shardcast-bench-* is removed.
 """
@@ -247,7 +249,8 @@ def make_resident(gib: float) -> float:
     a host fault, ~2.3 CPU-s of system time per GiB here against ~0.05 for a page freed a moment ago. Large
     page-cache writes (1 MiB splices) draw on that memory, 16 KiB writes (curl's) hardly do, so without this
     a scenario's cost depends on where the free memory happens to be (shardcast_notes.md). After it, every
-    scenario starts with memory the VM holds, as a machine without a hypervisor always does."""
+    scenario starts with memory the VM holds, as a machine without a hypervisor always does, provided `gib`
+    exceeds what the scenario takes: what it takes beyond that is still paid for."""
     import torch
 
     if gib <= 0:
@@ -650,7 +653,8 @@ def main() -> None:
     p.add_argument("--out", default=str(RESULTS / "shardcast_bench"))
     p.add_argument("--compact", action="store_true", help="compact free memory before every scenario (root): each starts from the same unfragmented state")
     p.add_argument("--resident", type=float, default=0.0, metavar="GIB",
-                   help="touch GIB of memory right before every scenario, so that none starts on memory this VM handed back to its host")
+                   help="touch GIB of memory right before every scenario, so that none starts on memory this VM handed back to its host; "
+                        "twice the page cache a scenario writes, 2 x (relays + clients) x --gib, covers it (12 at the defaults)")
     a = p.parse_args()
 
     import torch
