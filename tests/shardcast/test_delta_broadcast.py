@@ -45,8 +45,12 @@ def running():
         t.stop()
 
 
-def start_relay(running, upstream: list[str], root, pub) -> tuple[Relay, str]:
+def start_relay(running, upstream: list[str], root, pub, fastest: str | None = None) -> tuple[Relay, str]:
     relay = Relay(upstream, root, pub, run_id=RUN, poll_interval_s=0.05, grace_s=0, policy=POLICY)
+    if fastest is not None:  # before the relay's thread starts, no exploring, the others measured slow: files go there
+        for url, stats in relay.upstream.stats.items():
+            stats.throughput = 1e12 if url == fastest else 1.0
+        relay.upstream.sources.explore = 0.0
     server = serve_relay(relay, shard_wait_s=0.5)
     relay.start()
     running += [relay, server]
@@ -94,8 +98,7 @@ def test_a_relay_serving_a_delta_with_one_flipped_byte(tmp_path, key, pub, runni
     # bytes; it bans that upstream and takes the file from its other upstream.
     flipper = HostileRelay(server.url, "flip", flip_match="delta")
     running.append(flipper)
-    careful, careful_url = start_relay(running, [flipper.url, server.url], tmp_path / "careful", pub)
-    careful.upstream.stats[flipper.url].throughput = 1e12  # it looks fastest
+    careful, careful_url = start_relay(running, [flipper.url, server.url], tmp_path / "careful", pub, fastest=flipper.url)
     wait_until(lambda: careful.store.complete_versions() == [0, 1, 2], what="the relay to mirror the chain")
     assert "signed blake3" in (careful.upstream.stats[flipper.url].banned or "")
     assert (tmp_path / "careful" / "v0000000002" / delta).read_bytes() == (o.version_dir(2) / delta).read_bytes()
