@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 
 # Bodies of endpoints other than submit are small JSON objects.
 MAX_SMALL_BODY_BYTES = 64 << 10
+# A request head (line and headers): ours and httpx's are well under 1 KiB; nginx's default buffers allow 32 KiB.
+MAX_HEAD_BYTES = 32 << 10
+MAX_HEADERS = 100
 CALLER = "swarmrl_caller"  # scope["state"] key: the worker id (worker endpoints) or the join token's row (register)
 
 
@@ -199,11 +202,18 @@ def _replay(body: bytes, receive: Any) -> Any:
     return replay
 
 
+class HeadTooLarge(Exception):
+    """Raised from a parser callback to stop parsing a head that was already answered with 431."""
+
+
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with a deadline on each request's head: from the connection (or the
     end of the previous response's keep-alive wait) to the end of the headers, at most `header_timeout_s`;
-    otherwise the connection is closed. A client address holding `max_per_address` connections has any
-    further one closed at once. (Class attributes, set per server by `uvicorn_protocol`.)"""
+    otherwise the connection is closed. The head is also bounded in size: more than MAX_HEAD_BYTES or
+    MAX_HEADERS headers get 431 and the connection is closed (uvicorn keeps every header as Python objects,
+    about 15 times the bytes sent for many small ones, before the app sees any). A client address holding
+    `max_per_address` connections has any further one closed at once. (Class attributes, set per server by
+    `uvicorn_protocol`.)"""
 
     header_timeout_s = 10.0
     max_per_address = 128
@@ -212,6 +222,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._head_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = self._header_count = 0
+        self._head_refused = False
         self._address = (self.client or ("?",))[0]
         count = self.per_address[self._address] = self.per_address.get(self._address, 0) + 1
         if count > self.max_per_address:
@@ -229,9 +241,42 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         log.info("closing a connection whose request head did not arrive in time", extra={"client": self.client})
         self.transport.close()
 
+    def data_received(self, data: bytes) -> None:
+        in_head = self._head_timer is not None
+        super().data_received(data)
+        # A read that began and ended inside one incomplete head is all head bytes. Counted after parsing,
+        # so a read that completes the head (and carries body bytes), or one that began with the previous
+        # request's body, is not: the bound is MAX_HEAD_BYTES plus at most two reads.
+        if in_head and self._head_timer is not None and not self._head_refused:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._refuse_head(f"request head larger than {MAX_HEAD_BYTES} bytes")
+
+    def _refuse_head(self, reason: str) -> None:
+        self._head_refused = True
+        log.info("closing a connection whose request head is too large", extra={"client": self.client, "reason": reason})
+        body = reason.encode()
+        self.transport.write(
+            b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body
+        )
+        self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        if not self._head_refused:  # a head refused with 431 stopped the parser: uvicorn calls this next
+            super().send_400_response(msg)
+
     def on_message_begin(self) -> None:
         self._arm_head_timer()
+        self._head_bytes = self._header_count = 0
         super().on_message_begin()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        if self._header_count > MAX_HEADERS:
+            self._refuse_head(f"more than {MAX_HEADERS} request headers")
+            raise HeadTooLarge
+        super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         if self._head_timer is not None:

@@ -176,6 +176,12 @@ class Orchestrator:
     def is_worker_secret(self, secret: str) -> bool:
         return self.workers.is_secret(secret)
 
+    def refuse_if_banned(self, worker_id: str) -> None:
+        """Before a worker's request changes state: the gate authenticated it from the headers, and a ban
+        may have landed since (while its body arrived, while its lease request was held)."""
+        if self.workers.is_banned(worker_id):
+            raise ApiError(ErrorCode.banned, f"worker {worker_id} is banned")
+
     # ---------------------------------------------------------------------------------------------
     # worker endpoints
 
@@ -183,7 +189,7 @@ class Orchestrator:
         """A new identity under a join token that may still register (the secret, or the row the HTTP gate
         already authenticated): not banned or revoked, under its registration rate and its cap on live
         identities."""
-        token = self.tokens.authenticate(join_token) if isinstance(join_token, str) else join_token
+        token = self.tokens.authenticate(join_token) if isinstance(join_token, str) else self.tokens.current(join_token)
         if self.workers.live_identities(token.token_id, time.time()) >= token.max_identities:
             raise ApiError(
                 ErrorCode.too_many_identities, f"join token {token.token_id} already has {token.max_identities} live workers",
@@ -207,6 +213,7 @@ class Orchestrator:
     def heartbeat(self, worker_id: str, path_worker_id: str, hb: Heartbeat) -> HeartbeatAck:
         if path_worker_id != worker_id:
             raise ApiError(ErrorCode.forbidden, "a worker can only heartbeat as itself")
+        self.refuse_if_banned(worker_id)
         self.workers.heartbeat(worker_id, hb.state, hb.loaded_policy_version, hb.tokens_per_s)
         return HeartbeatAck(
             policy_version=self._version,
@@ -251,6 +258,7 @@ class Orchestrator:
 
     def _lease(self, worker_id: str, req: LeaseRequest) -> LeaseResponse:
         """A lease, a reason to come back later, or GenerationBoundReached."""
+        self.refuse_if_banned(worker_id)
         if self.finished:
             return LeaseResponse(lease=None, retry_after_s=max(self.cfg.heartbeat_interval_s, 5.0))
         if self.verification.backlog() >= MAX_VERIFY_BACKLOG:
@@ -285,6 +293,7 @@ class Orchestrator:
 
     def accept_submission(self, worker_id: str, parsed: tuple[bytes, RolloutSubmission], body: bytes, content_encoding: str | None) -> SubmissionReceipt:
         raw, sub = parsed
+        self.refuse_if_banned(worker_id)
         now = time.time()
         row, lease = self.leases.for_submission(sub.lease_id, worker_id, now)
         admission.check_version(sub.policy_version, self._version, self.cfg.async_level)

@@ -135,7 +135,15 @@ class JoinTokens:
     def authenticate(self, token: str) -> TokenRow:
         """The token a join secret belongs to, if it may still register; raises unauthorized / banned."""
         token_id = self._by_hash.get(hash_token(token))
-        row = self.get(token_id) if token_id else None
+        return self._usable(self.get(token_id) if token_id else None)
+
+    def current(self, row: TokenRow) -> TokenRow:
+        """The token as it is now, if it may still register: the HTTP gate read `row` from the request's
+        headers, and a ban or a revocation may have landed while its body arrived."""
+        return self._usable(self.get(row.token_id))
+
+    @staticmethod
+    def _usable(row: TokenRow | None) -> TokenRow:
         if row is None or row.revoked:
             raise ApiError(ErrorCode.unauthorized, "invalid join token")
         if row.banned:

@@ -152,6 +152,15 @@ class Workers:
         self._last_seen[worker_id] = self._dirty[worker_id] = time.time()
         return worker_id
 
+    def is_banned(self, worker_id: str) -> bool:
+        """Whether the worker is banned now (the auth cache, else the row): a request authenticated from its
+        headers is checked again before it changes anything, since a ban can land while its body arrives."""
+        entry = self._auth.get(worker_id)
+        if entry is not None:
+            return entry[1]
+        row = self.get(worker_id)
+        return row is None or row.banned
+
     def is_cached(self, secret: str) -> bool:
         """Whether the secret names an identity already in the auth cache (a worker that authenticated
         before): such requests skip the per-address limit on refused credentials."""

@@ -11,6 +11,8 @@ import pytest
 import zstandard
 from orch_fakes import encode, make_orchestrator, make_submission, run_config
 
+from orchestrator.admission import parse_submission
+from orchestrator.errors import ApiError
 from orchestrator.server import OrchestratorServer
 from protocol import api, limits
 from protocol.models import (
@@ -287,6 +289,43 @@ def test_credentials_first_then_the_body_cap_from_the_header(server, client):
         assert reply.startswith(f"HTTP/1.1 {status}") and code in reply, reply
 
 
+def test_a_request_head_is_bounded_in_headers_and_bytes(server, client):
+    """uvicorn keeps every header as Python objects (about 15 times the bytes for many small ones), before
+    any credential is looked at: too many headers, or too many head bytes however slowly sent, get 431."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(f"GET {api.HEALTH.path} HTTP/1.1\r\nHost: x\r\n".encode() + b"X-P: a\r\n" * 5000)
+        reply = read_response(s)
+    assert reply.startswith("HTTP/1.1 431") and "more than 100 request headers" in reply, reply
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(f"GET {api.HEALTH.path} HTTP/1.1\r\nHost: x\r\nX-Big: ".encode())
+        try:
+            for _ in range(64):  # 64 KiB of one header value, in pieces: the parser buffers it whole
+                s.sendall(b"a" * 1024)
+                time.sleep(0.005)
+        except OSError:  # closed by the server while we were still sending
+            pass
+        reply = read_response(s)
+    assert reply.startswith("HTTP/1.1 431") and "request head larger than" in reply, reply
+    # An honest request with a body that arrives in the same read as its head is not counted as head bytes.
+    w = register(client)
+    big = b'{"name": "w2", "device": "cpu", "client_version": "' + b"1" * 20 + b'"}' + b" " * 60_000
+    r = client.post(api.REGISTER.path, content=big, headers=bearer(JOIN) | {"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert client.get(api.HEALTH.path).status_code == 200 and w.worker_id
+
+
+def test_a_body_of_many_unknown_keys_is_refused_without_listing_them():
+    """A 6 MB body under a real run's cap can hold half a million unknown keys: listing them all would cost
+    the server seconds of CPU (the test server's cap is too small for this, so admission is called directly)."""
+    with pytest.raises(ApiError) as refused:
+        parse_submission(b"{" + b",".join(b'"k%d":0' % i for i in range(50_000)) + b"}", vocab_size=100)
+    assert "50004 validation errors (too many to list)" in refused.value.detail
+    with pytest.raises(ApiError) as refused:
+        parse_submission(b'{"lease_id": 5, "x": 1}', vocab_size=100)
+    assert "lease_id: Input should be a valid string" in refused.value.detail and "x: Extra inputs are not permitted" in refused.value.detail
+
+
 def test_slow_body_times_out(server):
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as s:
@@ -352,6 +391,38 @@ def test_ban_unban(client):
     get_lease(client, w)
     error(client.post(api.BAN.url("", worker_id="w-missing"), json={}, headers=bearer(ADMIN)), 404, "not_found")
     error(client.post(ban, json={"reason": "x" * 5000}, headers=bearer(ADMIN)), 422, "invalid_request")
+
+
+def test_a_ban_lands_on_requests_whose_headers_came_before_it(server, client):
+    """Credentials are checked from the headers; a ban that lands while a body is still arriving must refuse
+    the request all the same: no new identity under the banned token, no lease, no heartbeat, no rollouts."""
+    host, port = server.url.removeprefix("http://").split(":")
+    w = register(client)
+    held = get_lease(client, w)
+    submission = encode(make_submission(held, np.random.default_rng(0)))
+    bodies = {
+        (api.REGISTER.path, JOIN): b'{"name": "w9", "device": "cpu"}',
+        (api.LEASE.path, w.secret): b'{"loaded_policy_version": 0, "max_prompts": 64}',
+        (api.HEARTBEAT.url("", worker_id=w.worker_id), w.secret): b'{"state": "generating", "loaded_policy_version": 0}',
+        (api.SUBMIT.path, w.secret): submission,
+    }
+    sockets = {}
+    for (path, token), body in bodies.items():  # everything but the body's last byte
+        s = socket.create_connection((host, int(port)), timeout=5)
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body[:-1])
+        sockets[path] = s
+    time.sleep(0.3)  # the gate has authenticated all four
+    r = client.post(api.BAN.url("", worker_id=w.worker_id), json={"reason": "cheating", "scope": "token"}, headers=bearer(ADMIN))
+    assert r.status_code == 200, r.text
+    for (path, _), body in bodies.items():
+        with sockets[path] as s:
+            s.sendall(body[-1:])
+            reply = read_response(s)
+        assert reply.startswith("HTTP/1.1 403") and "banned" in reply, (path, reply)
+    workers = WorkerList.model_validate_json(client.get(api.WORKERS.path, headers=bearer(ADMIN)).content).workers
+    assert [x.worker_id for x in workers] == [w.worker_id] and workers[0].banned
+    status = RunStatus.model_validate_json(client.get(api.STATUS.path, headers=bearer(ADMIN)).content)
+    assert status.submissions_accepted == 0 and status.buffer_depth == 0
 
 
 def test_ban_after_strikes_over_http(client):
