@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -19,9 +20,14 @@ from protocol.retry import backoff_delays
 
 log = logging.getLogger(__name__)
 
+# How long relays may go without listing the version the orchestrator announced (mirroring a delta takes
+# a poll and a few seconds) before the keeper asks for that version by number, from the origin if need be.
+RELAY_LAG_S = 15.0
+
 
 class WeightsKeeper:
-    def __init__(self, dest_root: Path, *, make_client: Callable[..., object] | None = None, backoff_initial_s: float = 0.5, backoff_max_s: float = 10.0):
+    def __init__(self, dest_root: Path, *, make_client: Callable[..., object] | None = None, backoff_initial_s: float = 0.5, backoff_max_s: float = 10.0,
+                 relay_lag_s: float = RELAY_LAG_S):
         self.dest_root = Path(dest_root)
         self._make_client = make_client or _shardcast_client
         self._client = None
@@ -33,6 +39,7 @@ class WeightsKeeper:
         self.downloading = False
         self.last_error: str | None = None
         self._backoff = (backoff_initial_s, backoff_max_s)
+        self.relay_lag_s = relay_lag_s
         self._thread = threading.Thread(target=self._run, name="weights-keeper", daemon=True)
 
     def start(self) -> "WeightsKeeper":
@@ -81,6 +88,7 @@ class WeightsKeeper:
 
     def _run(self) -> None:
         delays = backoff_delays(*self._backoff)
+        lagging_since: tuple[int, float] | None = None  # (wanted, since when) the relays have not listed it
         while True:
             with self._cond:
                 while not self._stop and (self._sources is None or (self._ready is not None and self._ready.version >= self._wanted)):
@@ -96,9 +104,18 @@ class WeightsKeeper:
             self.downloading = True
             try:
                 # The orchestrator's version, or the newest the relays have if they lag behind; never a
-                # version the orchestrator has not announced yet.
+                # version the orchestrator has not announced yet. Relays list what they like: after
+                # `relay_lag_s` without the announced version, ask for it by number (the origin has it).
                 latest = client.latest_version()
-                pulled = client.pull(min(latest, wanted)) if latest is not None and min(latest, wanted) > have else None
+                target = min(latest, wanted) if latest is not None else None
+                if target == wanted:
+                    lagging_since = None
+                elif lagging_since is None or lagging_since[0] != wanted:
+                    lagging_since = (wanted, time.monotonic())
+                elif time.monotonic() - lagging_since[1] >= self.relay_lag_s:
+                    log.info("relays do not list version %d after %.0f s: pulling it by number", wanted, self.relay_lag_s)
+                    target = wanted
+                pulled = client.pull(target) if target is not None and target > have else None
             except Exception as exc:  # network, bad servers, disk: try again later
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.warning("weights download failed: %s", self.last_error)

@@ -253,6 +253,12 @@ class _FileFetch:
                 errors.append(f"{server.url}: {e}")
                 if e.not_yet:  # not a failure: the relay will have it soon
                     waiting_since = waiting_since or time.monotonic()
+                    if time.monotonic() - waiting_since >= pool.policy.stall_timeout_s:
+                        # Waited as long as for a stalled source: skip it for this file and cool it down like
+                        # one, so this file and the next go to the fallback (a relay that says "not yet"
+                        # forever would otherwise hold every file to its deadline).
+                        lacking.add(server.url)
+                        pool.sources.record_failure(server.url, "slow")
                     tried.add(server.url)
                     if tried >= {s.url for s in pool.sources.usable(lacking) if not s.fallback}:
                         tried.clear()

@@ -7,6 +7,7 @@ targets them; files are fetched whole from the upstream, then served in the chos
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import threading
@@ -23,11 +24,13 @@ class HostileRelay:
     """modes (file requests unless said): 'drip' (the right bytes at `rate` bytes/s), 'stall' (the head and
     `stall_after` bytes, then nothing), 'silent' (reads the request, never answers), 'drip_head' (every
     response, head included, a byte every `head_interval_s`), 'huge' (claims a terabyte), 'flip' (one byte
-    altered, in files whose name contains `flip_match`), 'huge_manifest' (a manifest claiming 1 GB)."""
+    altered, in files whose name contains `flip_match`), 'huge_manifest' (a manifest claiming 1 GB), 'not_yet'
+    (503 "still on its way" for every file, forever), 'listing' (lists `listing` instead of what it has)."""
 
-    def __init__(self, upstream: str, mode: str, rate: int = 1000, stall_after: int = 100_000, head_interval_s: float = 0.5, flip_match: str = ""):
+    def __init__(self, upstream: str, mode: str, rate: int = 1000, stall_after: int = 100_000, head_interval_s: float = 0.5, flip_match: str = "",
+                 listing: list[int] | None = None):
         self.upstream, self.mode, self.rate, self.stall_after = upstream.rstrip("/"), mode, rate, stall_after
-        self.head_interval_s, self.flip_match = head_interval_s, flip_match
+        self.head_interval_s, self.flip_match, self.listing = head_interval_s, flip_match, listing or []
         self.requests: list[str] = []
         self.bytes_sent = 0  # file body bytes
         self.manifest_bytes_sent = 0
@@ -66,6 +69,12 @@ class HostileRelay:
         if self.mode == "silent" and is_file:
             self._stop.wait(600)
             return
+        if self.mode == "not_yet" and is_file:
+            body = b'{"error":"timeout","detail":"still on its way"}'
+            return self._write(h, 503, {"Content-Length": str(len(body)), "Content-Type": "application/json", "Retry-After": "1"}, body)
+        if self.mode == "listing" and h.path == "/v1/versions":
+            body = json.dumps({"versions": self.listing}).encode()
+            return self._write(h, 200, {"Content-Length": str(len(body)), "Content-Type": "application/json"}, body)
         headers = {"Range": h.headers["Range"]} if h.headers.get("Range") else {}
         up = httpx.get(self.upstream + h.path, headers=headers, timeout=30)
         body = up.content

@@ -4,10 +4,12 @@ published bytes from the healthy sources, and must have left the bad source for 
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
+from inference_worker.weights import WeightsKeeper
 from shardcast.client import ShardcastClient, ShardcastError
 from shardcast.origin import Origin
 from shardcast.relay import Relay
@@ -67,6 +69,42 @@ def test_a_relay_that_drips_or_stalls_is_left_and_the_origin_finishes_the_pull(t
     assert any("/shards/" in r for r in bad.requests)  # it was tried first (the only primary)
     assert client.stats[server.url].bytes >= o.manifest(0).total_bytes - bad.bytes_sent
     print(f"{mode}: pull done in {seconds:.1f}s, {bad.bytes_sent} bytes from the bad relay")
+
+
+def test_a_relay_that_says_not_yet_forever_is_left_for_the_origin(tmp_path, pub, origin, hostile):
+    """'Not yet' (503) is what an honest relay says while a listed file is still on its way; said for longer
+    than a stall, the file comes from the origin instead of waiting for its deadline."""
+    o, server = origin
+    bad = hostile(server.url, "not_yet")
+    client = ShardcastClient([bad.url], pub, tmp_path / "client", run_id=RUN, fallback_urls=[server.url], parallelism=2, policy=POLICY, seed=0)
+    pulled, seconds = pull_within_deadline(client)
+    assert files_of(pulled.path) == files_of(o.version_dir(0)) | {"manifest.json": (pulled.path / "manifest.json").read_bytes()}
+    assert any("/shards/" in r for r in bad.requests)  # it was asked first (the only primary)
+    assert client.stats[server.url].bytes >= o.manifest(0).total_bytes and client.stats[bad.url].slow >= 1
+    assert seconds < POLICY.shard_deadline_s / 2, seconds
+
+
+@pytest.mark.parametrize("listing", [[], [0]])
+def test_a_relay_that_lists_nothing_new_cannot_freeze_a_worker_on_an_old_version(tmp_path, key, pub, origin, hostile, listing):
+    """The worker's keeper pulls the newest version its relays list, up to the one the orchestrator announced;
+    a relay that lists nothing, or only old versions, holds it back for `relay_lag_s`, then it asks by number."""
+    o, server = origin
+    o.publish(1, state_dict(seed=1, layers=2))
+    bad = hostile(server.url, "listing", listing=listing)
+    keeper = WeightsKeeper(tmp_path / "worker", relay_lag_s=1.0, backoff_initial_s=0.1, backoff_max_s=0.3,
+                           make_client=lambda urls, pub_key, dest, **kw: ShardcastClient(urls, pub_key, dest, policy=POLICY, **kw)).start()
+    stop = threading.Event()
+    timer = threading.Timer(30.0, stop.set)
+    timer.start()
+    try:
+        keeper.set_sources([bad.url], pub, RUN, origin_url=server.url)
+        keeper.observe(1)
+        ready = keeper.wait_for(1, stop)
+    finally:
+        timer.cancel()
+        keeper.stop()
+    assert ready is not None and ready.version == 1, keeper.last_error
+    assert files_of(ready.path) == files_of(o.version_dir(1)) | {"manifest.json": (ready.path / "manifest.json").read_bytes()}
 
 
 def test_a_relay_just_above_the_floor_loses_to_a_faster_relay(tmp_path, pub, origin, hostile, running_relays):
