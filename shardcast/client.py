@@ -132,22 +132,41 @@ class ShardcastClient:
             self._join_writer()  # the previous version's folder is complete before this pull looks at the disk
             deadline = time.monotonic() + self.pool.policy.pull_deadline_s
             listings = self.pool.list_versions() or self.pool.list_versions(fallback=True)
-            candidates = [version] if version is not None else sorted({v for vs in listings.values() for v in vs}, reverse=True)[:MAX_CANDIDATES]
-            if not candidates:
+            if version is not None:
+                return self._pull_manifest(self.pool.fetch_manifest(version, prefer=[u for u, vs in listings.items() if version in vs]), listings, deadline)
+            errors: list[str] = []
+
+            def views():
+                yield listings
+                yield self.pool.list_versions(fallback=True)  # the origin's word too, if the relays' failed
+
+            for listed in views():
+                # A version no server can prove costs its listers their listing: a relay listing fake
+                # versions above the real ones costs one manifest request, and the real newest is found.
+                distrusted: set[str] = set()
+                tried = 0
+                for v in sorted({v for vs in listed.values() for v in vs}, reverse=True):
+                    holders = [u for u, vs in listed.items() if v in vs and u not in distrusted]
+                    if not holders:
+                        continue
+                    if tried >= MAX_CANDIDATES:
+                        break
+                    tried += 1
+                    try:
+                        manifest = self.pool.fetch_manifest(v, prefer=holders)
+                    except ShardcastError as e:  # a lying server advertised it, or it was just deleted
+                        errors.append(str(e))
+                        distrusted.update(holders)
+                        continue
+                    return self._pull_manifest(manifest, listed, deadline)
+            if not errors:
                 raise ShardcastError(f"no server lists any version (reachable: {sorted(listings)} of {self.pool.urls})")
-            errors = []
-            for v in candidates:
-                try:
-                    manifest = self.pool.fetch_manifest(v, prefer=[u for u, vs in listings.items() if v in vs])
-                except ShardcastError as e:
-                    if version is not None:
-                        raise
-                    errors.append(str(e))
-                    continue  # a lying server advertised it, or it was just deleted: try the next newest
-                pulled = self._get(manifest, listings, deadline)
-                self._prune(keep=pulled.version)
-                return pulled
             raise ShardcastError("no listed version could be fetched: " + " | ".join(errors[:5]))
+
+    def _pull_manifest(self, manifest: PolicyManifest, listings: dict[str, list[int]], deadline: float) -> PulledVersion:
+        pulled = self._get(manifest, listings, deadline)
+        self._prune(keep=pulled.version)
+        return pulled
 
     # -- the path ---------------------------------------------------------------------------------------
 

@@ -81,23 +81,41 @@ class Relay:
 
     def sync_once(self) -> list[int]:
         """Mirror the window of upstream versions, newest first; returns the versions now complete here."""
-        listings = self.upstream.list_versions(fallback=True)
-        upstream_versions = sorted({v for vs in listings.values() for v in vs})
-        if self.follow and upstream_versions:
-            self._follow(upstream_versions[-1], listings)
+        listed = {u: set(vs) for u, vs in self.upstream.list_versions(fallback=True).items()}
+        if self.follow and listed:
+            self._follow(listed)
         if self.run_id is None:
             return self.store.complete_versions()
-        holders = {v: [u for u, vs in listings.items() if v in vs] for v in upstream_versions}
+        # Upstreams list what they like. A version no server can prove (a signed manifest of this run) costs
+        # its listers their listing for this sync: a liar listing 100k fake versions costs one manifest
+        # request, not one per fake version, and cannot push the real versions out of the newest K.
+        distrusted: set[str] = set()
+
+        def holders(v: int) -> list[str]:
+            return [u for u, vs in listed.items() if v in vs and u not in distrusted]
+
+        def listed_ok(v: int) -> bool:
+            hs = holders(v)
+            if not hs:
+                return False
+            if not self._try(self._list, v, hs):
+                distrusted.update(hs)
+                return False
+            return True
+
         # The newest K first (their manifests name their anchors), then every version back to the oldest anchor.
-        newest = sorted(set(upstream_versions) | set(self.store.versions()))[-self.store.keep_versions :]
-        for v in reversed([v for v in newest if v in holders]):
-            self._try(self._list, v, holders[v])
+        held = set(self.store.versions())
+        newest = 0
+        for v in sorted(held.union(*listed.values()), reverse=True):
+            if newest >= self.store.keep_versions:
+                break
+            newest += v in held or listed_ok(v)
         floor = self.store.window_floor()
-        for v in reversed([v for v in upstream_versions if floor is not None and v >= floor]):
+        for v in sorted({v for u, vs in listed.items() for v in vs if floor is not None and v >= floor}, reverse=True):
             if self._stop.is_set():
                 break
-            if self._try(self._list, v, holders[v]):
-                self._try(self._mirror, v, holders[v])
+            if listed_ok(v):
+                self._try(self._mirror, v, holders(v))
         self.store.prune()
         return self.store.complete_versions()
 
@@ -110,10 +128,12 @@ class Relay:
             log.warning("relay could not mirror version %d yet: %s", version, e, extra={"version": version})
             return False
 
-    def _follow(self, newest: int, listings: dict[str, list[int]]) -> None:
-        """Adopt the run of the newest upstream version (signature checked); drop versions of another run."""
+    def _follow(self, listed: dict[str, set[int]]) -> None:
+        """Adopt the run of the newest upstream version whose signature checks out (each upstream's newest,
+        newest first: one that lists versions it cannot prove does not hide the others'); drop versions of
+        another run."""
         pool = self.upstream
-        for url in [u for u, vs in listings.items() if newest in vs]:
+        for url, newest in sorted(((u, max(vs)) for u, vs in listed.items() if vs), key=lambda x: -x[1]):
             try:
                 body = pool.http.get_small(url, api.SHARDCAST_MANIFEST.format(version=newest), MAX_MANIFEST_BYTES, time.monotonic() + pool.policy.request_timeout_s)
                 manifest = PolicyManifest.model_validate_json(body)

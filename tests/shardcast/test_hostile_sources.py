@@ -107,6 +107,33 @@ def test_a_relay_that_lists_nothing_new_cannot_freeze_a_worker_on_an_old_version
     assert files_of(ready.path) == files_of(o.version_dir(1)) | {"manifest.json": (ready.path / "manifest.json").read_bytes()}
 
 
+@pytest.mark.parametrize("run_id", [RUN, None])  # None: the relay follows the run upstream signs
+def test_an_upstream_listing_versions_it_cannot_prove_does_not_keep_a_relay_from_mirroring(tmp_path, pub, origin, hostile, run_id):
+    """20,000 fake versions above the real ones: the relay asks for one of their manifests per sync (no server
+    proves it), stops believing that upstream's listing for the sync, and mirrors what the origin signs."""
+    o, server = origin
+    liar = hostile(server.url, "listing", listing=list(range(1000, 21_000)))
+    relay = Relay([liar.url, server.url], tmp_path / "relay", pub, run_id=run_id, policy=POLICY)
+    assert relay.sync_once() == [0] and relay.run_id == RUN
+    o.publish(1, state_dict(seed=1, layers=2))
+    assert relay.sync_once() == [0, 1]
+    asked = [r for r in liar.requests if r.endswith("/manifest")]
+    assert len(asked) <= 4, asked  # per sync: one fake version listed, and one the follow check reads
+
+
+def test_a_relay_listing_fake_newer_versions_cannot_fail_a_pull_of_the_newest(tmp_path, pub, origin, hostile):
+    o, server = origin
+    o.publish(1, state_dict(seed=1, layers=2))
+    liar = hostile(server.url, "listing", listing=[0] + list(range(2**31 - 8, 2**31)))  # 404s their manifests
+    client = ShardcastClient([liar.url], pub, tmp_path / "client", run_id=RUN, fallback_urls=[server.url], policy=POLICY)
+    pulled, _ = pull_within_deadline(client)
+    assert pulled.version == 1 and files_of(pulled.path) == files_of(o.version_dir(1)) | {"manifest.json": (pulled.path / "manifest.json").read_bytes()}
+    assert sum(r.endswith("/manifest") for r in liar.requests) <= 2  # one fake version per listing read, not eight
+    alone = ShardcastClient([liar.url], pub, tmp_path / "alone", run_id=RUN, policy=POLICY)  # no origin to turn to
+    with pytest.raises(ShardcastError, match="no listed version could be fetched"):
+        alone.pull()
+
+
 def test_a_relay_just_above_the_floor_loses_to_a_faster_relay(tmp_path, pub, origin, hostile, running_relays):
     """Dripping at 300 KB/s beats the absolute floor (64 KiB/s) but not a quarter of the healthy relay's rate."""
     o, server = origin
