@@ -14,6 +14,7 @@ import logging
 import re
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING
 
@@ -44,24 +45,30 @@ class _HTTPServer(ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 1024
 
-    def __init__(self, address, store: VersionStore, shard_wait_s: float, max_connections: int):
+    def __init__(self, address, store: VersionStore, shard_wait_s: float, max_connections: int, max_per_address: int, head_timeout_s: float):
         self.store = store
         self.shard_wait_s = shard_wait_s
         self.max_connections = max_connections
-        self.open_connections: set[socket.socket] = set()
+        self.max_per_address = max_per_address
+        self.head_timeout_s = head_timeout_s
+        self.open_connections: dict[socket.socket, str] = {}  # -> client address
+        self.per_address: dict[str, int] = {}
+        self.head_deadlines: dict[socket.socket, float] = {}  # connections waiting for a request head
         self._conn_lock = threading.Lock()
         super().__init__(address, _Handler)
 
     def get_request(self):
         conn, addr = super().get_request()
         with self._conn_lock:
-            self.open_connections.add(conn)
+            self.open_connections[conn] = addr[0]
+            self.per_address[addr[0]] = self.per_address.get(addr[0], 0) + 1
         return conn, addr
 
     def process_request(self, request, client_address):
-        # One thread per connection: cap them, so a flood of idle connections cannot exhaust the host.
+        # One thread per connection: cap them, in all and per client address, so a flood of idle connections
+        # cannot exhaust the host, and one client cannot take every slot from the others.
         with self._conn_lock:
-            over = len(self.open_connections) > self.max_connections
+            over = len(self.open_connections) > self.max_connections or self.per_address.get(client_address[0], 0) > self.max_per_address
         if over:
             REQUESTS.labels("refused", "503").inc()
             try:
@@ -76,8 +83,37 @@ class _HTTPServer(ThreadingHTTPServer):
 
     def shutdown_request(self, request):
         with self._conn_lock:
-            self.open_connections.discard(request)
+            address = self.open_connections.pop(request, None)
+            self.head_deadlines.pop(request, None)
+            if address is not None:
+                left = self.per_address.get(address, 1) - 1
+                if left > 0:
+                    self.per_address[address] = left
+                else:
+                    self.per_address.pop(address, None)
         super().shutdown_request(request)
+
+    def waiting_for_head(self, conn: socket.socket, waiting: bool) -> None:
+        with self._conn_lock:
+            if waiting:
+                self.head_deadlines[conn] = time.monotonic() + self.head_timeout_s
+            else:
+                self.head_deadlines.pop(conn, None)
+
+    def service_actions(self) -> None:
+        # Called by serve_forever every poll: a request head (line and headers) must arrive within
+        # head_timeout_s, however its bytes trickle in (the socket timeout bounds only each silence), so a
+        # slow-loris holds no connection for long.
+        now = time.monotonic()
+        with self._conn_lock:
+            late = [c for c, t in self.head_deadlines.items() if t < now]
+            for c in late:
+                del self.head_deadlines[c]
+        for conn in late:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def abort_connections(self) -> None:
         with self._conn_lock:
@@ -99,6 +135,20 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format, *args):  # noqa: A002 - the stdlib's signature
         log.debug("%s " + format, self.address_string(), *args)
 
+    def handle_one_request(self):
+        self.server.waiting_for_head(self.connection, True)  # cleared in parse_request, once the head is in
+        try:
+            super().handle_one_request()
+        except OSError:  # the head deadline shut the socket, or the client went away
+            self.close_connection = True
+        finally:
+            self.server.waiting_for_head(self.connection, False)
+
+    def parse_request(self):
+        ok = super().parse_request()
+        self.server.waiting_for_head(self.connection, False)
+        return ok
+
     def do_GET(self):
         self._handle(send_body=True)
 
@@ -112,7 +162,10 @@ class _Handler(BaseHTTPRequestHandler):
     def send_error(self, code, message=None, explain=None):
         """The stdlib's protocol-level errors (bad request line, URI too long...) as our JSON ErrorBody."""
         self.close_connection = True
-        self._error(code, "not_found" if code == 404 else "invalid_request", message or "bad request", route="malformed")
+        try:
+            self._error(code, "not_found" if code == 404 else "invalid_request", message or "bad request", route="malformed")
+        except OSError:  # the client is gone (or its head deadline passed): nobody to tell
+            pass
 
     def __getattr__(self, name: str):
         if name.startswith("do_"):  # any other method: 405, not the stdlib's 501
@@ -236,8 +289,9 @@ def _parse_range(header: str, size: int) -> tuple[int, int] | None:
 class ShardServer:
     """A running shard server on its own thread. `url` is its base URL; `stop()` shuts it and its connections."""
 
-    def __init__(self, store: VersionStore, host: str = "127.0.0.1", port: int = 0, shard_wait_s: float = 0.0, max_connections: int = 512):
-        self._httpd = _HTTPServer((host, port), store, shard_wait_s, max_connections)
+    def __init__(self, store: VersionStore, host: str = "127.0.0.1", port: int = 0, shard_wait_s: float = 0.0, max_connections: int = 512,
+                 max_per_address: int = 64, head_timeout_s: float = 10.0):
+        self._httpd = _HTTPServer((host, port), store, shard_wait_s, max_connections, max_per_address, head_timeout_s)
         self.host, self.port = self._httpd.server_address[:2]
         self.url = f"http://{self.host}:{self.port}"
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1}, name=f"shardcast-server-{self.port}", daemon=True)

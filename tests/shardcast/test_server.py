@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import socket
 import threading
+import time
 
 import httpx
 import pytest
@@ -171,4 +172,49 @@ def test_connection_flood_is_refused_with_503_not_served_forever(tmp_path, key):
                 break
             deadline -= 1
             threading.Event().wait(0.1)
+        assert r.status_code == 200 and r.json() == {"versions": [0]}
+
+
+def test_one_address_cannot_take_every_connection_nor_hold_one_with_a_trickled_head(tmp_path, key):
+    """A slow-loris client: as many connections as it may have, each sending a byte of its request head now
+    and then. Its extra connections are refused; each is closed at its head deadline, whatever the trickle;
+    another address is served meanwhile."""
+    origin = Origin(tmp_path / "origin", key, run_id=RUN, shard_bytes=1 << 20)
+    origin.publish(0, state_dict(layers=1))
+    with ShardServer(origin, max_connections=100, max_per_address=4, head_timeout_s=1.5) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        loris = [socket.create_connection((host, int(port)), timeout=10) for _ in range(4)]
+        try:
+            with socket.create_connection((host, int(port)), timeout=10) as extra:
+                assert extra.recv(4096).startswith(b"HTTP/1.1 503")
+            with socket.create_connection((host, int(port)), timeout=10, source_address=("127.0.0.2", 0)) as other:
+                other.sendall(f"GET {api.SHARDCAST_VERSIONS} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+                assert other.recv(4096).startswith(b"HTTP/1.1 200")
+            closed_after = []
+            t0 = time.monotonic()
+            for s in loris:
+                s.sendall(b"G")
+                s.settimeout(0.25)
+            while len(closed_after) < len(loris) and time.monotonic() - t0 < 10:
+                for s in loris:
+                    if s.fileno() < 0:
+                        continue
+                    try:
+                        s.sendall(b"E")  # a byte every 0.25 s: never silent for the 60 s read timeout
+                        if s.recv(4096) == b"":
+                            raise ConnectionResetError
+                    except TimeoutError:
+                        continue
+                    except OSError:
+                        closed_after.append(time.monotonic() - t0)
+                        s.close()
+            assert len(closed_after) == len(loris), closed_after  # each closed at its head deadline, not 60 s later
+        finally:
+            for s in loris:
+                s.close()
+        for _ in range(50):  # the address may connect again once the server has let go of its sockets
+            r = httpx.get(server.url + api.SHARDCAST_VERSIONS)
+            if r.status_code == 200:
+                break
+            time.sleep(0.1)
         assert r.status_code == 200 and r.json() == {"versions": [0]}
