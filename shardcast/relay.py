@@ -9,7 +9,7 @@ back to their anchors, and serves them.
   on its way wait for it (bounded; then 503), so a relay serves a version while it arrives.
 - A relay can start empty, or restart on its folder: it re-checks the signatures and run ids of what it
   has, keeps the verified files (re-hashed) and resumes the rest.
-- The run: given (`run_id`), or, if not, followed: the run of the newest version upstream signs. A relay
+- The run: given (`run_id`), or, if not, followed: the run of the manifest upstream signed last. A relay
   that follows drops what it holds of an earlier run as soon as the key signs a new one. Workers check the
   run id themselves (they learn it from the orchestrator), so this is hygiene, not their protection.
 """
@@ -129,11 +129,13 @@ class Relay:
             return False
 
     def _follow(self, listed: dict[str, set[int]]) -> None:
-        """Adopt the run of the newest upstream version whose signature checks out (each upstream's newest,
-        newest first: one that lists versions it cannot prove does not hide the others'); drop versions of
-        another run."""
+        """Adopt the run of the most recently signed manifest among each upstream's newest version (signature
+        checked); drop versions of another run. By signing time, not version number: with a key reused
+        across runs, an upstream replaying an earlier run's higher-numbered versions does not take the relay
+        over (nor hide the others' newest by listing versions it cannot prove)."""
         pool = self.upstream
-        for url, newest in sorted(((u, max(vs)) for u, vs in listed.items() if vs), key=lambda x: -x[1]):
+        latest: PolicyManifest | None = None
+        for url, newest in ((u, max(vs)) for u, vs in listed.items() if vs):
             try:
                 body = pool.http.get_small(url, api.SHARDCAST_MANIFEST.format(version=newest), MAX_MANIFEST_BYTES, time.monotonic() + pool.policy.request_timeout_s)
                 manifest = PolicyManifest.model_validate_json(body)
@@ -141,14 +143,20 @@ class Relay:
             except Exception as e:  # noqa: BLE001 - a bad upstream answer: ask the next one
                 log.info("cannot learn the run from %s: %s", url, e)
                 continue
-            if manifest.run_id != self.store.run_id:
-                log.warning("relay now follows run %s", manifest.run_id)
-                self.store.run_id = pool.run_id = manifest.run_id
-                for v in self.store.versions():
-                    m = self.store.manifest(v)
-                    if m is not None and m.run_id != manifest.run_id:
-                        self.store.drop(v)
+            if latest is None or manifest.created_at > latest.created_at:
+                latest = manifest
+        if latest is None or latest.run_id == self.store.run_id:
             return
+        held = [m for m in map(self.store.manifest, self.store.versions()) if m is not None]
+        if any(m.created_at >= latest.created_at for m in held):  # what we hold was signed later: stay
+            log.warning("an upstream serves run %s, signed before what this relay holds: not followed", latest.run_id)
+            return
+        log.warning("relay now follows run %s", latest.run_id)
+        self.store.run_id = pool.run_id = latest.run_id
+        for v in self.store.versions():
+            m = self.store.manifest(v)
+            if m is not None and m.run_id != latest.run_id:
+                self.store.drop(v)
 
     def _list(self, version: int, holders: list[str]) -> None:
         if self.store.manifest(version) is None:

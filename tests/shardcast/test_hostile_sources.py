@@ -197,9 +197,16 @@ def test_another_runs_manifest_signed_with_the_same_key_is_refused(tmp_path, key
         assert relay.sync_once() == [] and relay.versions() == []
         follower = Relay([stale.url], tmp_path / "follower", pub, run_id=None, policy=POLICY)
         assert follower.sync_once() == [0, 9] and follower.run_id == "demo-earlier-run"
-        follower.upstream = Relay([server.url], tmp_path / "x", pub, run_id=None, policy=POLICY).upstream  # the new run starts
-        assert follower.sync_once() == [0] and follower.run_id == RUN
+        follower.upstream = Relay([server.url], tmp_path / "x", pub, run_id=None, policy=POLICY).upstream
+        assert follower.sync_once() == [0, 9] and follower.run_id == "demo-earlier-run"  # its v0 was signed before: not followed
+        o.publish(1, state_dict(seed=1, layers=2))  # the new run signs its next version
+        assert follower.sync_once() == [0, 1] and follower.run_id == RUN
         assert follower.store.manifest(0).model_hash == o.manifest(0).model_hash
+
+        # The other way round: an upstream replaying the earlier run's versions (numbered higher, signed
+        # before the newest of this run) does not take over a relay that follows this run.
+        follower = Relay([stale.url, server.url], tmp_path / "follower2", pub, run_id=None, policy=POLICY)
+        assert follower.sync_once() == [0, 1] and follower.run_id == RUN
     finally:
         stale.stop()
 
