@@ -131,7 +131,7 @@ class Worker:
         self.stats.orchestrator_version = reg.policy_version
         self.min_version = staleness.min_policy_version(reg.policy_version, reg.async_level)
         self.keeper.set_sources(reg.relay_urls, reg.manifest_public_key, reg.run_id, reg.origin_url)
-        self.keeper.observe(reg.policy_version)
+        self.keeper.observe(reg.policy_version, reg.policy_model_hash)
         self.stats.event(f"registered as {reg.worker_id}")
         log.info("registered as %s (policy version %d, async level %d)", reg.worker_id, reg.policy_version, reg.async_level)
         return True
@@ -156,7 +156,7 @@ class Worker:
             self.heartbeat_interval_s = ack.heartbeat_interval_s
             self.stats.orchestrator_version = ack.policy_version
             self.min_version = max(self.min_version, ack.min_policy_version)
-            self.keeper.observe(ack.policy_version)
+            self.keeper.observe(ack.policy_version, ack.policy_model_hash)
             self._poll_verdicts(self.beat_client)
 
     def _poll_verdicts(self, client: c.OrchestratorClient) -> None:

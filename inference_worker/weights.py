@@ -34,6 +34,7 @@ class WeightsKeeper:
         self._sources: tuple[tuple[str, ...], str, str, str] | None = None  # relays, public key, run id, origin
         self._cond = threading.Condition()
         self._wanted = -1  # newest version the orchestrator announced
+        self._wanted_hash: str | None = None  # its model hash, as announced
         self._ready = None  # newest PulledVersion on disk
         self._stop = False
         self.downloading = False
@@ -62,11 +63,15 @@ class WeightsKeeper:
                 self._client = None
                 self._cond.notify_all()
 
-    def observe(self, policy_version: int) -> None:
+    def observe(self, policy_version: int, model_hash: str | None = None) -> None:
+        """The orchestrator's version, and its model hash if announced: that version is pulled only with a
+        manifest of that hash (a re-published version's earlier manifest, replayed by a relay, is refused)."""
         with self._cond:
             if policy_version > self._wanted:
-                self._wanted = policy_version
+                self._wanted, self._wanted_hash = policy_version, model_hash
                 self._cond.notify_all()
+            elif policy_version == self._wanted and model_hash is not None:
+                self._wanted_hash = model_hash
 
     @property
     def ready(self):
@@ -100,7 +105,7 @@ class WeightsKeeper:
                     self._client = self._make_client(list(relays), public_key, self.dest_root, run_id=run_id, fallback_urls=[origin] if origin else [])
                 client = self._client
                 have = self._ready.version if self._ready is not None else -1
-                wanted = self._wanted
+                wanted, wanted_hash = self._wanted, self._wanted_hash
             self.downloading = True
             try:
                 # The orchestrator's version, or the newest the relays have if they lag behind; never a
@@ -115,7 +120,8 @@ class WeightsKeeper:
                 elif time.monotonic() - lagging_since[1] >= self.relay_lag_s:
                     log.info("relays do not list version %d after %.0f s: pulling it by number", wanted, self.relay_lag_s)
                     target = wanted
-                pulled = client.pull(target) if target is not None and target > have else None
+                pin = wanted_hash if target == wanted else None
+                pulled = client.pull(target, model_hash=pin) if target is not None and target > have else None
             except Exception as exc:  # network, bad servers, disk: try again later
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.warning("weights download failed: %s", self.last_error)

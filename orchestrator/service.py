@@ -208,6 +208,7 @@ class Orchestrator:
             manifest_public_key=self.manifest_public_key,
             run_id=self.run_id,
             origin_url=self.origin_url,
+            policy_model_hash=self.verification.versions.model_hash(self._version) or None,
         )
 
     def heartbeat(self, worker_id: str, path_worker_id: str, hb: Heartbeat) -> HeartbeatAck:
@@ -219,6 +220,7 @@ class Orchestrator:
             policy_version=self._version,
             min_policy_version=staleness.min_policy_version(self._version, self.cfg.async_level),
             heartbeat_interval_s=self.cfg.heartbeat_interval_s,
+            policy_model_hash=self.verification.versions.model_hash(self._version) or None,
         )
 
     def lease(self, worker_id: str, req: LeaseRequest) -> LeaseResponse:

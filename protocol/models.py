@@ -108,6 +108,9 @@ class WorkerRegistered(WireModel):
     run_id: RunId
     # The shardcast origin: the fallback when relays lie, stall or lack a version ("" if not reachable).
     origin_url: Annotated[str, Field(max_length=512)] = ""
+    # The model hash of policy_version (None before the first publish): the worker takes only that version's
+    # manifest with this hash, so a relay replaying a re-published version's earlier (signed) manifest is refused.
+    policy_model_hash: Sha256Hex | None = None
 
 
 class WorkerState(str, Enum):
@@ -128,6 +131,7 @@ class HeartbeatAck(WireModel):
     policy_version: Version
     min_policy_version: Version
     heartbeat_interval_s: Annotated[float, Field(gt=0)]
+    policy_model_hash: Sha256Hex | None = None  # as in WorkerRegistered
 
 
 # --------------------------------------------------------------------------------------------------

@@ -126,14 +126,16 @@ class ShardcastClient:
         versions = [max(v) for v in listings.values() if v]
         return max(versions) if versions else None
 
-    def pull(self, version: int | None = None) -> PulledVersion:
-        """Fetch `version` (default: the newest one a server can prove with a valid manifest of this run)."""
+    def pull(self, version: int | None = None, model_hash: str | None = None) -> PulledVersion:
+        """Fetch `version` (default: the newest one a server can prove with a valid manifest of this run);
+        with `model_hash` (as the orchestrator announced it), only a manifest of that hash is taken."""
         with self._lock:
             self._join_writer()  # the previous version's folder is complete before this pull looks at the disk
             deadline = time.monotonic() + self.pool.policy.pull_deadline_s
             listings = self.pool.list_versions() or self.pool.list_versions(fallback=True)
             if version is not None:
-                return self._pull_manifest(self.pool.fetch_manifest(version, prefer=[u for u, vs in listings.items() if version in vs]), listings, deadline)
+                manifest = self.pool.fetch_manifest(version, prefer=[u for u, vs in listings.items() if version in vs], model_hash=model_hash)
+                return self._pull_manifest(manifest, listings, deadline)
             errors: list[str] = []
 
             def views():

@@ -127,15 +127,20 @@ class ServerPool:
             t.join(max(0.0, deadline - time.monotonic()) + 0.5)
         return dict(out)
 
-    def fetch_manifest(self, version: int, prefer: Iterable[str] = ()) -> PolicyManifest:
-        """The signed manifest of `version` (of this run) from the first server that gives one; liars are banned."""
+    def fetch_manifest(self, version: int, prefer: Iterable[str] = (), model_hash: str | None = None) -> PolicyManifest:
+        """The signed manifest of `version` (of this run) from the first server that gives one; liars are banned.
+        With `model_hash`, a manifest of another hash is passed over: signed, but of weights this version no
+        longer names (a trainer restart re-published it), which an honest relay may still hold."""
         errors = []
         path = api.SHARDCAST_MANIFEST.format(version=version)
         for url in self.sources.ordered(prefer):
             deadline = time.monotonic() + self.policy.request_timeout_s
             try:
                 body = self.http.get_small(url, path, MAX_MANIFEST_BYTES, deadline)
-                return parse_verified_manifest(body, self.public_key, version, run_id=self.run_id)
+                manifest = parse_verified_manifest(body, self.public_key, version, run_id=self.run_id)
+                if model_hash is None or manifest.model_hash == model_hash:
+                    return manifest
+                errors.append(f"{url}: version {version} has model hash {manifest.model_hash[:12]}, not the announced {model_hash[:12]}")
             except ManifestError as e:
                 self.ban(url, str(e))
                 errors.append(f"{url}: {e}")

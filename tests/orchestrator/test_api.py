@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 import pytest
 import zstandard
-from orch_fakes import encode, make_orchestrator, make_submission, run_config
+from orch_fakes import HASH0, encode, make_orchestrator, make_submission, run_config
 
 from orchestrator.admission import parse_submission
 from orchestrator.errors import ApiError
@@ -108,7 +108,7 @@ def test_heartbeat(client):
     r = client.post(url, json={"state": "generating", "loaded_policy_version": 0, "tokens_per_s": 3.5}, headers=bearer(w.secret))
     assert r.status_code == 200
     ack = HeartbeatAck.model_validate_json(r.content)
-    assert ack.policy_version == 0 and ack.heartbeat_interval_s > 0
+    assert ack.policy_version == 0 and ack.heartbeat_interval_s > 0 and ack.policy_model_hash == HASH0  # pins what the worker pulls
     error(client.post(url, json={"state": "idle"}, headers=bearer(other.secret)), 403, "forbidden")
     error(client.post(url, json={"state": "idle"}), 401, "unauthorized")
     error(client.post(url, json={"state": "idle"}, headers=bearer(JOIN)), 401, "unauthorized")

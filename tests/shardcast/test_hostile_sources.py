@@ -4,6 +4,7 @@ published bytes from the healthy sources, and must have left the bad source for 
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 
@@ -13,7 +14,8 @@ from inference_worker.weights import WeightsKeeper
 from shardcast.client import ShardcastClient, ShardcastError
 from shardcast.origin import Origin
 from shardcast.relay import Relay
-from shardcast.server import serve_origin, serve_relay
+from shardcast.server import ShardServer, serve_origin, serve_relay
+from shardcast.store import VersionStore
 from shardcast.sources import TransferPolicy
 from shardcast_helpers import RUN, state_dict
 from tools.hostile_relay import HostileRelay
@@ -132,6 +134,31 @@ def test_a_relay_listing_fake_newer_versions_cannot_fail_a_pull_of_the_newest(tm
     alone = ShardcastClient([liar.url], pub, tmp_path / "alone", run_id=RUN, policy=POLICY)  # no origin to turn to
     with pytest.raises(ShardcastError, match="no listed version could be fetched"):
         alone.pull()
+
+
+def test_a_replayed_manifest_of_a_re_published_version_is_refused_with_the_announced_hash(tmp_path, pub, origin):
+    """A trainer restart re-publishes version 1 with other weights. A relay keeps serving the first version 1
+    (signed, of this run). A worker that asks for the hash the orchestrator announces takes the current one
+    from the origin, which it does not blame; without the hash it would take the replayed one."""
+    o, server = origin
+    o.publish(1, state_dict(seed=1, layers=2))
+    shutil.copytree(tmp_path / "origin", tmp_path / "replayed")
+    stale = ShardServer(VersionStore(tmp_path / "replayed", keep_versions=3))
+    try:
+        o.drop(1)
+        current = o.publish(1, state_dict(seed=11, layers=2))
+        first = ShardcastClient([stale.url], pub, tmp_path / "unpinned", run_id=RUN, policy=POLICY).pull(1)
+        assert first.manifest.model_hash != current.model_hash  # the replay is validly signed: only the hash tells
+
+        client = ShardcastClient([stale.url], pub, tmp_path / "client", run_id=RUN, fallback_urls=[server.url], policy=POLICY)
+        pulled = client.pull(1, model_hash=current.model_hash)
+        assert pulled.manifest.model_hash == current.model_hash
+        assert files_of(pulled.path) == files_of(o.version_dir(1)) | {"manifest.json": (pulled.path / "manifest.json").read_bytes()}
+        assert client.stats[server.url].banned is None  # the stale relay's files do not match the current manifest
+        with pytest.raises(ShardcastError, match="not the announced"):  # the stale relay alone cannot serve it
+            ShardcastClient([stale.url], pub, tmp_path / "alone", run_id=RUN, policy=POLICY).pull(1, model_hash=current.model_hash)
+    finally:
+        stale.stop()
 
 
 def test_a_relay_just_above_the_floor_loses_to_a_faster_relay(tmp_path, pub, origin, hostile, running_relays):
