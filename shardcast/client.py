@@ -36,7 +36,7 @@ from shardcast.keys import ManifestError, parse_verified_manifest
 from shardcast.plan import Plan, Step, explain_no_path, plan_path
 from shardcast.sources import ServerStats, TransferPolicy
 from shardcast.store import MANIFEST_FILE, DiskFullError, complete_dir_name, fsync_dir, partial_dir_name
-from shardcast.transfer import CHUNK_BYTES, FileJob, ServerPool, ShardcastError
+from shardcast.transfer import CHUNK_BYTES, FileJob, ServerPool, ShardcastError, StaleManifest
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +200,12 @@ class ShardcastClient:
                 if e.avoid is not None:
                     avoid.add(e.avoid)
                 continue
+            except StaleManifest as e:  # a step's manifest was re-published: read the chain's manifests again
+                if e.version == target.version:
+                    raise  # the target's own manifest: the caller asks for it again
+                log.warning("re-planning version %d: %s", target.version, e)
+                manifests = None
+                continue
             seconds = time.perf_counter() - t0
             log.info(
                 "pulled version %d via %s: %.2f MB on the wire (full %.2f MB) in %.2fs",
@@ -217,9 +223,10 @@ class ShardcastClient:
         # Every file of the path at once (deltas are small; an anchor's shards are many).
         jobs = []
         for step in plan.steps:
-            folder = self._staging(manifests.get(step.version) or target)
+            manifest = manifests.get(step.version) or target
+            folder = self._staging(manifest)
             holders = frozenset(u for u, vs in listings.items() if step.version in vs) or None
-            jobs += [FileJob(step.version, f, folder, holders) for f in step.files if not self._already_verified(folder / f.name, f)]
+            jobs += [FileJob(step.version, f, folder, holders, manifest.created_at) for f in step.files if not self._already_verified(folder / f.name, f)]
         try:
             self._check_space(target, plan, jobs)
             self.pool.download_files(jobs, deadline=deadline)

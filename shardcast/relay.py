@@ -28,7 +28,7 @@ from shardcast.files import file_matches
 from shardcast.keys import ManifestError, check_run, verify_manifest
 from shardcast.sources import TransferPolicy
 from shardcast.store import VersionStore
-from shardcast.transfer import MAX_MANIFEST_BYTES, FileJob, ServerPool, ShardcastError
+from shardcast.transfer import MAX_MANIFEST_BYTES, FileJob, ServerPool, ShardcastError, StaleManifest
 
 log = logging.getLogger(__name__)
 
@@ -179,8 +179,13 @@ class Relay:
         # that order too), so the files they wait on first arrive first.
         delta_files = {d.file for d in manifest.deltas}
         entries = sorted((s for s in manifest.shards if s.name in missing), key=lambda s: s.name not in delta_files)
-        jobs = [FileJob(version, s, folder, frozenset(holders)) for s in entries]
-        self.upstream.download_files(jobs, on_verified=lambda j: self.store.add_shard(version, j.entry.name), ordered=True)
+        jobs = [FileJob(version, s, folder, frozenset(holders), manifest.created_at) for s in entries]
+        try:
+            self.upstream.download_files(jobs, on_verified=lambda j: self.store.add_shard(version, j.entry.name), ordered=True)
+        except StaleManifest:  # re-published upstream since we listed it: list it again next sync
+            log.warning("version %d was re-published upstream: dropping what this relay has of it", version, extra={"version": version})
+            self.store.drop(version)
+            raise
 
     def run(self) -> None:
         while not self._stop.is_set():

@@ -139,7 +139,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.waiting_for_head(self.connection, True)  # cleared in parse_request, once the head is in
         try:
             super().handle_one_request()
-        except OSError:  # the head deadline shut the socket, or the client went away
+        except ConnectionError:  # the client went away (or the head deadline shut its socket mid-write)
             self.close_connection = True
         finally:
             self.server.waiting_for_head(self.connection, False)

@@ -61,6 +61,15 @@ class BadServer(Exception):
     """The server sent something the signed manifest proves wrong: ban it."""
 
 
+class StaleManifest(ShardcastError):
+    """Our manifest of a version is not the one the servers have now: the version was re-published (a trainer
+    restart) and a server proves it with a manifest signed later. Nobody lied; read the manifest again."""
+
+    def __init__(self, version: int, url: str):
+        super().__init__(f"version {version} was re-published: {url} serves a manifest signed later than ours")
+        self.version = version
+
+
 @dataclass(frozen=True)
 class FileJob:
     """One signed file of one version, to be verified into `folder/<name>`."""
@@ -69,6 +78,7 @@ class FileJob:
     entry: ShardEntry
     folder: Path
     holders: frozenset[str] | None = None  # servers that list the version (None: unknown)
+    signed_at: float | None = None  # the created_at of the manifest the entry comes from
 
 
 class ServerPool:
@@ -149,6 +159,16 @@ class ServerPool:
                     self.sources.record_failure(url, "slow")
                 errors.append(f"{url}: {e}")
         raise ShardcastError(f"no server gave a valid signed manifest for version {version} of run {self.run_id}: " + "; ".join(errors[-6:]))
+
+    def other_manifest(self, url: str, version: int, signed_at: float) -> PolicyManifest | None:
+        """The server's own signed manifest of `version` for this run, if it is not the one signed at
+        `signed_at`: after a file failed its digest, whether the server is stale (or we are) rather than lying."""
+        try:
+            body = self.http.get_small(url, api.SHARDCAST_MANIFEST.format(version=version), MAX_MANIFEST_BYTES, time.monotonic() + self.policy.request_timeout_s)
+            manifest = parse_verified_manifest(body, self.public_key, version, run_id=self.run_id)
+        except (ManifestError, TransferFailed, ShardcastError, ValueError):
+            return None
+        return manifest if manifest.created_at != signed_at else None
 
     def fetch_manifests(self, versions: Iterable[int], listings: dict[str, list[int]]) -> dict[int, PolicyManifest]:
         """Several manifests at once; versions no server can prove are left out (a missing link)."""
@@ -252,8 +272,15 @@ class _FileFetch:
                 CLIENT_BYTES.inc(entry.size)
                 return
             except BadServer as e:
-                pool.ban(server.url, str(e))
                 errors.append(f"{server.url}: {e}")
+                other = pool.other_manifest(server.url, version, self.job.signed_at) if self.job.signed_at is not None else None
+                if other is not None and other.created_at > self.job.signed_at:
+                    raise StaleManifest(version, server.url) from None
+                if other is not None:  # it holds the version as first published (a relay that mirrored it before): stale, not lying
+                    lacking.add(server.url)
+                    pool.sources.record_failure(server.url, "transfer")
+                else:
+                    pool.ban(server.url, str(e))
             except TransferFailed as e:
                 errors.append(f"{server.url}: {e}")
                 if e.not_yet:  # not a failure: the relay will have it soon

@@ -154,11 +154,43 @@ def test_a_replayed_manifest_of_a_re_published_version_is_refused_with_the_annou
         pulled = client.pull(1, model_hash=current.model_hash)
         assert pulled.manifest.model_hash == current.model_hash
         assert files_of(pulled.path) == files_of(o.version_dir(1)) | {"manifest.json": (pulled.path / "manifest.json").read_bytes()}
-        assert client.stats[server.url].banned is None  # the stale relay's files do not match the current manifest
+        # Neither is blamed: the stale server proves its bytes with the first version 1's manifest, signed earlier.
+        assert client.stats[server.url].banned is None and client.stats[stale.url].banned is None
         with pytest.raises(ShardcastError, match="not the announced"):  # the stale relay alone cannot serve it
             ShardcastClient([stale.url], pub, tmp_path / "alone", run_id=RUN, policy=POLICY).pull(1, model_hash=current.model_hash)
     finally:
         stale.stop()
+
+
+def test_a_version_re_published_under_a_reader_is_read_again_not_blamed_on_its_servers(tmp_path, pub, origin):
+    """A server still has the first version 1's manifest but none of its files; the origin has re-published
+    version 1. A client that took the old manifest finds the origin's bytes do not match it: the origin proves
+    a manifest signed later, so the client is the stale one (no ban). A relay that listed the old manifest
+    drops it and mirrors the new one."""
+    o, server = origin
+    o.publish(1, state_dict(seed=1, layers=2))
+    shutil.copytree(tmp_path / "origin", tmp_path / "replayed")
+    for f in (tmp_path / "replayed").glob("v0000000001/*.safetensors"):
+        f.unlink()
+    replayer = ShardServer(VersionStore(tmp_path / "replayed", keep_versions=3))
+    try:
+        o.drop(1)
+        current = o.publish(1, state_dict(seed=11, layers=2))
+        client = ShardcastClient([replayer.url], pub, tmp_path / "client", run_id=RUN, fallback_urls=[server.url], policy=POLICY)
+        with pytest.raises(ShardcastError, match="re-published"):
+            client.pull(1)
+        assert client.stats[server.url].banned is None
+        assert client.pull(1, model_hash=current.model_hash).manifest.model_hash == current.model_hash
+
+        relay = Relay([replayer.url], tmp_path / "relay", pub, run_id=RUN, policy=POLICY)
+        relay.sync_once()  # lists the old version 1; its files are nowhere
+        assert relay.store.manifest(1).model_hash != current.model_hash and 1 not in relay.store.complete_versions()
+        relay.upstream = Relay([server.url], tmp_path / "x", pub, run_id=RUN, policy=POLICY).upstream
+        relay.sync_once()  # the origin's bytes prove the newer manifest: the old listing goes
+        assert relay.sync_once() == [0, 1] and relay.store.manifest(1).model_hash == current.model_hash
+        assert relay.upstream.stats[server.url].banned is None
+    finally:
+        replayer.stop()
 
 
 def test_a_relay_just_above_the_floor_loses_to_a_faster_relay(tmp_path, pub, origin, hostile, running_relays):
