@@ -142,12 +142,9 @@ class ServerPool:
         With `model_hash`, a manifest of another hash is passed over: signed, but of weights this version no
         longer names (a trainer restart re-published it), which an honest relay may still hold."""
         errors = []
-        path = api.SHARDCAST_MANIFEST.format(version=version)
         for url in self.sources.ordered(prefer):
-            deadline = time.monotonic() + self.policy.request_timeout_s
             try:
-                body = self.http.get_small(url, path, MAX_MANIFEST_BYTES, deadline)
-                manifest = parse_verified_manifest(body, self.public_key, version, run_id=self.run_id)
+                manifest = self.manifest_from(url, version)
                 if model_hash is None or manifest.model_hash == model_hash:
                     return manifest
                 errors.append(f"{url}: version {version} has model hash {manifest.model_hash[:12]}, not the announced {model_hash[:12]}")
@@ -160,13 +157,18 @@ class ServerPool:
                 errors.append(f"{url}: {e}")
         raise ShardcastError(f"no server gave a valid signed manifest for version {version} of run {self.run_id}: " + "; ".join(errors[-6:]))
 
+    def manifest_from(self, url: str, version: int) -> PolicyManifest:
+        """`version`'s manifest as `url` serves it, signature, run and version checked (raises ManifestError
+        or TransferFailed)."""
+        body = self.http.get_small(url, api.SHARDCAST_MANIFEST.format(version=version), MAX_MANIFEST_BYTES, time.monotonic() + self.policy.request_timeout_s)
+        return parse_verified_manifest(body, self.public_key, version, run_id=self.run_id)
+
     def other_manifest(self, url: str, version: int, signed_at: float) -> PolicyManifest | None:
         """The server's own signed manifest of `version` for this run, if it is not the one signed at
         `signed_at`: after a file failed its digest, whether the server is stale (or we are) rather than lying."""
         try:
-            body = self.http.get_small(url, api.SHARDCAST_MANIFEST.format(version=version), MAX_MANIFEST_BYTES, time.monotonic() + self.policy.request_timeout_s)
-            manifest = parse_verified_manifest(body, self.public_key, version, run_id=self.run_id)
-        except (ManifestError, TransferFailed, ShardcastError, ValueError):
+            manifest = self.manifest_from(url, version)
+        except (ManifestError, TransferFailed):
             return None
         return manifest if manifest.created_at != signed_at else None
 

@@ -79,11 +79,10 @@ def test_a_relay_that_says_not_yet_forever_is_left_for_the_origin(tmp_path, pub,
     o, server = origin
     bad = hostile(server.url, "not_yet")
     client = ShardcastClient([bad.url], pub, tmp_path / "client", run_id=RUN, fallback_urls=[server.url], parallelism=2, policy=POLICY, seed=0)
-    pulled, seconds = pull_within_deadline(client)
+    pulled, _ = pull_within_deadline(client)  # before: every file held to its deadline, then the pull failed
     assert files_of(pulled.path) == files_of(o.version_dir(0)) | {"manifest.json": (pulled.path / "manifest.json").read_bytes()}
     assert any("/shards/" in r for r in bad.requests)  # it was asked first (the only primary)
     assert client.stats[server.url].bytes >= o.manifest(0).total_bytes and client.stats[bad.url].slow >= 1
-    assert seconds < POLICY.shard_deadline_s / 2, seconds
 
 
 @pytest.mark.parametrize("listing", [[], [0]])
