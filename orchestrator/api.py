@@ -26,6 +26,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from orchestrator.dashboard import HEADERS as DASHBOARD_HEADERS
 from orchestrator.dashboard import HTML as DASHBOARD
 from orchestrator.errors import ApiError
 from orchestrator.fast_path import (
@@ -134,6 +135,9 @@ def create_app(orch: Orchestrator) -> FastAPI:
         version="1",
         description="Workers register, lease tasks and submit rollouts; operators watch and ban. See protocol/api.py.",
         docs_url=None if assets else "/docs",
+        # Starlette's slash redirect builds an absolute Location from the request's Host header (an open
+        # redirect); no route of ours ends in "/", so such a path is a plain 404.
+        redirect_slashes=False,
     )
     if assets is not None:
         from fastapi.openapi.docs import get_swagger_ui_html
@@ -167,7 +171,11 @@ def create_app(orch: Orchestrator) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = api.code_for_status(exc.status_code)
-        return error_response(ApiError(code, str(exc.detail), status=exc.status_code if exc.status_code < 500 else 400))
+        detail = str(exc.detail)
+        if exc.status_code == 404 and exc.detail == "Not Found":  # the router's: say which path
+            path = request.scope.get("path", "")
+            detail = f"no such path {path[:200]!r}" + (" (paths take no trailing slash)" if len(path) > 1 and path.endswith("/") else "")
+        return error_response(ApiError(code, detail, status=exc.status_code if exc.status_code < 500 else 400))
 
     # -- middleware, added innermost first: the gate checks the credential and reads the body under the
     # budgets, then the request joins the shared transaction, then the hot endpoints go straight to their route.
@@ -225,7 +233,7 @@ def create_app(orch: Orchestrator) -> FastAPI:
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def dashboard() -> HTMLResponse:
-        return HTMLResponse(DASHBOARD)
+        return HTMLResponse(DASHBOARD, headers=DASHBOARD_HEADERS)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import re
 import socket
 import time
 
@@ -481,6 +484,51 @@ def test_health_docs_dashboard(client, server):
     assert "http://" not in text and "https://" not in text  # self-contained: no CDN
     error(client.get("/no/such/path"), 404, "not_found")
     error(client.delete(api.STATUS.path, headers=bearer(ADMIN)), 405, "invalid_request")
+
+
+def test_no_redirect_to_the_request_host(server, client):
+    """Starlette's slash redirect answered `GET /v1/status/` with `Location: http://<Host header>/v1/status`:
+    an open redirect. Every such path is a plain 404 naming itself, and nothing points at the forged host."""
+    evil = "evil.example"
+    paths = ["/v1/status/", "/v1/workers/", "/docs/", "/openapi.json/", "/docs/static"]
+    paths += [ep.url("", **{p: "x" for p in re.findall(r"\{(\w+)\}", ep.path)}) + "/" for ep in api.ALL_ENDPOINTS]
+    for path in paths:
+        for method in ("GET", "POST"):
+            for headers in ({"Host": evil}, {"Host": evil, **bearer(ADMIN)}):
+                r = client.request(method, path, headers=headers)
+                assert "location" not in r.headers, (method, path, r.headers["location"])
+                assert evil not in r.text
+                assert path in error(r, 404, "not_found").detail
+    body = error(client.get("/v1/status/", headers={"Host": evil}), 404, "not_found")
+    assert "trailing slash" in body.detail
+    # The same with the target in absolute form (the host in the request line, not the header).
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(f"GET http://{evil}/v1/workers/ HTTP/1.1\r\nHost: {evil}\r\n\r\n".encode())
+        reply = read_response(s)
+    assert reply.startswith("HTTP/1.1 404") and "location:" not in reply.lower(), reply
+
+
+def test_dashboard_content_security_policy(client):
+    """The dashboard runs only its own inline script and style, allowed by hash (no 'unsafe-inline'), and
+    fetches only from its own origin; the hashes are those of the script and style actually served."""
+    page = client.get("/")
+    assert page.status_code == 200
+    csp = {d.split()[0]: d.split()[1:] for d in page.headers["content-security-policy"].split(";") if d.strip()}
+    assert "'unsafe-inline'" not in page.headers["content-security-policy"] and "'unsafe-eval'" not in page.headers["content-security-policy"]
+    assert csp["default-src"] == ["'none'"] and csp["connect-src"] == ["'self'"] and csp["frame-ancestors"] == ["'none'"]
+    assert csp["base-uri"] == ["'none'"] and csp["form-action"] == ["'none'"]
+    for tag, directive in (("script", "script-src"), ("style", "style-src")):
+        bodies = re.findall(rf"<{tag}\b[^>]*>(.*?)</{tag}>", page.text, flags=re.S)
+        assert bodies, tag
+        served = sorted(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'" for b in bodies)
+        assert sorted(csp[directive]) == served, (directive, csp[directive], served)
+    # Hashes cover <script> and <style> elements only: inline handlers and style attributes would be blocked.
+    markup = re.sub(r"<(script|style)\b[^>]*>.*?</\1>", "", page.text, flags=re.S)
+    assert not re.search(r"\s(on\w+|style)\s*=", markup, flags=re.I), markup
+    assert page.headers["x-content-type-options"] == "nosniff"
+    assert page.headers["referrer-policy"] == "no-referrer"
+    assert page.headers["x-frame-options"] == "DENY"
 
 
 def test_status_helper(server):

@@ -23,6 +23,14 @@ def chromium(args: list[str], profile, timeout: float = 90) -> subprocess.Comple
     return subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *args], capture_output=True, text=True, timeout=timeout)
 
 
+def dump_dom(url: str, profile, budget_ms: int) -> str:
+    """The rendered DOM, checked to have run with nothing blocked by the page's CSP (Chromium logs each
+    violation to the console, which --enable-logging sends to stderr)."""
+    res = chromium(["--dump-dom", "--enable-logging=stderr", "--v=0", f"--virtual-time-budget={budget_ms}", url], profile)
+    assert "Content Security Policy" not in res.stderr, [line for line in res.stderr.splitlines() if "Content Security" in line]
+    return res.stdout
+
+
 @pytest.fixture
 def busy_server(tmp_path):
     """A server with some history: accepted and rejected submissions over several housekeeping ticks."""
@@ -60,7 +68,7 @@ def test_dashboard_screenshot(busy_server, tmp_path):
     shutil.copy(shot, keep)
 
     # The rendered DOM: tiles filled from /v1/status/history and one SVG path per chart with data.
-    dom = chromium(["--dump-dom", "--virtual-time-budget=5000", url], tmp_path / "profile2").stdout
+    dom = dump_dom(url, tmp_path / "profile2", 5000)
     assert 'data-rendered="1"' in dom
     assert dom.count("<svg") == 8 and dom.count("<path") >= 5
     assert "verification queue" in dom and "verifier actors (pending)" in dom
@@ -69,5 +77,5 @@ def test_dashboard_screenshot(busy_server, tmp_path):
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium)")
 def test_dashboard_without_token_asks_for_it(busy_server, tmp_path):
-    dom = chromium(["--dump-dom", "--virtual-time-budget=3000", busy_server.url + "/"], tmp_path / "profile").stdout
+    dom = dump_dom(busy_server.url + "/", tmp_path / "profile", 3000)
     assert '<div id="err">admin token needed</div>' in dom and 'data-rendered="1"' not in dom
