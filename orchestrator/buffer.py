@@ -5,6 +5,8 @@ learns from) and the `samples` view (one row per sample, for audits and operator
 A lease holds whole groups (every sample of each of its prompts), so a group is complete when its
 submission is accepted. Advantages come from `trainer.advantages.group_advantages` (their one owner).
 Groups whose rewards are all equal carry no signal and are dropped here: online difficulty filtering.
+So is every group with a completion that the trusted side could not score (its reward timed out, crashed
+or was skipped): trained with a made-up 0 it would teach the policy a wrong advantage.
 
 A group moves ready -> taken (by a batch) -> trained, or ready -> stale; a batch that goes back makes
 its groups ready again. Which batch holds which groups, and when a batch counts as trained, is the
@@ -61,7 +63,7 @@ CREATE VIEW IF NOT EXISTS samples AS
 """
 # Samples ready or taken: the buffer's share of the untrained work behind the async bound.
 BUFFERED_SAMPLES = "untrained:buffered_samples"
-COUNTERS = ("groups_kept", "groups_dropped_zero_signal", "samples_dropped_stale", "samples_trained", "step")
+COUNTERS = ("groups_kept", "groups_dropped_zero_signal", "groups_dropped_unscored", "samples_dropped_stale", "samples_trained", "step")
 
 GROUP_COLUMNS = ", ".join(SampleGroup.__dataclass_fields__)
 INSERT_GROUP = (
@@ -75,6 +77,7 @@ CLEARED_ARRAYS = ", ".join(f"{name}=x''" for name in ("completion_lengths", "pro
 class Groups:
     rows: list[SampleGroup]  # the groups with a learning signal, for the buffer
     dropped_zero_signal: int
+    dropped_unscored: int = 0  # groups with a completion whose reward could not be computed
 
     @property
     def num_samples(self) -> int:
@@ -83,9 +86,12 @@ class Groups:
 
 def build_groups(
     submission_id: str, sub: RolloutSubmission, lease: TaskLease, rewards: list[float], use_std: bool = True,
-    behaviour_logprobs: list[np.ndarray] | None = None,
+    behaviour_logprobs: list[np.ndarray] | None = None, unscored: list[bool] | None = None,
 ) -> Groups:
     """Every group with a learning signal, with its advantages, behaviour version and logprobs.
+
+    `unscored` (per completion, submission order): True where the trusted reward could not be computed;
+    such a completion's whole group is dropped, whatever its other rewards.
 
     `behaviour_logprobs` (per completion, submission order) are the verifier's tempered logprobs: the
     trusted behaviour logprobs. Without them (a submission that was not spot-checked) the worker's own
@@ -96,6 +102,8 @@ def build_groups(
     comps = sub.completions
     if len(rewards) != len(comps):
         raise ValueError(f"{len(rewards)} rewards for {len(comps)} completions")
+    if unscored is not None and len(unscored) != len(comps):
+        raise ValueError(f"{len(unscored)} reward statuses for {len(comps)} completions")
     by_prompt: dict[int, list[int]] = {}
     for i, c in enumerate(comps):
         by_prompt.setdefault(c.prompt_index, []).append(i)
@@ -108,6 +116,7 @@ def build_groups(
     group_rewards = np.asarray(rewards, dtype=np.float64)[order].reshape(len(prompts), k)
     advantages = group_advantages(group_rewards, use_std=use_std).astype(np.float64)  # all groups in one pass
     signal = has_signal(advantages).tolist()
+    bad = {comps[i].prompt_index for i, u in enumerate(unscored or ()) if u}
     lengths = np.array([c.token_ids.size for c in ordered], dtype=np.int32)
     size = {name: np.dtype(dtype).itemsize for name, dtype in GROUP_ARRAYS.items()}
     ends = np.cumsum(lengths.reshape(len(prompts), k).sum(axis=1)).tolist()
@@ -126,7 +135,7 @@ def build_groups(
         masks = le_bytes(np.concatenate([c.env_mask if c.env_mask is not None else np.zeros(c.token_ids.size, np.uint8) for c in ordered]), GROUP_ARRAYS["env_masks"])
     rows: list[SampleGroup] = []
     for g, (p, start, end) in enumerate(zip(prompts, [0, *ends], ends)):
-        if not signal[g]:
+        if not signal[g] or p in bad:
             continue
         rows.append(
             SampleGroup(
@@ -143,7 +152,7 @@ def build_groups(
                 masks[start:end] if episodes else b"",
             )
         )
-    return Groups(rows, len(prompts) - len(rows))
+    return Groups(rows, len(prompts) - len(rows) - len(bad), len(bad))
 
 
 def _episode_logprobs(c) -> np.ndarray:
@@ -177,10 +186,12 @@ class RolloutBuffer:
     # in: accepted groups
 
     def add(self, db: sqlite3.Connection, groups: Groups) -> None:
-        """In the verdict's transaction: store the kept groups and count the dropped ones."""
+        """In the verdict's transaction: store the kept groups and count the dropped ones (whose prompts are
+        done, like their lease: they hold no room under the async bound)."""
         now = time.time()
         Database.add(db, "groups_kept", len(groups.rows))
         Database.add(db, "groups_dropped_zero_signal", groups.dropped_zero_signal)
+        Database.add(db, "groups_dropped_unscored", groups.dropped_unscored)
         db.executemany(
             INSERT_GROUP,
             [(g.submission_id, g.prompt_index, json.dumps(g.sample_indices), g.behaviour_version, g.advantages, g.rewards,

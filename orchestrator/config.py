@@ -116,6 +116,16 @@ class OrchestratorConfig(BaseModel):
     )
     header_timeout_s: float = Field(10.0, gt=0, description="a request's line and headers must arrive within this (slow-loris)")
     strikes_to_ban: int = Field(3, ge=1)
+    strike_decay_accepted: int = Field(
+        20, ge=0, description="every this many accepted submissions in a row (no strike between them) remove one of the worker's "
+        "strikes, never below 0; a ban is never lifted by it. A worker whose striking rejections (and lease debts) come more often "
+        "than once per this many accepted submissions still gathers strikes until banned. 0: strikes never decay",
+    )
+    near_tie_burst: float = Field(
+        20.0, ge=0, description="draw deviations (accepted tokens that are not the seed's exact draw) a worker may have above what "
+        "noise explains (the verifier's deviation_rate x its verified tokens) before a strike; it drains as it works "
+        "(orchestrator/draw_deviations.py)",
+    )
     ban_scope: BanScope = Field(BanScope.token, description="a ban by strikes: the worker only (identity), or its join token too (token)")
     max_identities_per_token: int = Field(8, ge=1, description="live workers per join token (a Sybil cap)")
     registrations_per_min_per_token: float = Field(6.0, gt=0)
@@ -126,6 +136,14 @@ class OrchestratorConfig(BaseModel):
     )
     lease_cooldown_s: float = Field(10.0, ge=0, description="a join token that let a whole lease go unsubmitted waits this long; doubles with its debt")
     lease_debt_per_strike: float = Field(2.0, gt=0, description="leases' worth of debt per strike against the worker that let them go")
+    release_floor: float = Field(
+        0.25, ge=0, description="a lease given back after its free window (once the worker could have generated and scored it) costs "
+        "its token at least this many full leases' worth of debt, however early (orchestrator/release_costs.py)",
+    )
+    max_release_ratio: float = Field(
+        0.25, ge=0, le=1, description="a join token that gave back more than this share of its last leases after their free window "
+        "may hold only one prompt at a time until the share falls (it could be choosing which scored groups get trained)",
+    )
     heartbeat_interval_s: float = Field(5.0, gt=0)
     worker_dead_after_s: float = Field(30.0, gt=0)
     request_timeout_s: float = Field(30.0, gt=0)

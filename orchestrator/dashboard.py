@@ -40,7 +40,7 @@ HTML = """<!doctype html>
 <div id="tiles"></div>
 <div id="charts"></div>
 <table id="workers"><thead><tr><th>worker</th><th>name</th><th>online</th><th>state</th><th>version</th>
-  <th>accepted</th><th>rejected</th><th>strikes</th><th>verified tokens</th><th>banned</th></tr></thead><tbody></tbody></table>
+  <th>accepted</th><th>rejected</th><th>strikes</th><th>verified tokens</th><th title="leases given back (charged: after their free window) and the share of its token's recent leases given back charged">given back (charged, token %)</th><th>banned</th></tr></thead><tbody></tbody></table>
 <script>
 "use strict";
 const CHARTS = [
@@ -139,7 +139,8 @@ function render(data) {
   for (const w of data.workers) {
     const tr = el("tr");
     for (const v of [w.worker_id, w.name, w.online ? "yes" : "no", w.state || "–", w.loaded_policy_version ?? "–",
-                     w.submissions_accepted, w.submissions_rejected, w.strikes, w.verified_tokens, w.banned ? "BANNED" : ""]) {
+                     w.submissions_accepted, w.submissions_rejected, w.strikes, w.verified_tokens,
+                     `${w.leases_released} (${w.releases_charged}, ${fmt(w.token_release_ratio * 100, 0)} %)`, w.banned ? "BANNED" : ""]) {
       tr.appendChild(el("td", {}, String(v)));
     }
     tb.appendChild(tr);

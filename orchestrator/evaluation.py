@@ -111,8 +111,8 @@ class EvalBook:
 
     def seeds(self, version: int, prompt_index: int) -> list[int]:
         """The k sample seeds of a held-out prompt in a round: a keyed hash of (version, prompt), so a
-        re-issued prompt draws the same samples. The suffix is 12 bytes ("eval" + 4 + 4), training leases'
-        8 (leases.sample_seeds): the two never share an input."""
+        re-issued prompt draws the same samples. The suffix is 12 bytes ("eval" + 4 + 4), training prompt
+        instances' 22 ("train-instance" + 8, leases.sample_seeds): the two never share an input."""
         msg = self._seed_key + b"eval" + version.to_bytes(4, "little") + prompt_index.to_bytes(4, "little")
         words = hashlib.shake_128(msg).digest(8 * self.k)
         return (np.frombuffer(words, dtype="<u8") >> np.uint64(1)).tolist()

@@ -17,6 +17,9 @@ prompt), and the tokens with a record share the rest: however many identities an
 hold the pool together, and a new honest volunteer still gets work from the pool to earn its record. With
 no token on record (the start of a run, or after a restart: only the weights live in memory) everyone
 shares the whole bound.
+
+A token that gives back too many leases after it could have scored them (orchestrator/release_costs.py)
+is capped at one prompt, like a token on probation alone, until its release ratio falls.
 """
 
 from __future__ import annotations
@@ -64,9 +67,9 @@ class LeaseShares:
         """The token let a lease go unsubmitted: its record halves (a crash costs half, hoarding all of it)."""
         self._credit[token_id] = (self.credit(token_id, now) / 2, now)
 
-    def room(self, db: sqlite3.Connection, token_id: str, bound_prompts: int, now: float) -> int:
+    def room(self, db: sqlite3.Connection, token_id: str, bound_prompts: int, now: float, cap: int | None = None) -> int:
         """Prompts this token may still lease: its share of the bound (of the probation pool, or of the
-        rest, when some tokens have a record), less what its workers hold."""
+        rest, when some tokens have a record), at most `cap`, less what its workers hold."""
         at, holding = self._holding
         if now - at > 1.0:
             holding = frozenset(r[0] for r in db.execute("SELECT DISTINCT token_id FROM leases WHERE status='open' AND eval_version IS NULL AND token_id IS NOT NULL"))
@@ -86,6 +89,8 @@ class LeaseShares:
         weight = 1.0 + self.credit(token_id, now)
         total = sum(1.0 + self.credit(t, now) for t in peers)
         share = max(1, math.ceil(bound_prompts * weight / total - 1e-3))  # - 1e-3: credit decays while we compute
+        if cap is not None:
+            share = min(share, cap)
         on_pool = bool(pool) and token_id in on_probation  # then what every token on probation holds counts too
         which, args = ("token_id IS NOT NULL", ()) if on_pool else ("token_id=?", (token_id,))
         held_by = {t: int(n) for t, n in db.execute(

@@ -6,9 +6,10 @@ passes (the prompts are handed out again and a late submission is refused). Owns
 A lease is a budget. The async bound (generation at most async_level steps ahead of the trainer) is
 shared between join tokens with demand, weighted by the work each delivered (orchestrator/lease_shares.py),
 however many leases they ask for: a token that only hoards, floods or keeps registering holds about one
-prompt of it. A lease that expires or is released unsubmitted costs its
-token debt in proportion to its prompts and the time it was held (orchestrator/tokens.py: a cooldown
-that doubles, then strikes), so hoarding loses its slot; a worker that crashes loses only the lease.
+prompt of it. A lease that expires or is released after it could have been generated costs its token
+debt (orchestrator/release_costs.py, tokens.py: a cooldown that doubles, then strikes), so hoarding loses
+its slot; a worker that crashes loses only the lease. A training prompt instance keeps its seeds whoever
+leases it, so giving a lease back delays its group but cannot reroll it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from orchestrator.db import Database
 from orchestrator.errors import ApiError
 from orchestrator.evaluation import EvalBook
 from orchestrator.lease_shares import LeaseShares, NoLeaseNow
+from orchestrator.release_costs import ReleaseCosts
 from orchestrator.tokens import JoinTokens
 from orchestrator.workers import Workers
 from protocol import staleness
@@ -42,25 +44,29 @@ CREATE TABLE IF NOT EXISTS leases (
     seq INTEGER NOT NULL,
     worker_id TEXT NOT NULL,
     prompt_indices TEXT NOT NULL,   -- JSON list of indices into the prompt set
+    instances TEXT,                 -- training: JSON list, per prompt, of its instance (the seeds' key)
     body TEXT NOT NULL,             -- the TaskLease as sent (JSON)
     issued_at REAL NOT NULL,
     deadline REAL NOT NULL,
     status TEXT NOT NULL,           -- open | submitted | done | expired | released | rejected
     request_id TEXT,                -- the worker's idempotency key, if it sent one
     token_id TEXT,                  -- the worker's join token: shares and debts are per token
-    eval_version INTEGER            -- an eval lease: the version it evaluates (NULL: a training lease)
+    eval_version INTEGER,           -- an eval lease: the version it evaluates (NULL: a training lease)
+    submitted_at REAL,              -- when its submission arrived
+    charged INTEGER                 -- 1: given back unsubmitted and charged to its token
 );
 CREATE INDEX IF NOT EXISTS leases_by_worker ON leases (worker_id, status);
 CREATE INDEX IF NOT EXISTS leases_by_deadline ON leases (status, deadline);
 -- prompts of expired, released or rejected leases, handed out again before new ones
-CREATE TABLE IF NOT EXISTS reissue (seq INTEGER PRIMARY KEY AUTOINCREMENT, prompt_index INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS reissue (seq INTEGER PRIMARY KEY AUTOINCREMENT, prompt_index INTEGER NOT NULL, instance INTEGER);
 -- the run's secret behind every sampling seed (one row, made with the database)
 CREATE TABLE IF NOT EXISTS seed_key (id INTEGER PRIMARY KEY CHECK (id = 0), key BLOB NOT NULL);
 """
 # Prompts of open or submitted leases (kept in the same transactions as those rows; recounted at start).
 LEASED_PROMPTS = "untrained:leased_prompts"
-# A lease given back within this fraction of its time costs its token nothing.
-FREE_HOLD = 0.1
+# A reissue row from before prompt instances (queued by an older version) gets instance LEGACY_INSTANCE
+# + its row number: fresh seeds once more, and never an instance the prompt cursor will reach.
+LEGACY_INSTANCE = 1 << 62
 
 
 class GenerationBoundReached(Exception):
@@ -121,11 +127,15 @@ class LeaseRow:
     request_id: str | None = None
     token_id: str | None = None
     eval_version: int | None = None
+    instances: list[int] | None = None
+    submitted_at: float | None = None
+    charged: int | None = None
 
 
 def _row(r: sqlite3.Row) -> LeaseRow:
     d = {k: r[k] for k in r.keys()}
     d["prompt_indices"] = json.loads(d["prompt_indices"])
+    d["instances"] = json.loads(d["instances"]) if d.get("instances") else None
     return LeaseRow(**d)
 
 
@@ -143,11 +153,12 @@ class LeaseBook:
         self.workers = workers
         self.tokens = tokens
         db.create(SCHEMA, counters=("lease_seq", "prompt_cursor"))
-        columns = {r[1] for r in db.all("PRAGMA table_info(leases)")}
-        for column, kind in (("request_id", "TEXT"), ("token_id", "TEXT"), ("eval_version", "INTEGER")):  # a database from before these
-            if column not in columns:
+        added = [("leases", c, "TEXT") for c in ("request_id", "token_id", "instances")] + [("leases", "eval_version", "INTEGER"), ("leases", "charged", "INTEGER"),
+                                                                                          ("leases", "submitted_at", "REAL"), ("reissue", "instance", "INTEGER")]
+        for table, column, kind in added:  # a database from before these
+            if column not in {r[1] for r in db.all(f"PRAGMA table_info({table})")}:
                 with db.tx() as conn:
-                    conn.execute(f"ALTER TABLE leases ADD COLUMN {column} {kind}")
+                    conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
         db.create(
             "CREATE INDEX IF NOT EXISTS leases_by_request ON leases (worker_id, request_id);"
             "CREATE INDEX IF NOT EXISTS leases_by_token ON leases (token_id, status);"
@@ -159,6 +170,7 @@ class LeaseBook:
                 "SELECT COALESCE(SUM(json_array_length(prompt_indices)), 0) FROM leases WHERE status IN ('open', 'submitted') AND eval_version IS NULL"
             ).fetchone()[0]
             db.set(conn, LEASED_PROMPTS, int(leased))
+            self.costs = ReleaseCosts(conn)
         # Leases whose deadline passed before this process served are not their workers' fault: no debt.
         self.serving_since = time.time()
         self.shares = LeaseShares(config.probation_share)
@@ -183,11 +195,11 @@ class LeaseBook:
             return prompt
         return TaskPrompt.model_construct(prompt_id=checked[0], token_ids=checked[1], seeds=seeds, env_item=checked[2])
 
-    def sample_seeds(self, lease_seq: int, n: int) -> list[int]:
-        """Per-sample seeds of a lease. Unpredictable before the lease is issued (a keyed hash of the lease
-        sequence under the run's secret), so that no worker can know a draw before it holds the lease;
-        reproducible from the database. SHAKE-128 with the key first is a PRF (no length extension)."""
-        words = hashlib.shake_128(self.seed_key + lease_seq.to_bytes(8, "little")).digest(8 * n)
+    def sample_seeds(self, instance: int, n: int) -> list[int]:
+        """Per-sample seeds of a training prompt instance, a keyed hash under the run's secret: unknown before the instance is
+        first leased, the same in every later lease of it (given back, it cannot be rerolled). SHAKE-128 with the key first is
+        a PRF (no length extension); "train-instance" keeps it apart from the eval seeds (evaluation.EvalBook.seeds)."""
+        words = hashlib.shake_128(self.seed_key + b"train-instance" + instance.to_bytes(8, "little")).digest(8 * n)
         return (np.frombuffer(words, dtype="<u8") >> np.uint64(1)).tolist()  # < 2**63, as the protocol wants
 
     def untrained_samples(self, db: sqlite3.Connection) -> int:
@@ -235,8 +247,8 @@ class LeaseBook:
                 if room <= 0:
                     raise GenerationBoundReached()
                 n = min(n, room)
-                if token_id is not None:
-                    n = min(n, self.shares.room(db, token_id, bound, now))
+                if token_id is not None:  # a token that gives back too many scored leases: one prompt at a time
+                    n = min(n, self.shares.room(db, token_id, bound, now, cap=1 if self.costs.over_bound(token_id, cfg.max_release_ratio) else None))
                 min_version = staleness.lease_min_version(
                     current_version, cfg.async_level, untrained_samples=untrained, new_samples=n * k,
                     samples_per_step=shape.samples_per_step, mini_batches=shape.mini_batches, max_staleness=shape.max_staleness,
@@ -250,17 +262,16 @@ class LeaseBook:
             self._check_open_cap(worker_id, now)
             Database.add(db, "lease_seq", 1)
             seq = Database.read_int(db, "lease_seq")
-            indices = self._take_reissue(db, n)
-            if len(indices) < n:
+            taken = self._take_reissue(db, n)
+            if len(taken) < n:  # new instances: their cursor positions
                 start = Database.read_int(db, "prompt_cursor")
-                Database.set(db, "prompt_cursor", start + n - len(indices))
-                indices += [self.prompts.order(start + i) for i in range(n - len(indices))]
-            seeds = self.sample_seeds(seq, n * k)
+                Database.set(db, "prompt_cursor", start + n - len(taken))
+                taken += [(self.prompts.order(start + i), start + i) for i in range(n - len(taken))]
             # Built without re-validation: every field is ours (each prompt was validated by the first
             # lease that carried it; ids, seeds, versions and deadline are made right here).
             lease = TaskLease.model_construct(
                 lease_id=f"L{seq:08d}-{secrets.token_hex(4)}",
-                prompts=[self._task_prompt(i, seeds[j * k : (j + 1) * k]) for j, i in enumerate(indices)],
+                prompts=[self._task_prompt(i, self.sample_seeds(s, k)) for i, s in taken],
                 samples_per_prompt=k,
                 sampling=cfg.sampling,
                 policy_version=current_version,
@@ -270,11 +281,12 @@ class LeaseBook:
                 environment=cfg.environment,
             )
             db.execute(
-                "INSERT INTO leases (lease_id, seq, worker_id, prompt_indices, body, issued_at, deadline, status, request_id, token_id) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, 'open', ?, ?)",
-                (lease.lease_id, seq, worker_id, json.dumps(indices), lease.model_dump_json(), now, lease.deadline, request_id, token_id),
+                "INSERT INTO leases (lease_id, seq, worker_id, prompt_indices, instances, body, issued_at, deadline, status, request_id, token_id) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'open', ?, ?)",
+                (lease.lease_id, seq, worker_id, json.dumps([i for i, _ in taken]), json.dumps([s for _, s in taken]), lease.model_dump_json(), now, lease.deadline,
+                 request_id, token_id),
             )
-            Database.add(db, LEASED_PROMPTS, len(indices))
+            Database.add(db, LEASED_PROMPTS, len(taken))
         self._open[lease.lease_id] = lease
         return lease
 
@@ -320,11 +332,11 @@ class LeaseBook:
         return {int(r[0]) for r in db.execute("SELECT DISTINCT eval_version FROM leases WHERE eval_version IS NOT NULL AND status IN ('open', 'submitted')")}
 
     @staticmethod
-    def _take_reissue(db: sqlite3.Connection, n: int) -> list[int]:
-        """Up to n prompt indices waiting to be handed out again (oldest first)."""
-        rows = db.execute("SELECT seq, prompt_index FROM reissue ORDER BY seq LIMIT ?", (n,)).fetchall()
+    def _take_reissue(db: sqlite3.Connection, n: int) -> list[tuple[int, int]]:
+        """Up to n (prompt index, instance) waiting to be handed out again (oldest first)."""
+        rows = db.execute("SELECT seq, prompt_index, instance FROM reissue ORDER BY seq LIMIT ?", (n,)).fetchall()
         db.executemany("DELETE FROM reissue WHERE seq=?", [(r[0],) for r in rows])
-        return [int(r[1]) for r in rows]
+        return [(int(r[1]), int(r[2]) if r[2] is not None else LEGACY_INSTANCE + int(r[0])) for r in rows]
 
     # ---------------------------------------------------------------------------------------------
     # a lease's life after it was issued
@@ -353,7 +365,7 @@ class LeaseBook:
     @staticmethod
     def mark_submitted(db: sqlite3.Connection, lease_id: str) -> bool:
         """In the submission's transaction: the lease now has its submission (False if it was not open)."""
-        return db.execute("UPDATE leases SET status='submitted' WHERE lease_id=? AND status='open'", (lease_id,)).rowcount == 1
+        return db.execute("UPDATE leases SET status='submitted', submitted_at=? WHERE lease_id=? AND status='open'", (time.time(), lease_id)).rowcount == 1
 
     def finish(self, db: sqlite3.Connection, lease_id: str, accepted: bool, credit: bool = True) -> None:
         """In the verdict's transaction: an accepted lease is done (its samples move to the buffer's
@@ -362,11 +374,13 @@ class LeaseBook:
         if not accepted:
             self._end(db, lease_id, "rejected", "submitted")
             return
-        row = db.execute("SELECT status, json_array_length(prompt_indices), eval_version, token_id FROM leases WHERE lease_id=?", (lease_id,)).fetchone()
+        row = db.execute("SELECT status, json_array_length(prompt_indices), eval_version, token_id, issued_at, submitted_at FROM leases WHERE lease_id=?",
+                         (lease_id,)).fetchone()
         db.execute("UPDATE leases SET status='done' WHERE lease_id=?", (lease_id,))
         if row is not None and row[0] in ("open", "submitted") and row[2] is None:
             Database.add(db, LEASED_PROMPTS, -int(row[1]))
             self.room.notify()
+            self.costs.note_accepted(row[3], int(row[1]), row[4], row[5])
             if row[3] is not None and credit:
                 self.shares.note_accepted(row[3], int(row[1]), time.time())
 
@@ -402,7 +416,7 @@ class LeaseBook:
         """Close a lease and queue its prompts for re-issue; a lease given back unsubmitted (`charge`)
         costs its worker's token."""
         row = db.execute(
-            "SELECT prompt_indices, worker_id, token_id, issued_at, deadline, eval_version FROM leases WHERE lease_id=? AND status=?",
+            "SELECT prompt_indices, worker_id, token_id, issued_at, deadline, eval_version, instances FROM leases WHERE lease_id=? AND status=?",
             (lease_id, from_status),
         ).fetchone()
         if row is None:
@@ -412,27 +426,28 @@ class LeaseBook:
         if row[5] is not None:  # an eval lease: its held-out prompts wait for the same version again
             if self.evals is not None:
                 self.evals.give_back(db, int(row[5]), indices)
-        else:
-            db.executemany("INSERT INTO reissue (prompt_index) VALUES (?)", [(i,) for i in indices])
+        else:  # the same instances, so the same seeds, whoever leases them next
+            db.executemany("INSERT INTO reissue (prompt_index, instance) VALUES (?, ?)", zip(indices, json.loads(row[6]) if row[6] else [None] * len(indices)))
             Database.add(db, LEASED_PROMPTS, -len(indices))  # from_status is open or submitted
             self.room.notify()
-        if charge and row[2] is not None:
-            self._charge(db, row[1], row[2], len(indices), row[3], row[4], time.time() if now is None else now)
+        charged = charge and row[2] is not None and self._charge(db, row[1], row[2], len(indices), row[3], row[4], time.time() if now is None else now)
+        self.costs.closed(db, lease_id, row[2], status, bool(charged), training=row[5] is None)
         return True
 
-    def _charge(self, db: sqlite3.Connection, worker_id: str, token_id: str, prompts: int, issued: float, deadline: float, now: float) -> None:
+    def _charge(self, db: sqlite3.Connection, worker_id: str, token_id: str, prompts: int, issued: float, deadline: float, now: float) -> bool:
+        """Debt for a lease given back after its free window (release_costs); whether it cost anything."""
         if self.tokens is None or self.workers is None or deadline < self.serving_since:
-            return
-        held = min(1.0, max(0.0, (now - issued) / max(deadline - issued, 1e-6)))
-        if held < FREE_HOLD:  # given back at once (shutting down, version too old): no cost
-            return
+            return False
+        units = self.costs.units(token_id, prompts, issued, deadline, now, self.config.prompts_per_lease, self.config.release_floor)
+        if units <= 0:  # given back before it could have been generated (shutting down, version too old)
+            return False
         self.shares.note_forfeit(token_id, now)
-        units = held * prompts / self.config.prompts_per_lease  # a full lease held to its deadline costs 1
         per_strike = self.config.lease_debt_per_strike
         before = (db.execute("SELECT lease_debt FROM join_tokens WHERE token_id=?", (token_id,)).fetchone() or (0.0,))[0]
         after = self.tokens.add_debt(db, token_id, units, now)
         for _ in range(int(after // per_strike) - int(before // per_strike)):
             self.workers.strike(db, worker_id, "leases held and given back unsubmitted", self.config.strikes_to_ban)
+        return True
 
     def counts(self) -> dict[str, int]:
         return {r["status"]: int(r["n"]) for r in self.db.all("SELECT status, COUNT(*) AS n FROM leases GROUP BY status")}

@@ -27,7 +27,7 @@ from typing import Any
 
 import zstandard
 
-from orchestrator import admission
+from orchestrator import admission, reward_failures
 from orchestrator.batches import BatchBook
 from orchestrator.buffer import RolloutBuffer
 from orchestrator.config import EvalConfig, OrchestratorConfig, StepShape
@@ -37,6 +37,7 @@ from orchestrator.errors import ApiError
 from orchestrator.evaluation import EvalBook, HeldOutPrompts, hold_out
 from orchestrator.lease_shares import NoLeaseNow
 from orchestrator.leases import GenerationBoundReached, LeaseBook
+from orchestrator.release_costs import RELEASED_CHARGED, RELEASED_FREE
 from orchestrator.status import HISTORY_EVERY_S, Metrics, RunWindows
 from orchestrator.tokens import JoinTokens, TokenRow
 from orchestrator.verification import (
@@ -113,13 +114,14 @@ class Orchestrator:
         self.metrics = Metrics()
         self.windows = RunWindows()
         self.tokens = JoinTokens(db, [t.get_secret_value() for t in config.join_tokens], config.max_identities_per_token, config.lease_cooldown_s)
-        self.workers = Workers(db, self.tokens, config.worker_dead_after_s, config.ban_scope)
+        self.workers = Workers(db, self.tokens, config.worker_dead_after_s, config.ban_scope, config.strike_decay_accepted)
         self.buffer = RolloutBuffer(db, shape.max_staleness)
         self.batches = BatchBook(db, self.buffer)
         # Batches left taken or trained by a crash are settled by the trainer's checkpoint, not by us:
         # no batch goes out until the trainer has reconciled (see reconcile_trainer).
         self.reconciled = not self.batches.unsettled()
         self.leases = LeaseBook(db, prompts, config, shape, self.workers, self.tokens)
+        self.leases.costs.metric = self.metrics.leases_released
         self.buffer.room_freed = self.leases.room.notify
         if isinstance(prompts, HeldOutPrompts) and evaluation is not None:
             self.leases.evals = EvalBook(
@@ -128,7 +130,7 @@ class Orchestrator:
         self.verification = Verification(
             db, verifier=verifier, workers=self.workers, leases=self.leases, buffer=self.buffer, prompts=prompts, metrics=self.metrics,
             windows=self.windows, task_name=task_name, task_params=task_params or {}, advantage_std=shape.advantage_std,
-            strikes_to_ban=config.strikes_to_ban, make_job=make_job, batch_size=verify_batch,
+            strikes_to_ban=config.strikes_to_ban, make_job=make_job, batch_size=verify_batch, near_tie_burst=config.near_tie_burst,
         )
         self.limiter = admission.RateLimiter(config.rate_limit_per_s)
         self.submission_cap = limits.submission_bytes_cap(config.prompts_per_lease * config.samples_per_prompt, config.sampling.max_tokens,
@@ -344,8 +346,14 @@ class Orchestrator:
     # operator endpoints
 
     def worker_list(self) -> WorkerList:
-        now = time.time()
-        return WorkerList(workers=[self.workers.record(w, now) for w in self.workers.all()])
+        now, released, costs = time.time(), self.leases.costs.by_worker(self.db), self.leases.costs
+        return WorkerList(workers=[
+            self.workers.record(w, now).model_copy(update={
+                "leases_released": released.get(w.worker_id, (0, 0))[0], "releases_charged": released.get(w.worker_id, (0, 0))[1],
+                "token_release_ratio": costs.ratio(w.token_id),
+            })
+            for w in self.workers.all()
+        ])
 
     def set_ban(self, worker_id: str, banned: bool, reason: str, scope: BanScope | None = None) -> WorkerRecord:
         row = self.workers.set_ban(worker_id, banned, reason, scope)
@@ -389,6 +397,8 @@ class Orchestrator:
             submissions_accepted=accepted,
             submissions_rejected=rejected,
             groups_dropped_zero_signal=int(c.get("groups_dropped_zero_signal", 0)),
+            groups_dropped_unscored=int(c.get("groups_dropped_unscored", 0)),
+            reward_failures=reward_failures.from_counters(c),
             samples_dropped_stale=int(c.get("samples_dropped_stale", 0)),
             verified_tokens=int(c.get("verified_tokens", 0)),
             near_tie_tokens=int(c.get("near_tie_tokens", 0)),
@@ -408,6 +418,9 @@ class Orchestrator:
             error=self.error,
             eval_latest=self.leases.evals.latest() if self.leases.evals else None,
             evals_open=self.leases.evals.open_rounds() if self.leases.evals else 0,
+            releases_free=int(c.get(RELEASED_FREE, 0)),
+            releases_charged=int(c.get(RELEASED_CHARGED, 0)),
+            max_token_release_ratio=self.leases.costs.highest_ratio(),
         )
 
     def eval_results(self, after_version: int = -1) -> list[EvalResult]:

@@ -37,7 +37,22 @@ class Metrics:
             registry=r,
         )
         self.leases_expired = Counter("swarmrl_leases_expired", "Leases expired", registry=r)
+        # No per-token label (tokens may be many): /v1/workers has each worker's counts and token ratio.
+        self.leases_released = Counter(
+            "swarmrl_leases_released", "Leases given back unsubmitted; charged: after their free window (they could have been generated and scored)",
+            ["charged"], registry=r,
+        )
+        for charged in ("true", "false"):
+            self.leases_released.labels(charged)
         self.groups_dropped = Counter("swarmrl_groups_dropped_zero_signal", "Groups dropped for zero signal", registry=r)
+        # orchestrator/reward_failures.py: never a strike; the completion's group is dropped, not trained
+        self.reward_failures = Counter(
+            "swarmrl_reward_failures", "Completions whose trusted reward could not be computed, by reward and kind (timed_out, crashed, skipped)",
+            ["reward", "kind"], registry=r,
+        )
+        self.groups_dropped_unscored = Counter(
+            "swarmrl_groups_dropped_unscored", "Groups dropped because a completion's reward could not be computed", registry=r
+        )
         self.verified_tokens = Counter("swarmrl_verified_tokens", "Tokens in accepted submissions", registry=r)
         self.near_tie_tokens = Counter(
             "swarmrl_near_tie_tokens", "Accepted tokens that were not the seed's draw on the verifier's logits, within the near-tie margin", registry=r

@@ -6,7 +6,8 @@ An operator mints one token per volunteer (or per group) through the admin API; 
   token cannot become a crowd (Sybil identities) or flood the workers table;
 - a ban: a banned (or revoked) token registers nothing, and its workers are refused everywhere;
 - a lease debt and a cooldown: leases its workers held and gave back unsubmitted (expired or released)
-  cost the token, in proportion to the prompts and the time held, with an exponential cooldown; every
+  after they could have been generated cost the token, in proportion to the prompts and the time held
+  and at least `release_floor` of a lease (orchestrator/release_costs.py), with an exponential cooldown; every
   `debt_per_strike` leases of debt strike the worker that let the lease go (orchestrator/leases.py).
   Debt lives on the token, not the identity, so registering a fresh identity does not wipe it.
 

@@ -19,16 +19,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from orchestrator import admission
+from orchestrator import admission, reward_failures
 from orchestrator.buffer import Groups, RolloutBuffer, build_groups
 from orchestrator.data import PromptSet
 from orchestrator.db import Database
+from orchestrator.draw_deviations import DeviationLedger
 from orchestrator.evaluation import per_prompt_results
 from orchestrator.leases import LeaseBook
 from orchestrator.status import Metrics, RunWindows
 from orchestrator.workers import WorkerRow, Workers
 from protocol.models import (
-    CHARGED_REWARD_STATUS,
     NO_STRIKE,
     Rejection,
     RejectionCode,
@@ -121,6 +121,7 @@ class Applied:
     num_tokens: int = 0  # the submission's generated tokens (what the verifier's throughput counts)
     # an accepted eval submission: (version, held-out prompt index -> (rewards, completion lengths))
     evaluation: tuple[int, dict[int, tuple[list[float], list[int]]]] | None = None
+    failures: tuple[str, dict[str, int]] = ("", {})  # rewards not computed: (reward, kind -> completions)
 
 
 class PolicyVersions:
@@ -181,9 +182,12 @@ class Verification:
         strikes_to_ban: int,
         make_job: Callable[..., Any] = default_make_job,
         batch_size: int = 16,
+        near_tie_burst: float = 20.0,
     ):
         self.db = db
+        self.deviations = DeviationLedger(db, near_tie_burst)
         db.create(SCHEMA, counters=COUNTERS, float_counters=("reward_sum",))
+        reward_failures.seed_metrics(metrics, db.counters())
         self.versions = PolicyVersions(db)
         self.verifier, self.workers, self.leases, self.buffer, self.prompts = verifier, workers, leases, buffer, prompts
         self.metrics, self.windows = metrics, windows
@@ -344,21 +348,24 @@ class Verification:
         if v.status != VerdictStatus.accepted:
             return Applied(submission_id, p.worker_id, v, False, [], None, p.submission.num_tokens)
         rewards = list(v.rewards or [])
+        failures = (reward_failures.reward_name(self.task_name, p.lease), reward_failures.kinds(v))
         if p.eval_version is not None:  # scored for the evaluation; never a training group
             if len(rewards) != len(p.submission.completions) or not all(map(math.isfinite, rewards)):
                 v = Verdict(submission_id=submission_id, status=VerdictStatus.rejected,
                             rejections=[Rejection(code=RejectionCode.reward_error, message="unusable rewards for an eval lease")])
                 return Applied(submission_id, p.worker_id, v, False, [], None, p.submission.num_tokens)
             per_prompt = per_prompt_results(p.prompt_indices, p.submission.completions, rewards)
-            return Applied(submission_id, p.worker_id, v, True, rewards, None, p.submission.num_tokens, evaluation=(p.eval_version, per_prompt))
-        try:
-            groups = build_groups(submission_id, p.submission, p.lease, rewards, self.advantage_std, v.behaviour_logprobs)
+            return Applied(submission_id, p.worker_id, v, True, rewards, None, p.submission.num_tokens, (p.eval_version, per_prompt), failures)
+        unscored = reward_failures.unscored(v)
+        try:  # a group with an unscored completion is dropped, like a zero-signal one
+            groups = build_groups(submission_id, p.submission, p.lease, rewards, self.advantage_std, v.behaviour_logprobs, unscored)
         except ValueError as exc:  # no reward per completion, or one that is not finite: never pending forever
             log.error("accepted verdict with unusable rewards; recorded as rejected", extra={"submission_id": submission_id, "error": str(exc)})
             v = Verdict(submission_id=submission_id, status=VerdictStatus.rejected,
                         rejections=[Rejection(code=RejectionCode.reward_error, message=f"unusable rewards: {exc}"[:2000])])
             return Applied(submission_id, p.worker_id, v, False, [], None, p.submission.num_tokens)
-        return Applied(submission_id, p.worker_id, v, True, rewards, groups, p.submission.num_tokens)
+        scored = [r for i, r in enumerate(rewards) if not (unscored and unscored[i])]  # the run's reward totals skip made-up 0s
+        return Applied(submission_id, p.worker_id, v, True, scored, groups, p.submission.num_tokens, failures=failures)
 
     def _record(self, a: Applied) -> tuple[bool, bool]:
         """Apply a verdict atomically: submission, lease, worker ledger and strikes, buffer. Returns
@@ -370,14 +377,16 @@ class Verification:
                 return False, False
             status = "accepted" if a.accepted else "rejected"
             db.execute("UPDATE submissions SET status=?, verdict=?, body=NULL WHERE submission_id=?", (status, a.verdict.model_dump_json(), a.submission_id))
-            charged = a.accepted and any(st in CHARGED_REWARD_STATUS for st in a.verdict.reward_status or ())
-            self.leases.finish(db, row["lease_id"], a.accepted, credit=not charged)
+            if not a.accepted:  # its prompts come back with the same seeds: the same honest rollouts may follow
+                db.execute("DELETE FROM fingerprints WHERE submission_id=?", (a.submission_id,))
+            # A reward that could not be computed is never the worker's doing: full credit, no strike.
+            self.leases.finish(db, row["lease_id"], a.accepted)
             tokens = a.verdict.verified_tokens if a.accepted else 0
             strike = not a.accepted and any(r.code not in NO_STRIKE for r in a.verdict.rejections)
             banned_now = self.workers.record_verdict(db, row["worker_id"], a.accepted, tokens, self.strikes_to_ban, strike=strike)
-            if charged:
-                # Text whose reward ran past its time limit (or killed its process): the worker's doing.
-                banned_now = self.workers.strike(db, row["worker_id"], "completions whose rewards ran out of time", self.strikes_to_ban) or banned_now
+            if a.accepted and self.deviations.record(db, row["worker_id"], a.verdict.near_ties, a.verdict.near_tie_allowance):
+                why = "more accepted tokens off the seed's exact draw than numerical noise explains"
+                banned_now = self.workers.strike(db, row["worker_id"], why, self.strikes_to_ban) or banned_now
             if a.accepted and a.evaluation is not None:
                 if self.leases.evals is not None and self.leases.evals.record(db, *a.evaluation):
                     self.evals_finished.append(a.evaluation[0])
@@ -388,6 +397,7 @@ class Verification:
                 Database.add(db, "submissions_accepted", 1)
                 Database.add(db, "verified_tokens", a.verdict.verified_tokens)
                 Database.add(db, "near_tie_tokens", a.verdict.near_ties)
+                reward_failures.record(db, *a.failures)
                 if a.groups is not None:
                     self.buffer.add(db, a.groups)
             else:
@@ -408,6 +418,7 @@ class Verification:
             if a.verdict.near_ties:
                 self.metrics.draw_margin.observe(a.verdict.max_draw_margin)
             self.metrics.groups_dropped.inc(a.groups.dropped_zero_signal if a.groups else 0)
+            reward_failures.observe(self.metrics, *a.failures, a.groups.dropped_unscored if a.groups else 0)
         else:
             self.windows.rejected()
             for r in a.verdict.rejections:

@@ -5,6 +5,11 @@ A worker's secret is `<worker id>.<random>`; only its sha256 is stored. Authenti
 lookup and one constant-time compare per request (the cache is filled from SQLite on a miss and dropped
 on a ban), and last-seen times are kept in memory and flushed to SQLite by housekeeping. A ban of scope
 "token" bans every identity of the worker's join token, and the token itself (orchestrator/tokens.py).
+
+Strikes decay with accepted work: every `strike_decay_accepted` accepted submissions in a row (no strike
+between them) remove one strike, never below 0 and never from a banned worker. So a worker whose striking
+rejections come more often than once per that many accepted submissions gathers strikes until banned, and
+one that slipped a few times long ago is not banned by the next slip.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ CREATE TABLE IF NOT EXISTS workers (
     accepted INTEGER NOT NULL DEFAULT 0,
     rejected INTEGER NOT NULL DEFAULT 0,
     verified_tokens INTEGER NOT NULL DEFAULT 0,
-    token_id TEXT                   -- the join token it registered with
+    token_id TEXT,                  -- the join token it registered with
+    decay_progress INTEGER NOT NULL DEFAULT 0  -- accepted since its last strike or decay, while it has strikes
 );
 """
 
@@ -78,6 +84,7 @@ class WorkerRow:
     rejected: int
     verified_tokens: int
     token_id: str | None = None
+    decay_progress: int = 0
 
     @property
     def trust_level(self) -> str:
@@ -89,15 +96,19 @@ def _row(r: sqlite3.Row) -> WorkerRow:
 
 
 class Workers:
-    def __init__(self, db: Database, tokens: JoinTokens, dead_after_s: float, ban_scope: BanScope = BanScope.token):
+    def __init__(self, db: Database, tokens: JoinTokens, dead_after_s: float, ban_scope: BanScope = BanScope.token, strike_decay_accepted: int = 0):
         self.db = db
         self.tokens = tokens
         self.dead_after_s = dead_after_s
         self.ban_scope = ban_scope
+        self.strike_decay_accepted = strike_decay_accepted  # 0: strikes never decay
         db.create(SCHEMA)
-        if "token_id" not in {r[1] for r in db.all("PRAGMA table_info(workers)")}:  # a database from before join tokens
-            with db.tx() as conn:
+        columns = {r[1] for r in db.all("PRAGMA table_info(workers)")}
+        with db.tx() as conn:  # a database from before join tokens, or before strikes decayed
+            if "token_id" not in columns:
                 conn.execute("ALTER TABLE workers ADD COLUMN token_id TEXT")
+            if "decay_progress" not in columns:
+                conn.execute("ALTER TABLE workers ADD COLUMN decay_progress INTEGER NOT NULL DEFAULT 0")
         db.create("CREATE INDEX IF NOT EXISTS workers_by_token ON workers (token_id);")
         self._auth: dict[str, tuple[str, bool]] = {}  # worker id -> (secret hash, banned)
         self._dirty: dict[str, float] = {}  # last-seen times not yet flushed to SQLite
@@ -238,12 +249,21 @@ class Workers:
 
     def record_verdict(self, db: sqlite3.Connection, worker_id: str, accepted: bool, verified_tokens: int, strikes_to_ban: int, strike: bool = True) -> bool:
         """The worker's ledger after a verdict, inside the verdict's transaction: an acceptance adds its
-        verified tokens (and pays down its token's lease debt); a rejection is a strike (unless it was the
-        trusted side's failure). Returns whether it banned now."""
+        verified tokens (and pays down its token's lease debt), and every `strike_decay_accepted` of them
+        in a row remove a strike; a rejection is a strike (unless it was the trusted side's failure).
+        Returns whether it banned now."""
         if accepted:
+            # Progress towards a decay counts only while the worker has strikes: clean work banks nothing.
             db.execute(
-                "UPDATE workers SET accepted=accepted+1, verified_tokens=verified_tokens+? WHERE worker_id=?", (verified_tokens, worker_id)
+                "UPDATE workers SET accepted=accepted+1, verified_tokens=verified_tokens+?, "
+                "decay_progress=CASE WHEN strikes>0 AND banned=0 THEN decay_progress+1 ELSE 0 END WHERE worker_id=?",
+                (verified_tokens, worker_id),
             )
+            if self.strike_decay_accepted:
+                db.execute(
+                    "UPDATE workers SET strikes=strikes-1, decay_progress=0 WHERE worker_id=? AND strikes>0 AND banned=0 AND decay_progress>=?",
+                    (worker_id, self.strike_decay_accepted),
+                )
             token_id = self._token_of.get(worker_id)
             if token_id:
                 self.tokens.pay_debt(db, token_id)
@@ -254,7 +274,7 @@ class Workers:
     def strike(self, db: sqlite3.Connection, worker_id: str, why: str, strikes_to_ban: int) -> bool:
         """One strike, inside the caller's transaction; enough strikes ban (with the run's ban scope).
         Returns whether it banned now."""
-        db.execute("UPDATE workers SET strikes=strikes+1 WHERE worker_id=?", (worker_id,))
+        db.execute("UPDATE workers SET strikes=strikes+1, decay_progress=0 WHERE worker_id=?", (worker_id,))
         strikes, banned = db.execute("SELECT strikes, banned FROM workers WHERE worker_id=?", (worker_id,)).fetchone()
         if banned or strikes < strikes_to_ban:
             return False

@@ -365,13 +365,16 @@ class RewardStatus(str, Enum):
 
     ok = "ok"
     error = "error"  # the reward code raised or gave no number in [0, 1]: the run's reward is at fault
-    timed_out = "timed_out"  # past the per-completion time limit: counts against the worker
-    crashed = "crashed"  # the reward process died on it: counts against the worker
+    timed_out = "timed_out"  # past the per-completion time limit
+    crashed = "crashed"  # the reward process died on it
     skipped = "skipped"  # its submission already spent its budget of timeouts and crashes
 
 
-# Reward outcomes that count against the worker that sent the text (a strike per submission).
-CHARGED_REWARD_STATUS = frozenset({RewardStatus.timed_out, RewardStatus.crashed, RewardStatus.skipped})
+# Rewards the trusted side could not compute. A verified completion's text is the policy's draw, not the
+# worker's choice, so (like RejectionCode.tool_failed) this never charges the worker: the completion's
+# GRPO group is dropped instead of trained with a made-up 0 (orchestrator.buffer.build_groups).
+# A reward that raised or gave no usable number (error) is the same: the scorer failed on the policy's text.
+UNSCORED_REWARD_STATUS = frozenset({RewardStatus.error, RewardStatus.timed_out, RewardStatus.crashed, RewardStatus.skipped})
 
 
 class Verdict(WireModel):
@@ -383,10 +386,12 @@ class Verdict(WireModel):
     # How each reward came out, in the same order; None: all ok (or a verdict from before reward statuses).
     reward_status: list[RewardStatus] | None = None
     verified_tokens: int = 0
-    # Tokens accepted as near ties (not the seed's winner on the verifier's logits, within the margin),
-    # and the largest such margin in logits: numerical noise, watched in case it grows.
+    # Tokens accepted that are not the seed's exact winner on the verifier's logits (near ties within the
+    # margin, picks at the support's boundary within the slacks), and the largest near tie's margin in
+    # logits: numerical noise, held per worker to the rate noise explains.
     near_ties: int = 0
     max_draw_margin: float = 0.0
+    near_tie_allowance: float = 0.0  # the near ties that noise explains over these tokens (the dtype's rate x tokens)
     # Trusted side only (never serialized, so never sent or stored as JSON): per completion, the
     # verifier's tempered logprobs of its tokens, the behaviour logprobs the trainer uses. None when the
     # submission was not spot-checked.
@@ -412,6 +417,10 @@ class WorkerRecord(WireModel):
     verified_tokens: int = 0  # contribution ledger
     tokens_per_s: float = 0.0
     token_id: str | None = None  # the join token it registered with
+    # Leases it gave back unsubmitted; of those, charged: after their free window (orchestrator/release_costs.py).
+    leases_released: int = 0
+    releases_charged: int = 0
+    token_release_ratio: float = 0.0  # its token's charged releases over the token's last ended leases
 
 
 class WorkerList(WireModel):
@@ -485,8 +494,12 @@ class RunStatus(WireModel):
     submissions_rejected: int
     groups_dropped_zero_signal: int
     samples_dropped_stale: int
+    # Rewards the trusted side could not compute, over the run: reward -> kind (timed_out, crashed,
+    # skipped) -> completions; and the GRPO groups dropped for them (never trained, no strike).
+    reward_failures: dict[str, dict[str, int]] = {}
+    groups_dropped_unscored: int = 0
     verified_tokens: int = 0  # tokens of accepted submissions, over the run
-    near_tie_tokens: int = 0  # of those, accepted as near ties of the seeded draw (numerical noise)
+    near_tie_tokens: int = 0  # of those, accepted but not the seed's exact draw (near ties, boundary picks)
     rollout_tokens_per_s: float
     trained_samples_per_s: float
     mean_reward: float | None = None
@@ -508,6 +521,11 @@ class RunStatus(WireModel):
     error: str | None = None
     eval_latest: EvalResult | None = None  # the newest finished evaluation on held-out prompts
     evals_open: int = 0  # evaluations whose eval leases are still going out or being verified
+    # Leases given back unsubmitted over the run: free (before they could have been generated) and charged
+    # (after); and the highest share of charged releases among the join tokens' recent leases.
+    releases_free: int = 0
+    releases_charged: int = 0
+    max_token_release_ratio: float = 0.0
 
 
 class HealthStatus(WireModel):

@@ -12,7 +12,7 @@ submissions (their verdicts), `sample_groups` (every kept group and its status),
 Per kept group: in exactly one lineage batch, trained once; in two or more, trained twice; in none, it is
 dropped as stale, still buffered (ready, or taken by a batch that a reconciliation will give back), or,
 if the orchestrator says it was trained, lost. Accepted samples that never became a group are the
-zero-signal ones (checked against the counter of dropped groups).
+zero-signal ones and those of groups with an unscored reward (checked against the counters of dropped groups).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from trainer import checkpoint as ckpt
 class Audit:
     accepted: int = 0  # samples of accepted submissions
     zero_signal: int = 0  # of those, in groups dropped for having no signal
+    unscored: int = 0  # in groups dropped for a reward that timed out, crashed or was skipped
     trained_once: int = 0
     trained_twice: int = 0
     dropped_stale: int = 0
@@ -93,8 +94,9 @@ def audit_run(run_dir: Path, db_path: Path | None = None) -> Audit:
     finally:
         con.close()
     group_size = _group_size(run_dir)
+    a.unscored = int(meta.get("groups_dropped_unscored", 0)) * group_size
     a.zero_signal = int(meta.get("groups_dropped_zero_signal", 0)) * group_size if group_size else a.accepted - kept
-    a.lost += max(0, a.accepted - a.zero_signal - kept)
+    a.lost += max(0, a.accepted - a.zero_signal - a.unscored - kept)
     a.reconcile_conflicts = int(meta.get("reconcile_conflicts", 0))
     a.versions = len(versions)
     a.versions_consecutive = versions == list(range(len(versions)))
@@ -128,8 +130,8 @@ def _judge(a: Audit, kept: int) -> None:
         a.problems.append(f"{a.trained_twice} samples trained twice")
     if a.lost:
         a.problems.append(f"{a.lost} samples lost")
-    if a.accepted != a.zero_signal + a.trained_once + a.trained_twice + a.dropped_stale + a.buffered + a.lost:
-        a.problems.append(f"accepted {a.accepted} != zero-signal {a.zero_signal} + kept {kept}")
+    if a.accepted != a.zero_signal + a.unscored + a.trained_once + a.trained_twice + a.dropped_stale + a.buffered + a.lost:
+        a.problems.append(f"accepted {a.accepted} != zero-signal {a.zero_signal} + unscored {a.unscored} + kept {kept}")
     if not a.versions_consecutive:
         a.problems.append("the announced versions are not consecutive from 0")
     if a.versions and a.checkpoint_version < a.versions - 1:

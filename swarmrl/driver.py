@@ -340,6 +340,7 @@ class Run:
                 workers_online=st.workers_online,
                 buffer_depth=st.buffer_depth,
                 groups_dropped_zero_signal=st.groups_dropped_zero_signal,
+                groups_dropped_unscored=st.groups_dropped_unscored,
             )
         p.last_metrics = record
         self.tracker.log(p.step, record)
@@ -398,7 +399,7 @@ class Run:
         self.rd.close_session()  # a clean end: the next start is not a restart
 
     def finish(self) -> None:
-        from swarmrl.live_view import eval_line
+        from swarmrl.live_view import eval_line, reward_failures_line
 
         p = self.progress
         self.rd.plot()
@@ -416,6 +417,7 @@ class Run:
                 f"- acceptance rate: {st.acceptance_rate:.3f}" if st else "- acceptance rate: n/a",
                 f"- submissions accepted / rejected: {st.submissions_accepted} / {st.submissions_rejected}" if st else "",
                 f"- groups dropped for zero signal: {st.groups_dropped_zero_signal}" if st else "",
+                f"- rewards not computed (no strike; their groups dropped): {reward_failures_line(st)}" if st else "",
                 f"- tokens accepted as near ties of the seeded draw: {st.near_tie_tokens} of {st.verified_tokens}" if st else "",
                 f"- staleness histogram (version gap: samples): {st.staleness_histogram}" if st else "",
                 f"- {eval_line(p.last_eval)}" if p.last_eval is not None else "",

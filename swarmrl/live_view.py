@@ -27,6 +27,8 @@ def render(run: Any) -> Table:
         table.add_row("acceptance", f"{st.acceptance_rate:.1%}  ({st.submissions_accepted} ok / {st.submissions_rejected} rejected)")
         table.add_row("staleness (gap: samples)", ", ".join(f"{k}: {v}" for k, v in sorted(st.staleness_histogram.items())) or "—")
         table.add_row("buffer", f"{st.buffer_depth} samples; {st.groups_dropped_zero_signal} zero-signal groups dropped")
+        if st.reward_failures:
+            table.add_row("rewards not computed", reward_failures_line(st))
         table.add_row("workers online", str(st.workers_online))
         table.add_row("verifiers", verifiers_line(st))
         if st.eval_latest is not None or st.evals_open:
@@ -56,6 +58,13 @@ def verifiers_line(st: Any) -> str:
     """The pool, its queue and its throughput: a queue that grows while in/s > verified/s is the bottleneck."""
     return (f"{st.verifier_actors} live, {st.verifier_actors_pending} pending; queue {st.verify_queue} "
             f"({st.verify_in_per_s:.2f}/s in, {st.verify_out_per_s:.2f}/s verified, {st.verify_tokens_per_s:,.0f} tok/s)")
+
+
+def reward_failures_line(st: Any) -> str:
+    """Rewards that timed out, crashed or were skipped (never a strike), and the groups dropped for them."""
+    per_reward = "; ".join(f"{name}: " + ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
+                           for name, kinds in sorted(st.reward_failures.items()))
+    return f"{per_reward or 'none'}; {st.groups_dropped_unscored} groups dropped"
 
 
 def restarts_line(restarts: dict[str, Any]) -> str:

@@ -25,6 +25,8 @@ def render_status(st: RunStatus, console: Any = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from swarmrl.live_view import reward_failures_line
+
     console = console or Console()
     t = Table(title=f"swarmrl run '{st.run_name}'", show_header=False)
     t.add_column("key", style="bold")
@@ -40,6 +42,7 @@ def render_status(st: RunStatus, console: Any = None) -> None:
         ("rollout tokens/s", f"{st.rollout_tokens_per_s:.1f}"),
         ("trained samples/s", f"{st.trained_samples_per_s:.2f}"),
         ("zero-signal groups dropped", st.groups_dropped_zero_signal),
+        ("rewards not computed", reward_failures_line(st)),
         ("stale samples dropped", st.samples_dropped_stale),
         ("verification queue", f"{st.verify_queue} ({st.verify_in_per_s:.2f}/s in, {st.verify_out_per_s:.2f}/s verified)"),
         ("verified tokens/s", f"{st.verify_tokens_per_s:.1f}"),

@@ -34,7 +34,8 @@ class RewardPoolConfig(BaseModel):
     # child never blocks on sending them while the parent is busy.
     max_batch: int = Field(32, ge=1, le=256)
     # After this many timed-out or crashed completions in one group (submission), its completions not yet
-    # started are skipped (reward 0): a submission costs the pool at most about budget x time_limit_s.
+    # started are skipped: a submission costs the pool at most about budget x time_limit_s. A skipped
+    # completion's GRPO group is dropped like a timed-out one's (never trained with reward 0, no strike).
     group_failure_budget: int | None = Field(2, ge=1, description="None: score every completion")
     # forkserver: children fork from a clean, single-threaded server process with math-verify preloaded.
     # Plain fork is unsafe in the verifier (torch and its threads); spawn works, but a replacement after

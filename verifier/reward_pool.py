@@ -9,10 +9,14 @@ returns one `RewardResult` per completion, always, whatever the reward code does
   error      the reward raised, or returned NaN / inf / a value outside [0, 1] / not a number, or the
              task could not be loaded: reward 0, and the message says which (logged once per task and kind)
   timed_out  it ran past `time_limit_s` (wall) or `cpu_limit_s` (CPU): its process was SIGKILLed and
-             replaced; reward 0. The caller counts this against the worker that sent the text.
+             replaced; reward 0
   crashed    its process died while scoring it (segfault, os._exit, OOM killer): replaced; reward 0
   skipped    not scored because its group (submission) already had `group_failure_budget` timeouts or
              crashes: reward 0. One submission cannot make the pool spend more than budget x limit on it.
+
+The last three are not scores: a verified completion's text is the policy's draw, not the worker's choice,
+and third-party scorers hang or crash on some of it. The orchestrator counts them per reward and kind,
+drops the completion's GRPO group (never trained with the 0) and charges nobody (orchestrator/reward_failures.py).
 
 The same pool runs multi-turn environments' tools on the trusted side (a request with returns="text",
 environments.registry.tool_output): the call text comes from an untrusted worker just like a completion's,

@@ -93,12 +93,18 @@ def test_a_hostile_swarm_cannot_stall_the_run(tmp_path):
     assert hoarder.held_max <= 12 // 2 and hoarder.refused > 0
     # The flooder got nothing but refusals (4xx), never a 2xx for its junk.
     assert set(flooder.statuses) <= {200, 401, 413, 422, 429} and flooder.statuses[200] == 2  # its token minting and registration
-    # The slow rewards were cut off at their time limit and struck the worker until it was banned.
-    assert slow.verdicts and workers["slow"]["strikes"] >= 1
+    # The slow rewards were cut off at their time limit. A reward that cannot be computed is never a strike
+    # (a verified text is the policy's draw): the adversary is contained by the pool's failure budget per
+    # submission, and its groups were dropped, never trained with a made-up reward.
+    assert slow.verdicts
     with db(run_dir) as con:
         statuses = [json.loads(v).get("reward_status") for (v,) in con.execute(
             "SELECT verdict FROM submissions WHERE worker_id=? AND verdict IS NOT NULL", (slow.reg.worker_id,))]
+        slow_groups = con.execute("SELECT COUNT(*) FROM sample_groups WHERE submission_id IN "
+                                  "(SELECT submission_id FROM submissions WHERE worker_id=?)", (slow.reg.worker_id,)).fetchone()[0]
+        unscored = con.execute("SELECT value FROM meta WHERE key='groups_dropped_unscored'").fetchone()
     assert any(s and "timed_out" in s for s in statuses)
+    assert slow_groups == 0 and unscored is not None and float(unscored[0]) > 0
     # The cheater was banned, and came back neither with its join token nor with its old secret.
     assert workers["cheater"]["banned"], (cheater.statuses, workers["cheater"])
     # Refused as banned (403), or before that as an address over its refused-credentials budget (429): the

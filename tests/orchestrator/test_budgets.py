@@ -259,3 +259,74 @@ def test_worker_names_are_normalized(name, stored):
 def test_worker_names_outside_the_safe_set_are_refused(name):
     with pytest.raises(ValueError):
         WorkerRegistration(name=name)
+
+
+def submit_at_once(orch, wid: str, rng) -> None:
+    """Lease, generate (the fake is instant) and submit: an accepted lease that shows prompts are fast."""
+    lease = ask(orch, wid).lease
+    orch.submit(wid, encode(make_submission(lease, rng)), None)
+    while orch.verification.verify_pending():
+        pass
+    assert orch.leases.get(lease.lease_id).status == "done"
+
+
+def test_a_release_after_the_measured_generation_time_is_charged(tmp_path):
+    """The free window follows the measured generation time, not a fixed share of the lease: before any
+    lease was accepted a release at 5% of the lease time is free; once a lease was generated and submitted
+    within milliseconds, the same release could have followed scoring the draws, and is charged."""
+    orch = make_orchestrator(small_bound(tmp_path, lease_timeout_s=10.0))
+    w, _, _ = volunteer(orch, "releaser")
+    token_id = orch.workers.token_of(w)
+    early = ask(orch, w).lease
+    time.sleep(0.5)  # 5% of the lease time
+    assert orch.release(w, early.lease_id).released
+    assert orch.tokens.get(token_id).lease_debt == 0 and not orch.leases.get(early.lease_id).charged
+    submit_at_once(orch, w, np.random.default_rng(0))
+    late = ask(orch, w).lease
+    time.sleep(0.5)
+    assert orch.release(w, late.lease_id).released
+    assert orch.leases.get(late.lease_id).charged == 1
+    assert orch.tokens.get(token_id).lease_debt == pytest.approx(orch.cfg.release_floor)  # 5% of a lease, but the floor
+    st = orch.status()
+    assert (st.releases_free, st.releases_charged) == (1, 1)
+    orch.db.close()
+
+
+def test_a_token_that_gives_back_scored_leases_is_seen_and_bounded(tmp_path):
+    """A token that gives back more than max_release_ratio of its leases after their free window shows in
+    /v1/workers, /v1/status and /metrics, and may hold one prompt at a time while an honest token gets its
+    share; a restart keeps what it did (derived from the leases table)."""
+    from prometheus_client import generate_latest
+
+    cfg = run_config(tmp_path, async_level=7, max_open_leases_per_worker=10, prompts_per_lease=2)
+    cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"samples_per_step": 8})})  # bound (1+7) x 8 / 4 = 16 prompts
+    orch = make_orchestrator(cfg)
+    rng = np.random.default_rng(0)
+    picky, _, _ = volunteer(orch, "picky")
+    honest, _, _ = volunteer(orch, "honest")
+    for w in (picky, honest):
+        submit_at_once(orch, w, rng)
+    for _ in range(3):  # generated and scored (as far as the orchestrator can tell), then given back
+        lease = ask(orch, picky).lease
+        time.sleep(0.3)
+        orch.release(picky, lease.lease_id)
+    picky_token = orch.workers.token_of(picky)
+    records = {r.worker_id: r for r in orch.worker_list().workers}
+    assert (records[picky].leases_released, records[picky].releases_charged) == (3, 3)
+    assert records[picky].token_release_ratio == pytest.approx(0.75)  # 3 of its 4 ended leases
+    assert (records[honest].leases_released, records[honest].token_release_ratio) == (0, 0.0)
+    st = orch.status()
+    assert (st.releases_free, st.releases_charged, st.max_token_release_ratio) == (0, 3, pytest.approx(0.75))
+    metrics = generate_latest(orch.metrics.registry).decode()
+    assert 'swarmrl_leases_released_total{charged="true"} 3.0' in metrics and 'swarmrl_leases_released_total{charged="false"} 0.0' in metrics
+    # Bounded: one prompt at a time for the picky token; the honest one gets whole leases.
+    assert orch.tokens.get(picky_token).cooldown_until == 0  # not the cooldown: the debt is below a lease
+    assert len(ask(orch, picky).lease.prompts) == 1
+    assert ask(orch, picky).lease is None
+    assert len(ask(orch, honest).lease.prompts) == 2
+    orch.db.close()
+    restarted = make_orchestrator(cfg)
+    assert restarted.leases.costs.ratio(picky_token) == pytest.approx(0.75)
+    assert restarted.leases.costs.free_window(picky_token, 30.0, 2) < 0.5  # the measured speed too
+    assert restarted.status().releases_charged == 3
+    restarted.db.close()

@@ -178,6 +178,23 @@ def test_future_version_is_refused(orch):
     assert code_of(e) == ErrorCode.invalid_request
 
 
+def test_a_rejected_instance_leased_again_may_carry_the_same_rollouts(tmp_path):
+    """A prompt instance keeps its seeds when it comes back, so an honest worker that leases it again at the
+    same version sends exactly what it sent before. A rejection (here: the trusted side found fault with a
+    proof) frees the content's fingerprint; only content still pending or accepted counts as a replay."""
+    orch = make_orchestrator(run_config(tmp_path, strikes_to_ban=5, prompts_per_lease=2))
+    wid, _ = register(orch)
+    first = lease(orch, wid, max_prompts=2)
+    rejected = make_submission(first, np.random.default_rng(3), bad=True)
+    submit(orch, wid, rejected)
+    drain(orch)
+    assert orch.verdict(wid, orch.db.one("SELECT submission_id FROM submissions")[0]).status == VerdictStatus.rejected
+    again = lease(orch, wid, max_prompts=2)
+    assert [p.seeds for p in again.prompts] == [p.seeds for p in first.prompts]  # the same instances, the same seeds
+    submit(orch, wid, rejected.model_copy(update={"lease_id": again.lease_id}))  # not refused as a replay
+    orch.db.close()
+
+
 def test_duplicates_and_replays_are_refused(orch):
     a, _ = register(orch, "a")
     b, _ = register(orch, "b")
@@ -226,9 +243,9 @@ def test_lease_expiry_reissue_and_late_submission(tmp_path):
     orch.housekeeping()
     assert orch.leases.get(la.lease_id).status == "expired"
     lb = lease(orch, b)
-    # The expired lease's prompts are handed out again, with fresh seeds.
+    # The expired lease's prompt instances are handed out again, with the same seeds (no reroll by letting go).
     assert [p.prompt_id for p in lb.prompts] == [p.prompt_id for p in la.prompts]
-    assert lb.prompts[0].seeds != la.prompts[0].seeds
+    assert [p.seeds for p in lb.prompts] == [p.seeds for p in la.prompts]
     with pytest.raises(ApiError) as e:
         submit(orch, a, make_submission(la, np.random.default_rng(1)))
     assert code_of(e) == ErrorCode.lease_expired
