@@ -245,13 +245,18 @@ def tempered(logits: "torch.Tensor", params: DrawParams) -> "torch.Tensor":
     return z if params.unit_temperature else z / params.temperature
 
 
-def support_threshold(z: "torch.Tensor", params: DrawParams, top_p_shift: float = 0.0, z_shift: float = 0.0) -> "torch.Tensor | None":
+def support_threshold(z: "torch.Tensor", params: DrawParams, top_p_shift: float = 0.0, z_shift: float = 0.0,
+                      z_shift_rel: float = 0.0) -> "torch.Tensor | None":
     """Per row, the smallest tempered logit inside the support ([N, 1]); None when every token is inside.
 
     The shifts move the boundary for a replay on logits that differ slightly from the drawing side's:
-    top-p by `top_p_shift` of probability mass, and the threshold itself by `z_shift` (tempered logit
-    units), which also covers near-tied tokens at the boundary swapping places (and with them the mass
-    that counts as "before" each)."""
+    top-p by `top_p_shift` of probability mass, and the support's edge by `z_shift` (tempered logit
+    units), which covers near-tied tokens at the edge swapping places (and with them the mass that counts
+    as "before" each). Lowered (z_shift < 0), tokens within |z_shift| below the last kept one join.
+    Raised, a kept token stays only if it stands more than z_shift above the first token left out: it is
+    that token a near tie could swap with. (Raising the threshold itself, the last kept token's own
+    logit, left that token out always: every support of two or more tokens had a boundary band.) The edge
+    moves by z_shift_rel * |threshold| more, the same way: a logit is rounded in steps that grow with it."""
     import torch
 
     thr = thr_k = None
@@ -265,11 +270,14 @@ def support_threshold(z: "torch.Tensor", params: DrawParams, top_p_shift: float 
         if params.p_off is not None:
             thr_p = thr_p.masked_fill(params.p_off, float("-inf"))
         thr = thr_p if thr is None else torch.maximum(thr, thr_p)
-    if thr is not None and z_shift:
-        thr = thr + z_shift
-        if z_shift > 0:  # raised past the top value the support would be empty: the top token stays
-            thr = torch.minimum(thr, z.max(-1, keepdim=True).values)
-    return thr
+    if thr is None or not z_shift:
+        return thr
+    shift = abs(z_shift) + z_shift_rel * thr.abs().nan_to_num(posinf=0.0, neginf=0.0)  # -inf: every token kept
+    if z_shift > 0:
+        left_out = z.masked_fill(z >= thr, float("-inf")).max(-1, keepdim=True).values
+        thr = torch.maximum(thr, left_out + shift)
+        return torch.minimum(thr, z.max(-1, keepdim=True).values)  # never empty: the top token stays
+    return thr - shift
 
 
 # Top-p looks at the most probable tokens first and sorts a whole row only when these hold less than
@@ -343,9 +351,13 @@ class Replay:
     # The claimed token's score is taken even outside the support: a claimed token whose score beats
     # every token of the tightened support has a negative margin.
     inside: "torch.Tensor"  # bool: the claimed token is inside the (widened) support under these logits
+    exact: "torch.Tensor"  # int64: the seed's winner over this side's own support (no slack): the one
+    # token an honest worker draws unless numerical noise moved a near tie or the support's boundary
+    choice: "torch.Tensor | None" = None  # bool: more than one token would pass here (with a draw margin given)
 
 
-def replay(logits: "torch.Tensor", seeds, positions, tokens: "torch.Tensor", sampling, top_p_slack: float = 0.0, logit_slack: float = 0.0) -> Replay:
+def replay(logits: "torch.Tensor", seeds, positions, tokens: "torch.Tensor", sampling, top_p_slack: float = 0.0, logit_slack: float = 0.0,
+           slack_rel: float = 0.0, draw_margin: float | None = None, draw_margin_rel: float = 0.0) -> Replay:
     """Replay the draws of claimed `tokens` [T] under `logits` [T, V] (row t produced token t).
 
     `seeds`: one int (a completion) or [T]; `positions`: [T] (usually arange(T), or an offset slice of
@@ -354,8 +366,11 @@ def replay(logits: "torch.Tensor", seeds, positions, tokens: "torch.Tensor", sam
     The drawing side's logits differ from these by numerical noise, so a token near the support's
     boundary may be inside on one side and outside on the other. With slacks, only tokens inside even
     with top-p lowered by `top_p_slack` and the support's threshold raised by `logit_slack` (raw logit
-    units) compete for `winner`, and `inside` accepts the claimed token if it is inside with both moved
-    the other way. With both 0 (the default) the support is this side's own.
+    units, plus `slack_rel` of the edge's |logit|) compete for `winner`, and `inside` accepts the claimed
+    token if it is inside with both moved the other way. With both 0 (the default) the support is this
+    side's own. With `draw_margin` (logits, plus `draw_margin_rel` of the larger |logit| of the two
+    compared), `choice` says where more than one token would pass: a token of the widened support within
+    the margin of the winner, or beating it. Only there can noise, or a worker, send another token.
     """
     import torch
 
@@ -367,15 +382,25 @@ def replay(logits: "torch.Tensor", seeds, positions, tokens: "torch.Tensor", sam
     tokens = torch.as_tensor(tokens, dtype=torch.int64, device=device).view(-1, 1)
     z = tempered(logits, params)
     z_slack = logit_slack / (sampling.temperature if sampling.temperature > 0 else 1.0)
+    own = support_threshold(z, params)
     if top_p_slack or logit_slack:
-        thr = support_threshold(z, params, -top_p_slack, z_slack)
-        wide = support_threshold(z, params, top_p_slack, -z_slack)
+        thr = support_threshold(z, params, -top_p_slack, z_slack, slack_rel)
+        wide = support_threshold(z, params, top_p_slack, -z_slack, slack_rel)
     else:
-        thr = wide = support_threshold(z, params)
+        thr = wide = own
     score = z
     if not params.all_greedy:
         score = log_exponentials(row_state(seed_state(seeds), positions), token_words(torch.arange(vocab, device=device))).neg_().add_(z)
     win = winners(score, thr, z)
+    exact = win if thr is own else winners(score, own, z)
     margin = score.gather(1, win.view(-1, 1)) - score.gather(1, tokens)
     inside = torch.ones(n, dtype=torch.bool, device=device) if wide is None else (z.gather(1, tokens) >= wide).view(-1)
-    return Replay(winner=win, margin=margin.view(-1), inside=inside)
+    choice = None
+    if draw_margin is not None:
+        to_score = 1.0 / (sampling.temperature if sampling.temperature > 0 else 1.0)
+        scale = torch.maximum(logits.float().gather(1, win.view(-1, 1)).abs(), logits.float().abs())
+        passes = score >= score.gather(1, win.view(-1, 1)) - scale.mul_(draw_margin_rel).add_(draw_margin).mul_(to_score)
+        if wide is not None:
+            passes &= z >= wide
+        choice = passes.sum(-1) > 1
+    return Replay(winner=win, margin=margin.view(-1), inside=inside, exact=exact, choice=choice)

@@ -31,16 +31,20 @@ DRAW_MODELS = {"tiny": ("tiny", 0), "small": ("small", 0), "small-pretrained": (
 def calibrate(
     out: Path = typer.Option(Path("bench/results"), help="where the results (.md and .json) go"),
     workdir: Path = typer.Option(None, help="scratch folder for models (default: a temporary one)"),
-    part: str = typer.Option("all", help="attacks (the attack matrix), episodes (its multi-turn rows), draws (seeded-draw tolerances), or all"),
+    part: str = typer.Option("all", help="attacks (the attack matrix), episodes (its multi-turn rows), draws (seeded-draw tolerances), "
+                             "all of those, steering (steering within the tolerances toward the reward) or weights (wrong weights, short completions)"),
     base_model: Path = typer.Option(None, "--base-model", help="the attack matrix's model (default: a tiny one made here)"),
     trials: int = typer.Option(100, min=1, help="trials per attack"),
     honest_scale: int = typer.Option(1, min=1, help="multiplies the attack matrix's honest completions per setting (104 per dtype at 1)"),
-    tag: str = typer.Option("calibration", help="the attack matrix's results are verifier_attacks_<tag>.{md,json}"),
+    tag: str = typer.Option("calibration", help="the attack matrix's results are verifier_attacks_<tag>.{md,json}; steering: a suffix"),
     completions: int = typer.Option(2000, min=1, help="draws: honest completions per setting"),
     max_tokens: int = typer.Option(48, min=1, help="draws: max_tokens of every completion"),
     models: str = typer.Option(",".join(DRAW_MODELS), help=f"draws: which of {', '.join(DRAW_MODELS)}"),
     seed: int = typer.Option(0, help="draws: the prompts' and seeds' random source"),
     accumulate: bool = typer.Option(False, help="draws: add this run to the results already in --out (a different --seed each time)"),
+    batches: str = typer.Option("1,32", help="draws: vLLM batch sizes (completions generated at once)"),
+    dtypes: str = typer.Option("float32,bfloat16", help="draws, steering: compute dtypes"),
+    burst: float = typer.Option(8.0, help="steering: the orchestrator's near_tie_burst the ledger is replayed with"),
 ) -> None:
     """Honest vLLM output against the real verifier: the attack matrix (fp32, bf16; every attack must be
     rejected, every honest rollout accepted), its multi-turn rows (episode attacks on the lookup
@@ -54,8 +58,8 @@ def calibrate(
     from swarmrl.logs import configure_logging
     from trainer.tiny_model import init_model
 
-    if part not in ("attacks", "episodes", "draws", "all"):
-        raise typer.BadParameter("--part is attacks, episodes, draws or all")
+    if part not in ("attacks", "episodes", "draws", "steering", "weights", "all"):
+        raise typer.BadParameter("--part is attacks, episodes, draws, steering, weights or all")
     unknown = [m for m in models.split(",") if m not in DRAW_MODELS]
     if unknown:
         raise typer.BadParameter(f"unknown models {unknown}; choose from {list(DRAW_MODELS)}")
@@ -95,13 +99,42 @@ def calibrate(
                 raise typer.BadParameter(f"seed {seed} is already in {out}: the same prompts and draws again would count twice")
             made = {name: init_model(work / "models" / f"draw-{name}", DRAW_MODELS[name][0], seed=0, pretrain_steps=DRAW_MODELS[name][1])
                     for name in models.split(",")}
-            rows = merge_rows(old_rows, calibrate_draws(made, completions=completions, max_tokens=max_tokens, seed=seed, progress=console.print))
-            command = f"swarmrl verifier calibrate --part draws --completions {completions} --max-tokens {max_tokens} --models {models} --seed {seed}"
+            rows = merge_rows(old_rows, calibrate_draws(made, completions=completions, max_tokens=max_tokens, seed=seed, progress=console.print,
+                                                         batches=tuple(int(b) for b in batches.split(",")), dtypes=tuple(dtypes.split(","))))
+            command = (f"swarmrl verifier calibrate --part draws --completions {completions} --max-tokens {max_tokens} --models {models} "
+                       f"--batches {batches} --dtypes {dtypes} --seed {seed}")
             path = write_draws(rows, out, {"models": {k: {"size": DRAW_MODELS[k][0], "pretrain_steps": DRAW_MODELS[k][1]} for k in made},
                                            "max_tokens": max_tokens, "seeds": [*old_meta.get("seeds", []), seed],
                                            "commands": [*old_meta.get("commands", [old_meta["command"]] if "command" in old_meta else []), command]})
             console.print(draw_table(rows))
             console.print(f"wrote {path}")
+        if part == "weights":  # not in "all": wrong weights on the demo's short completions
+            from protocol.models import SamplingParams
+            from tools import wrong_weights
+
+            size, steps = DRAW_MODELS["small-pretrained"]
+            bases = {"tied": init_model(work / "models" / "draw-small-pretrained", size, seed=0, pretrain_steps=steps),
+                     "untied": init_model(work / "models" / "small-pretrained-untied", size, seed=0, pretrain_steps=steps, tie_embeddings=False)}
+            variants = [("tied", "last_layer", 5e-3), ("tied", "last_layer", 3e-3), ("untied", "head", 1e-2), ("untied", "head", 1e-3)]
+            sampling = SamplingParams(temperature=1.0, max_tokens=8)  # the demo's
+            rows = wrong_weights.run(bases, variants, work / "models", trials, sampling, tuple(dtypes.split(",")), seed, console.print)
+            command = f"swarmrl verifier calibrate --part weights --trials {trials} --dtypes {dtypes} --seed {seed}"
+            path = wrong_weights.write_results(rows, out, {"model": "small, 60 echo steps (the demo's base), tied and untied",
+                                                           "sampling": sampling.model_dump(), "command": command})
+            console.print(path.read_text())
+        if part == "steering":  # not in "all": it measures an attack on the draws, not a tolerance
+            from tools.draw_calibration import SAMPLINGS
+            from tools.steering_attacks import run_steering
+            from tools.steering_attacks import write_results as write_steering
+
+            size, steps = DRAW_MODELS["small-pretrained"]
+            model = init_model(work / "models" / "draw-small-pretrained", size, seed=0, pretrain_steps=steps)
+            rows = run_steering(model, tuple(dtypes.split(",")), tuple(SAMPLINGS), completions, max_tokens, seed, burst, console.print)
+            command = (f"swarmrl verifier calibrate --part steering --completions {completions} --max-tokens {max_tokens} "
+                       f"--dtypes {dtypes} --seed {seed} --burst {burst:g}")
+            path = write_steering(rows, out, {"model": "small-pretrained (the demo's base model)", "command": command, "max_tokens": max_tokens},
+                                  "" if tag == "calibration" else f"_{tag}")
+            console.print(path.read_text())
 
 
 @app.command()

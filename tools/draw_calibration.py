@@ -98,7 +98,8 @@ def _run_setting(setting: Setting, engine: RolloutEngine, verifier: Verifier, ta
     row = {"model": setting.model, "dtype": setting.dtype, "batch": setting.batch, "sampling": setting.sampling,
            "max_tokens": sampling.max_tokens, "completions": 0, "tokens": 0, "false_rejections": 0, "rejection_codes": {},
            "rejection_examples": [], "near_tie_tokens": 0, "max_margin_accepted": 0.0, "strict_not_winner": 0, "strict_outside": 0,
-           "strict_max_margin": 0.0, "slack_outside": 0, "free_positions": 0, "max_abs_logit": 0.0, "max_margin_over_tolerance": 0.0,
+           "strict_max_margin": 0.0, "slack_outside": 0, "free_positions": 0, "band_positions": 0, "max_abs_logit": 0.0,
+           "max_margin_over_tolerance": 0.0, "deviations": 0, "outside_logit_gap": 0.0, "outside_mass_gap": 0.0,
            "draw_margin": tol.draw_margin, "draw_margin_rel": tol.draw_margin_rel,
            "draw_logit_slack": tol.draw_logit_slack, "draw_top_p_slack": tol.draw_top_p_slack}
     model = verifier.model(0)
@@ -134,6 +135,8 @@ def _run_setting(setting: Setting, engine: RolloutEngine, verifier: Verifier, ta
             row["tokens"] += sum(c.token_ids.size for c in comps)
     row["near_tie_share"] = row["near_tie_tokens"] / max(row["tokens"], 1)
     row["free_share"] = row["free_positions"] / max(row["tokens"], 1)
+    row["band_share"] = row["band_positions"] / max(row["tokens"], 1)
+    row["deviation_share"] = row["deviations"] / max(row["tokens"], 1)
     return row
 
 
@@ -152,9 +155,13 @@ def _replay_noise(row: dict, model, lease: TaskLease, comps, tol) -> None:
         not_winner = strict.winner != tokens
         row["strict_not_winner"] += int(not_winner.sum())
         row["strict_outside"] += int((~strict.inside).sum())
+        if not bool(strict.inside.all()):
+            logit_gap, mass_gap = _outside_gaps(logits, tokens, ~strict.inside, sampling)
+            row["outside_logit_gap"] = max(row["outside_logit_gap"], logit_gap)
+            row["outside_mass_gap"] = max(row["outside_mass_gap"], mass_gap)
         if not_winner.any():
             row["strict_max_margin"] = max(row["strict_max_margin"], float(strict.margin[not_winner].max()) * to_logits)
-        slack = S.replay(logits, seed, positions, tokens, sampling, tol.draw_top_p_slack, tol.draw_logit_slack)
+        slack = S.replay(logits, seed, positions, tokens, sampling, tol.draw_top_p_slack, tol.draw_logit_slack, tol.draw_margin_rel)
         row["slack_outside"] += int((~slack.inside).sum())
         row["max_abs_logit"] = max(row["max_abs_logit"], float(logits.abs().max()))
         lost = (slack.winner != tokens) & (slack.margin > 0)
@@ -162,34 +169,68 @@ def _replay_noise(row: dict, model, lease: TaskLease, comps, tol) -> None:
             scale = torch.maximum(logits.gather(1, slack.winner[:, None]).abs(), logits.gather(1, tokens[:, None]).abs())[:, 0]
             ratio = slack.margin * to_logits / (tol.draw_margin + tol.draw_margin_rel * scale)
             row["max_margin_over_tolerance"] = max(row["max_margin_over_tolerance"], float(ratio[lost].max()))
-        row["free_positions"] += int((_choices(logits, seed, positions, sampling, tol) >= 2).sum())
+        row["deviations"] += int((slack.exact != tokens).sum())
+        choices, band = _choices(logits, seed, positions, sampling, tol)
+        row["free_positions"] += int((choices >= 2).sum())
+        row["band_positions"] += int(band.sum())
 
 
-def _choices(logits: torch.Tensor, seed: int, positions: torch.Tensor, sampling: SamplingParams, tol) -> torch.Tensor:
-    """Per position, how many tokens the verifier would accept there: the replayed winner of the tightened
-    support, any token of the widened support that beats it, and any that loses to it by no more than
-    draw_margin (logits). More than one means a dishonest worker could choose at that position."""
+def _outside_gaps(logits: torch.Tensor, tokens: torch.Tensor, outside: torch.Tensor, sampling: SamplingParams) -> tuple[float, float]:
+    """How far outside the verifier's own support the honest tokens `outside` fell: the largest gap in
+    raw logits below the support's smallest kept logit, and (top-p) the largest probability mass by which
+    the mass before the token exceeded top-p. What the slacks must cover, measured."""
+    rows = outside.nonzero().view(-1)
+    lg, tok = logits[rows], tokens[rows]
+    params = S.DrawParams.build([sampling.temperature] * len(rows), [sampling.top_k] * len(rows), [sampling.top_p] * len(rows), lg.shape[1])
+    z = S.tempered(lg, params)
+    thr = S.support_threshold(z, params)
+    zc = z.gather(1, tok[:, None])
+    to_logits = sampling.temperature if sampling.temperature > 0 else 1.0
+    logit_gap = float(((thr - zc) * to_logits).max()) if thr is not None else 0.0
+    mass_gap = 0.0
+    if 0.0 < sampling.top_p < 1.0:
+        zk = z if params.k_index is None else z.masked_fill(z < torch.topk(z, params.k_max, -1).values.gather(-1, params.k_index), float("-inf"))
+        probs = torch.softmax(zk, -1)
+        before = (probs * (zk > zc)).sum(-1)
+        mass_gap = float((before - sampling.top_p).max())
+    return logit_gap, mass_gap
+
+
+def _choices(logits: torch.Tensor, seed: int, positions: torch.Tensor, sampling: SamplingParams, tol) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position, how many tokens the verifier would accept there (`acceptable_tokens`), and whether
+    one of those is in the boundary band (inside the widened support but not the tightened one)."""
+    acceptable, band = acceptable_tokens(logits, seed, positions, sampling, tol)
+    return acceptable.sum(-1), band.any(-1)
+
+
+def acceptable_tokens(logits: torch.Tensor, seed: int, positions: torch.Tensor, sampling: SamplingParams, tol) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, V] masks: the tokens the verifier would accept at each position (the replayed winner of the
+    tightened support, any token of the widened support that beats it, and any that loses to it by no more
+    than the draw tolerance, as verifier/checks.check_draws), and those of them in the boundary band. More
+    than one acceptable token means a dishonest worker could choose there (each choice off the exact draw
+    is counted against it)."""
     n, vocab = logits.shape
     params = S.DrawParams.build([sampling.temperature] * n, [sampling.top_k] * n, [sampling.top_p] * n, vocab)
     states = S.row_state(S.seed_state(torch.full((n,), seed, dtype=torch.int64)), positions)
     z, _, score = S.scores(logits, states, S.token_words(torch.arange(vocab)), params)
     z_slack = tol.draw_logit_slack / (sampling.temperature if sampling.temperature > 0 else 1.0)
-    tight = S.support_threshold(z, params, -tol.draw_top_p_slack, z_slack)
-    wide = S.support_threshold(z, params, tol.draw_top_p_slack, -z_slack)
+    tight = S.support_threshold(z, params, -tol.draw_top_p_slack, z_slack, tol.draw_margin_rel)
+    wide = S.support_threshold(z, params, tol.draw_top_p_slack, -z_slack, tol.draw_margin_rel)
     best, winner = (score if tight is None else score.masked_fill(z < tight, float("-inf"))).max(-1, keepdim=True)
     scale = torch.maximum(logits.gather(1, winner).abs(), logits.abs())  # per (position, token), as check_draws
     margin = (tol.draw_margin + tol.draw_margin_rel * scale) / (sampling.temperature if sampling.temperature > 0 else 1.0)  # score units
     acceptable = score >= best - margin
     if wide is not None:
         acceptable &= z >= wide
-    return acceptable.sum(-1)
+    band = acceptable & (z < tight) if tight is not None else torch.zeros_like(acceptable)
+    return acceptable, band
 
 
 SETTING_KEYS = ("model", "dtype", "batch", "sampling", "max_tokens")
 TOLERANCE_KEYS = ("draw_margin", "draw_margin_rel", "draw_logit_slack", "draw_top_p_slack")
 SUMMED = ("completions", "tokens", "false_rejections", "near_tie_tokens", "strict_not_winner", "strict_outside", "slack_outside",
-          "free_positions", "seconds")
-MAXED = ("max_margin_accepted", "strict_max_margin", "max_abs_logit", "max_margin_over_tolerance")
+          "free_positions", "band_positions", "deviations", "seconds")
+MAXED = ("max_margin_accepted", "strict_max_margin", "max_abs_logit", "max_margin_over_tolerance", "outside_logit_gap", "outside_mass_gap")
 
 
 def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
@@ -212,7 +253,8 @@ def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
         m["rejection_codes"] = {c: m["rejection_codes"].get(c, 0) + r["rejection_codes"].get(c, 0) for c in {**m["rejection_codes"], **r["rejection_codes"]}}
         m["rejection_examples"] = (m["rejection_examples"] + r["rejection_examples"])[:4]
         m["near_tie_share"] = m["near_tie_tokens"] / max(m["tokens"], 1)
-        m["free_share"] = m["free_positions"] / max(m["tokens"], 1)
+        for share, count in (("free_share", "free_positions"), ("band_share", "band_positions"), ("deviation_share", "deviations")):
+            m[share] = m[count] / max(m["tokens"], 1)
     return list(merged.values())
 
 
@@ -228,14 +270,16 @@ def read_results(out_dir: Path) -> tuple[list[dict], dict]:
 def table_markdown(rows: list[dict]) -> str:
     lines = [
         "| model | dtype | batch | sampling | completions | tokens | false rejections | near ties (share) | largest near-tie margin | "
-        "largest margin / tolerance | largest abs logit | strict: not winner / outside | strict: largest margin | free positions | s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "largest margin / tolerance | largest abs logit | strict: not winner / outside | strict: largest margin | outside by (logits / mass) | "
+        "free positions | of which boundary band | s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['dtype']} | {r['batch']} | {r['sampling']} | {r['completions']} | {r['tokens']:,} | {r['false_rejections']} | "
             f"{r['near_tie_tokens']} ({r['near_tie_share']:.2e}) | {r['max_margin_accepted']:.2g} | {r['max_margin_over_tolerance']:.3f} | {r['max_abs_logit']:.2f} | "
-            f"{r['strict_not_winner']} / {r['strict_outside']} | {r['strict_max_margin']:.2g} | {r['free_share']:.2e} | {r['seconds']} |"
+            f"{r['strict_not_winner']} / {r['strict_outside']} | {r['strict_max_margin']:.2g} | "
+            f"{r.get('outside_logit_gap', 0.0):.2g} / {r.get('outside_mass_gap', 0.0):.2g} | {r['free_share']:.2e} | {r.get('band_share', 0.0):.2e} | {r['seconds']} |"
         )
     return "\n".join(lines)
 
@@ -254,7 +298,11 @@ def write_results(rows: list[dict], out_dir: Path, meta: dict) -> Path:
         "- strict: the replay with no slack (support exactly the verifier's own), to show the raw noise the slacks absorb.",
         "- free positions: where the verifier would accept more than one token (a rival within draw_margin of the winner, or a",
         "  token of the boundary band the slacks admit that beats it), i.e. where a dishonest worker could choose and still pass:",
-        "  the price of the tolerances.",
+        "  the price of the tolerances. 'of which boundary band': positions where one of those tokens is inside the support",
+        "  widened by the slacks but not the tightened one. Every accepted token that is not the exact draw on the verifier's",
+        "  logits is counted as a near tie (a deviation), and a worker's deviations are held to what noise explains.",
+        "- outside by: how far outside the verifier's own support the honest tokens that fell outside it were (raw logits",
+        "  below its smallest kept logit; probability mass past top-p): what the slacks must cover.",
         "",
     ]))
     return path

@@ -64,18 +64,33 @@ class Draw:
     margin: np.ndarray  # float64 [T]: score(winner) - score(claimed) in logit units (0 when they agree)
     inside: np.ndarray  # bool [T]: the claimed token is in the sampling support (within the slacks)
     scale: np.ndarray  # float64 [T]: max(|logit of the winner|, |logit of the claimed token|), raw logits
+    exact: np.ndarray | None = None  # int64 [T]: the winner over our own support, no slack (None: `winner`)
+    choice: np.ndarray | None = None  # bool [T]: more than one token would pass here (None: not computed, none)
+
+    def __post_init__(self) -> None:
+        if self.exact is None:
+            self.exact = self.winner
+        if self.choice is None:
+            self.choice = np.zeros(self.winner.shape, dtype=bool)
 
     def __len__(self) -> int:
         return int(self.winner.shape[0])
 
+    def take(self, index) -> "Draw":
+        """The positions `index` (a slice, or an index array) of every field."""
+        return Draw(*(getattr(self, f)[index] for f in DRAW_FIELDS))
+
     def slice(self, start: int, stop: int) -> "Draw":
-        return Draw(self.winner[start:stop], self.margin[start:stop], self.inside[start:stop], self.scale[start:stop])
+        return self.take(slice(start, stop))
 
     @staticmethod
     def concat(parts: list["Draw"]) -> "Draw":
         if len(parts) == 1:
             return parts[0]
-        return Draw(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("winner", "margin", "inside", "scale")))
+        return Draw(*(np.concatenate([getattr(p, f) for p in parts]) for f in DRAW_FIELDS))
+
+
+DRAW_FIELDS = ("winner", "margin", "inside", "scale", "exact", "choice")
 
 
 @dataclass
@@ -139,8 +154,12 @@ class DrawReport:
     """What the replay of one completion's draws found (the service sums it over a submission)."""
 
     finding: "Finding | None"
-    near_ties: int  # accepted tokens that lost the replayed draw by no more than the margin
-    max_margin: float  # the largest of those margins (0 when there are none)
+    # Accepted tokens that are not the seed's exact winner on our logits: near ties and picks at the
+    # support's boundary. Each is a place where an honest worker's noise and a dishonest worker's choice
+    # look alike, so every one is counted (a worker's count is held to what noise explains).
+    near_ties: int
+    max_margin: float  # the largest margin of those that lost the draw (0 when there are none)
+    choices: int = 0  # positions where more than one token would pass: honest noise deviates at few of them
 
 
 def check_draws(draw: Draw, token_ids: np.ndarray, draw_margin: float, draw_margin_rel: float = 0.0) -> DrawReport:
@@ -152,11 +171,13 @@ def check_draws(draw: Draw, token_ids: np.ndarray, draw_margin: float, draw_marg
     not_winner = draw.winner != ids
     outside = ~draw.inside
     too_far = not_winner & (draw.margin > tolerance)
-    # A near tie lost on our logits by a margin within the tolerance. A token that beat every token of
-    # the (tightened) support but is itself only inside the widened one (margin <= 0) won the draw.
-    near = not_winner & ~too_far & ~outside & (draw.margin > 0)
-    near_ties = int(near.sum())
-    max_margin = float(draw.margin[near].max()) if near_ties else 0.0
+    # Accepted but not our exact draw: a near tie (lost by a margin within the tolerance), a token of the
+    # boundary band that beat the tightened support (margin <= 0), or the tightened winner where our
+    # exact winner sits in the band. All counted: none of them is a free choice.
+    deviated = (draw.exact != ids) & ~too_far & ~outside
+    near = not_winner & deviated & (draw.margin > 0)
+    near_ties = int(deviated.sum())
+    max_margin = float(draw.margin[near].max()) if near.any() else 0.0
     finding = None
     if outside.any():
         t = int(np.argmax(outside))
@@ -174,7 +195,7 @@ def check_draws(draw: Draw, token_ids: np.ndarray, draw_margin: float, draw_marg
             {"token_index": float(t), "margin": float(draw.margin[t]), "tolerance": float(tolerance[t]), "winner": float(draw.winner[t]),
              "token": float(ids[t]), "tokens_not_drawn": float(too_far.sum())},
         )
-    return DrawReport(finding, near_ties, max_margin)
+    return DrawReport(finding, near_ties, max_margin, int(draw.choice.sum()))
 
 
 def check_termination(token_ids: np.ndarray, finish_reason: FinishReason, sampling: SamplingParams, eos_ids: set[int]) -> Finding | None:

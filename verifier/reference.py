@@ -140,11 +140,13 @@ def prefill(
     max_batch_tokens: int = 16384,
     pad_id: int = 0,
     seeds: Sequence[int] | None = None,
-    draw_slack: tuple[float, float] = (0.0, 0.0),
+    draw_slack: tuple[float, float, float] = (0.0, 0.0, 0.0),
+    draw_margin: tuple[float, float] | None = None,
 ) -> list[Prefill]:
     """Hidden states and token statistics for each (prompt_ids, completion_ids), batched by length; with
     `seeds` (one per sequence) also the replay of every seeded draw (protocol.sampling.replay with
-    `draw_slack` = (top_p_slack, logit_slack)), its margins in logit units."""
+    `draw_slack` = (top_p_slack, logit_slack, slack_rel)), its margins in logit units, and with `draw_margin`
+    = (margin, margin_rel) the positions where more than one token would pass."""
     lengths = [len(p) + len(c) - 1 for p, c in sequences]
     order = sorted(range(len(sequences)), key=lambda i: lengths[i])
     results: list[Prefill | None] = [None] * len(sequences)
@@ -179,9 +181,11 @@ def prefill(
                 part_tokens = tokens[s : s + _STATS_ROWS]
                 parts.append(token_stats(logits, part_tokens, params))
                 if row_seeds is not None:
-                    r = replay(logits, row_seeds[s : s + _STATS_ROWS], row_positions[s : s + _STATS_ROWS], part_tokens, params, *draw_slack)
+                    r = replay(logits, row_seeds[s : s + _STATS_ROWS], row_positions[s : s + _STATS_ROWS], part_tokens, params, *draw_slack,
+                               *(draw_margin or (None, 0.0)))
                     scale = torch.maximum(logits.gather(1, r.winner.view(-1, 1)).abs(), logits.gather(1, part_tokens.view(-1, 1)).abs()).view(-1)
-                    draws.append(Draw(r.winner.numpy(), r.margin.double().numpy() * to_logits, r.inside.numpy(), scale.double().numpy()))
+                    draws.append(Draw(r.winner.numpy(), r.margin.double().numpy() * to_logits, r.inside.numpy(), scale.double().numpy(), r.exact.numpy(),
+                                      None if r.choice is None else r.choice.numpy()))
             stats = TokenStats.concat(parts)
             draw = Draw.concat(draws) if draws else None
             offset = 0

@@ -79,6 +79,7 @@ class Replayed:
     logprobs: list[np.ndarray | None]
     near_ties: int = 0
     max_margin: float = 0.0
+    choices: int = 0  # positions where more than one token would pass
 
 
 
@@ -256,7 +257,8 @@ class Verifier:
                 seeds.append(prompt.seeds[c.sample_index])
                 where.append((j, ci))
         results = prefill(model, sequences, sampling, self.config.max_batch_tokens, self.pad_id,
-                          seeds=seeds, draw_slack=(tol.draw_top_p_slack, tol.draw_logit_slack))
+                          seeds=seeds, draw_slack=(tol.draw_top_p_slack, tol.draw_logit_slack, tol.draw_margin_rel),
+                          draw_margin=(tol.draw_margin, tol.draw_margin_rel))
         out = [Replayed([None] * len(job.submission.completions)) for job in jobs]
         diff_sums, diff_tokens = [0.0] * len(jobs), [0] * len(jobs)
         for (j, ci), ref in zip(where, results):
@@ -268,6 +270,7 @@ class Verifier:
                 diff_sums[j] += float(diff.sum())
                 diff_tokens[j] += int(diff.size)
             out[j].near_ties += drawn.near_ties
+            out[j].choices += drawn.choices
             out[j].max_margin = max(out[j].max_margin, drawn.max_margin)
             out[j].logprobs[ci] = ref.stats.tempered_logprob.astype(np.float32)
         for j in range(len(jobs)):
@@ -292,7 +295,7 @@ class Verifier:
             token_ids = np.asarray(c.token_ids)[pos]
             ref = type(ref)(hidden=ref.hidden[torch.from_numpy(pos)],
                             stats=checks.TokenStats(ref.stats.logprob[pos], ref.stats.tempered_logprob[pos]),
-                            draw=checks.Draw(ref.draw.winner[pos], ref.draw.margin[pos], ref.draw.inside[pos], ref.draw.scale[pos]))
+                            draw=ref.draw.take(pos))
         chunk_checks = proofs.check_proofs(c.proofs, ref.hidden, tol.proof)
         for cc in chunk_checks:
             if not cc.ok:
@@ -335,6 +338,7 @@ class Verifier:
                 submission_id=job.submission_id, status=VerdictStatus.accepted, rewards=[r.reward for r in scored],
                 reward_status=None if all(s is RewardStatus.ok for s in status) else status, verified_tokens=job.submission.model_tokens,
                 near_ties=rep.near_ties if rep else 0, max_draw_margin=rep.max_margin if rep else 0.0,
+                near_tie_allowance=self.tolerances.deviation_rate * rep.choices if rep else 0.0,
                 behaviour_logprobs=rep.logprobs if rep else None,
             ))
         return out

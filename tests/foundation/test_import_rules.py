@@ -26,7 +26,7 @@ MAY_IMPORT = {
 }
 # `swarmrl verifier calibrate` runs the calibration developer tool from a source checkout (tools/ is
 # not installed; the command says so when it is missing).
-DEV_TOOLS = {("swarmrl.verifier_cli", "tools.verifier_calibration"), ("swarmrl.verifier_cli", "tools.draw_calibration")}
+DEV_TOOLS = {("swarmrl.verifier_cli", f"tools.{t}") for t in ("verifier_calibration", "draw_calibration", "steering_attacks", "wrong_weights")}
 
 
 def module_name(path: Path, root: Path) -> str:

@@ -378,3 +378,37 @@ def test_top_p_prefix_equals_the_full_sort(monkeypatch):
     assert short, "the test needs rows that go past the prefix"
     monkeypatch.setattr(S, "TOP_P_PREFIX", v)
     assert torch.equal(S.support_threshold(z, params), fast)
+
+
+def test_a_support_edge_clear_of_the_first_token_left_out_has_no_boundary_band():
+    """The tightened support keeps the last token of the support when it stands clear (by more than the
+    slack) of the first token left out: nothing there can swap places, so no position offers a second
+    token. Raising the threshold itself made the last kept token a band token in every row."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
+    params = S.DrawParams.build([1.0], [2], [1.0], 5)
+    z = S.tempered(logits, params)
+    own = S.support_threshold(z, params)
+    assert torch.equal(S.support_threshold(z, params, 0.0, 0.05), own)  # tokens 0 and 1, surely inside
+    # Near-tied with the first token left out: the last kept token is in the band.
+    tied = torch.tensor([[3.0, 1.0, 1.0 - 0.01, 0.0, -1.0]])
+    zt = S.tempered(tied, params)
+    assert float(S.support_threshold(zt, params, 0.0, 0.05)) > float(S.support_threshold(zt, params))
+    # With top-p the same: token 1 is kept (mass before it 0.67 < 0.9) and far from token 2.
+    p_params = S.DrawParams.build([1.0], [-1], [0.9], 5)
+    zp = S.tempered(logits, p_params)
+    assert torch.equal(S.support_threshold(zp, p_params, -1e-3, 0.05), S.support_threshold(zp, p_params))
+
+
+def test_replay_reports_the_exact_winner_beside_the_tightened_one():
+    """`exact` is the winner over the replaying side's own support: a band token that wins there is the
+    exact winner, while `winner` (tightened support) is another token."""
+    logits = torch.tensor([[2.0, 1.0, 1.0 - 1e-6, -1.0]])
+    sampling = SamplingParams(temperature=1.0, top_k=2)
+    for seed in range(200):
+        r = S.replay(logits, seed, torch.tensor([0]), torch.tensor([0]), sampling, logit_slack=1e-3)
+        plain = S.replay(logits, seed, torch.tensor([0]), torch.tensor([0]), sampling)
+        assert int(r.exact[0]) == int(plain.winner[0])
+        if int(r.exact[0]) == 1:
+            assert int(r.winner[0]) == 0  # token 1 is in the band: the tightened winner is token 0
+            return
+    raise AssertionError("no seed drew the band token")

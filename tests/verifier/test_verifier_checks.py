@@ -32,7 +32,7 @@ def draw_of(logits, seed, tokens, sampling, slack=(0.0, 0.0)):
     r = replay(logits, seed, torch.arange(len(tokens)), torch.tensor(tokens), sampling, *slack)
     t = sampling.temperature if sampling.temperature > 0 else 1.0
     scale = torch.maximum(logits.gather(1, r.winner[:, None]).abs(), logits.gather(1, torch.tensor(tokens)[:, None]).abs())[:, 0]
-    return checks.Draw(r.winner.numpy(), r.margin.double().numpy() * t, r.inside.numpy(), scale.double().numpy())
+    return checks.Draw(r.winner.numpy(), r.margin.double().numpy() * t, r.inside.numpy(), scale.double().numpy(), r.exact.numpy())
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(top_k=2), SamplingParams(temperature=0.0)])
@@ -164,3 +164,23 @@ def test_a_short_submissions_mean_leaves_room_for_one_outlier():
     assert checks.check_logprob_mean(3 * 0.05, 3, 0.01) is not None  # three tokens far off: not one outlier
     assert checks.check_logprob_mean(7 * 5e-5, 7, 2e-5) is not None
     assert checks.check_logprob_mean(1000 * 0.015, 1000, 0.01) is not None  # a long drift is still a drift
+
+
+def test_a_boundary_pick_that_beats_the_tightened_winner_is_counted():
+    """A token of the boundary band (inside the widened support only) that outscores the tightened winner
+    passes with margin <= 0, and so does the tightened winner where our exact winner is a band token: both
+    are places where a worker could have sent either token, so both count (before, neither did)."""
+    band_pick = checks.Draw(np.array([5]), np.array([-0.3]), np.array([True]), np.array([1.0]), np.array([9]))
+    assert checks.check_draws(band_pick, np.array([9 + 1]), 1e-3).near_ties == 1
+    assert checks.check_draws(band_pick, np.array([9]), 1e-3).near_ties == 0  # the exact draw itself
+    tight_winner = checks.Draw(np.array([5]), np.array([0.0]), np.array([True]), np.array([1.0]), np.array([9]))
+    assert checks.check_draws(tight_winner, np.array([5]), 1e-3).near_ties == 1
+    # On real logits: top-k=2 with tokens 1 and 2 near-tied at the edge (our support keeps 1). A seed under which
+    # token 2 outscores token 0: a worker whose noise swapped 1 and 2 sends 2, our exact draw is 1 (or 0).
+    logits = torch.tensor([[2.0, 1.0, 1.0 - 1e-6, -1.0]])
+    sampling = SamplingParams(temperature=1.0, top_k=2)
+    seed = next(s for s in range(500) if float(replay(logits, s, torch.tensor([0]), torch.tensor([2]), sampling, 0.0, 1e-3).margin[0]) <= 0)
+    d = draw_of(logits, seed, [2], sampling, (0.0, 1e-3))
+    assert d.exact[0] != 2
+    report = checks.check_draws(d, np.array([2]), 1e-4)
+    assert report.finding is None and report.near_ties == 1
