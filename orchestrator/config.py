@@ -122,9 +122,14 @@ class OrchestratorConfig(BaseModel):
         "than once per this many accepted submissions still gathers strikes until banned. 0: strikes never decay",
     )
     near_tie_burst: float = Field(
-        20.0, ge=0, description="draw deviations (accepted tokens that are not the seed's exact draw) a worker may have above what "
-        "noise explains (the verifier's deviation_rate x its verified tokens) before a strike; it drains as it works "
-        "(orchestrator/draw_deviations.py)",
+        8.0, ge=0, description="draw deviations (accepted tokens that are not the seed's exact draw) a worker may have above what "
+        "noise explains (the verifier's deviation_rate x the positions that offered a second token) before a strike; it drains "
+        "as it works (orchestrator/draw_deviations.py). Honest noise measured at <= 4.7% of those positions against the 10% "
+        "allowed: a random walk drifting down, which passes 8 with a chance of ~1e-8",
+    )
+    near_tie_ban: float = Field(
+        24.0, ge=0, description="past this many deviations above the allowance a worker is banned: strikes decay with accepted "
+        "work, this bucket only with the allowance, so a worker that keeps steering however rarely is stopped",
     )
     ban_scope: BanScope = Field(BanScope.token, description="a ban by strikes: the worker only (identity), or its join token too (token)")
     max_identities_per_token: int = Field(8, ge=1, description="live workers per join token (a Sybil cap)")

@@ -7,10 +7,10 @@ So none is free: every deviation is counted, and a worker is held to the rate th
 (`Verdict.near_tie_allowance`, the verifier's calibrated rate per token times the tokens it checked).
 
 A leaky bucket per worker: it fills with the worker's deviations and drains by its allowance, never
-below empty; past `burst` deviations above the allowance the worker takes a strike and the bucket starts
-again from empty. A worker that steers at every chance fills it within a few submissions; one that
-stays under the allowance can steer no more often than honest noise deviates (what the attack table
-measures, bench/results/verifier_steering_attacks.md).
+below empty. Each time it rises past another `burst` the worker takes a strike, and past `ban_at` it is
+banned: strikes decay with accepted work, the bucket only with the allowance, so a worker that keeps
+steering is banned however rarely each submission deviates. One that stays under the allowance can steer
+no more often than honest noise deviates (what bench/results/verifier_steering_attacks.md measures).
 """
 
 from __future__ import annotations
@@ -30,24 +30,25 @@ CREATE TABLE IF NOT EXISTS draw_deviations (
 
 
 class DeviationLedger:
-    def __init__(self, db: Database, burst: float):
+    def __init__(self, db: Database, burst: float, ban_at: float):
         db.create(SCHEMA)
         self.db = db
-        self.burst = burst
+        self.burst, self.ban_at = burst, ban_at
 
-    def record(self, db: sqlite3.Connection, worker_id: str, deviations: int, allowance: float) -> bool:
-        """In the verdict's transaction: add an accepted submission's deviations. True when the worker
-        passed the burst (the caller strikes it)."""
+    def record(self, db: sqlite3.Connection, worker_id: str, deviations: int, allowance: float) -> tuple[int, bool]:
+        """In the verdict's transaction: add an accepted submission's deviations. Returns (strikes due: the
+        multiples of `burst` the bucket rose past, whether it passed `ban_at`)."""
         row = db.execute("SELECT excess FROM draw_deviations WHERE worker_id=?", (worker_id,)).fetchone()
-        excess = max(0.0, (row[0] if row else 0.0) + deviations - allowance)
-        over = excess > self.burst
+        before = row[0] if row else 0.0
+        excess = max(0.0, before + deviations - allowance)
         db.execute(
             "INSERT INTO draw_deviations (worker_id, excess, deviations, allowance) VALUES (?, ?, ?, ?) "
             "ON CONFLICT(worker_id) DO UPDATE SET excess=excluded.excess, deviations=deviations+excluded.deviations, "
             "allowance=allowance+excluded.allowance",
-            (worker_id, 0.0 if over else excess, deviations, allowance),
+            (worker_id, excess, deviations, allowance),
         )
-        return over
+        strikes = max(0, int(excess // self.burst) - int(before // self.burst)) if self.burst > 0 else 0
+        return strikes, excess > self.ban_at
 
     def of(self, worker_ids: list[str] | None = None) -> dict[str, tuple[int, float]]:
         """worker id -> (deviations, allowance) over the run."""

@@ -131,6 +131,7 @@ class Orchestrator:
             db, verifier=verifier, workers=self.workers, leases=self.leases, buffer=self.buffer, prompts=prompts, metrics=self.metrics,
             windows=self.windows, task_name=task_name, task_params=task_params or {}, advantage_std=shape.advantage_std,
             strikes_to_ban=config.strikes_to_ban, make_job=make_job, batch_size=verify_batch, near_tie_burst=config.near_tie_burst,
+            near_tie_ban=config.near_tie_ban,
         )
         self.limiter = admission.RateLimiter(config.rate_limit_per_s)
         self.submission_cap = limits.submission_bytes_cap(config.prompts_per_lease * config.samples_per_prompt, config.sampling.max_tokens,
@@ -347,10 +348,12 @@ class Orchestrator:
 
     def worker_list(self) -> WorkerList:
         now, released, costs = time.time(), self.leases.costs.by_worker(self.db), self.leases.costs
+        deviations = self.verification.deviations.of()
         return WorkerList(workers=[
             self.workers.record(w, now).model_copy(update={
                 "leases_released": released.get(w.worker_id, (0, 0))[0], "releases_charged": released.get(w.worker_id, (0, 0))[1],
                 "token_release_ratio": costs.ratio(w.token_id),
+                "draw_deviations": deviations.get(w.worker_id, (0, 0.0))[0], "deviation_allowance": deviations.get(w.worker_id, (0, 0.0))[1],
             })
             for w in self.workers.all()
         ])

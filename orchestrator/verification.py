@@ -182,10 +182,11 @@ class Verification:
         strikes_to_ban: int,
         make_job: Callable[..., Any] = default_make_job,
         batch_size: int = 16,
-        near_tie_burst: float = 20.0,
+        near_tie_burst: float = 8.0,
+        near_tie_ban: float = 24.0,
     ):
         self.db = db
-        self.deviations = DeviationLedger(db, near_tie_burst)
+        self.deviations = DeviationLedger(db, near_tie_burst, near_tie_ban)
         db.create(SCHEMA, counters=COUNTERS, float_counters=("reward_sum",))
         reward_failures.seed_metrics(metrics, db.counters())
         self.versions = PolicyVersions(db)
@@ -384,9 +385,16 @@ class Verification:
             tokens = a.verdict.verified_tokens if a.accepted else 0
             strike = not a.accepted and any(r.code not in NO_STRIKE for r in a.verdict.rejections)
             banned_now = self.workers.record_verdict(db, row["worker_id"], a.accepted, tokens, self.strikes_to_ban, strike=strike)
-            if a.accepted and self.deviations.record(db, row["worker_id"], a.verdict.near_ties, a.verdict.near_tie_allowance):
+            if a.accepted and a.failures[1] and a.verdict.behaviour_logprobs is None:
+                # Not spot-checked: the text was never shown to be the policy's draw, so it is the worker's choice.
+                banned_now = self.workers.strike(db, row["worker_id"], "unchecked completions whose rewards failed", self.strikes_to_ban) or banned_now
+            if a.accepted:
+                strikes, ban = self.deviations.record(db, row["worker_id"], a.verdict.near_ties, a.verdict.near_tie_allowance)
                 why = "more accepted tokens off the seed's exact draw than numerical noise explains"
-                banned_now = self.workers.strike(db, row["worker_id"], why, self.strikes_to_ban) or banned_now
+                for _ in range(strikes):
+                    banned_now = self.workers.strike(db, row["worker_id"], why, self.strikes_to_ban) or banned_now
+                if ban:
+                    banned_now = self.workers.ban_now(db, row["worker_id"], why) or banned_now
             if a.accepted and a.evaluation is not None:
                 if self.leases.evals is not None and self.leases.evals.record(db, *a.evaluation):
                     self.evals_finished.append(a.evaluation[0])

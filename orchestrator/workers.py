@@ -235,6 +235,14 @@ class Workers:
             self._forget(w)
         return ids
 
+    def ban_now(self, db: sqlite3.Connection, worker_id: str, reason: str) -> bool:
+        """A ban with the run's scope, inside the caller's transaction. Returns whether it banned now."""
+        row = db.execute("SELECT banned FROM workers WHERE worker_id=?", (worker_id,)).fetchone()
+        if row is None or row[0]:
+            return False
+        self._ban(db, worker_id, reason, self.ban_scope)
+        return True
+
     def _ban(self, db: sqlite3.Connection, worker_id: str, reason: str, scope: BanScope) -> None:
         db.execute("UPDATE workers SET banned=1, ban_reason=? WHERE worker_id=?", (reason, worker_id))
         self._forget(worker_id)

@@ -391,7 +391,7 @@ class Verdict(WireModel):
     # logits: numerical noise, held per worker to the rate noise explains.
     near_ties: int = 0
     max_draw_margin: float = 0.0
-    near_tie_allowance: float = 0.0  # the near ties that noise explains over these tokens (the dtype's rate x tokens)
+    near_tie_allowance: float = 0.0  # the near ties noise explains here: the dtype's rate x the positions that offered a choice
     # Trusted side only (never serialized, so never sent or stored as JSON): per completion, the
     # verifier's tempered logprobs of its tokens, the behaviour logprobs the trainer uses. None when the
     # submission was not spot-checked.
@@ -421,6 +421,9 @@ class WorkerRecord(WireModel):
     leases_released: int = 0
     releases_charged: int = 0
     token_release_ratio: float = 0.0  # its token's charged releases over the token's last ended leases
+    # Accepted tokens off the seed's exact draw, and how many of those noise explains (orchestrator/draw_deviations.py).
+    draw_deviations: int = 0
+    deviation_allowance: float = 0.0
 
 
 class WorkerList(WireModel):

@@ -93,10 +93,10 @@ def test_a_hostile_swarm_cannot_stall_the_run(tmp_path):
     assert hoarder.held_max <= 12 // 2 and hoarder.refused > 0
     # The flooder got nothing but refusals (4xx), never a 2xx for its junk.
     assert set(flooder.statuses) <= {200, 401, 413, 422, 429} and flooder.statuses[200] == 2  # its token minting and registration
-    # The slow rewards were cut off at their time limit. A reward that cannot be computed is never a strike
-    # (a verified text is the policy's draw): the adversary is contained by the pool's failure budget per
-    # submission, and its groups were dropped, never trained with a made-up reward.
-    assert slow.verdicts
+    # The slow rewards were cut off at their time limit, and their groups dropped, never trained with a made-up
+    # reward. Unchecked (new workers are not spot-checked here), the text is the worker's choice: a strike, so
+    # the adversary was struck until banned. (A checked text is the policy's draw: never a strike.)
+    assert slow.verdicts and workers["slow"]["strikes"] >= 1
     with db(run_dir) as con:
         statuses = [json.loads(v).get("reward_status") for (v,) in con.execute(
             "SELECT verdict FROM submissions WHERE worker_id=? AND verdict IS NOT NULL", (slow.reg.worker_id,))]

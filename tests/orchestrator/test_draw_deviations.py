@@ -12,15 +12,15 @@ from orchestrator.draw_deviations import DeviationLedger
 from protocol.models import LeaseRequest, VerdictStatus, WorkerRegistration
 
 
-def test_the_ledger_forgives_the_allowed_rate_and_strikes_past_the_burst(tmp_path):
+def test_the_ledger_forgives_the_allowed_rate_strikes_past_each_burst_and_bans(tmp_path):
     db = Database(tmp_path / "d.db")
-    ledger = DeviationLedger(db, burst=5.0)
+    ledger = DeviationLedger(db, burst=5.0, ban_at=15.0)
     with db.tx() as conn:
         # 1,000 submissions at half the allowance (honest noise sits below it), with bursts now and then: never over.
-        assert not any(ledger.record(conn, "honest", 1 + (5 if i % 50 == 0 else 0), 2.0) for i in range(1000))
-        # One deviation above the allowance per submission: the sixth passes the burst, then it starts over.
-        over = [ledger.record(conn, "steerer", 3, 2.0) for _ in range(12)]
-    assert over == [False] * 5 + [True] + [False] * 5 + [True]
+        assert all(ledger.record(conn, "honest", 1 + (5 if i % 50 == 0 else 0), 2.0) == (0, False) for i in range(1000))
+        # One deviation above the allowance per submission: a strike at each 5 it rises past, banned past 15.
+        steps = [ledger.record(conn, "steerer", 3, 2.0) for _ in range(16)]
+    assert [s for s, _ in steps] == [0, 0, 0, 0, 1] * 3 + [0] and [b for _, b in steps] == [False] * 15 + [True]
     assert ledger.of(["honest"]) == {"honest": (1000 + 5 * 20, 2000.0)}
     db.close()
 
@@ -37,8 +37,9 @@ class DeviatingVerifier(FakeVerifier):
                 for v in super().verify_many(jobs)]
 
 
-def run_worker(tmp_path, near_ties: int, submissions: int):
-    orch = make_orchestrator(run_config(tmp_path, strikes_to_ban=3, near_tie_burst=4.0, strike_decay_accepted=0), DeviatingVerifier(near_ties))
+def run_worker(tmp_path, near_ties: int, submissions: int, decay: int = 0):
+    orch = make_orchestrator(run_config(tmp_path, strikes_to_ban=3, near_tie_burst=4.0, near_tie_ban=100.0, strike_decay_accepted=decay),
+                             DeviatingVerifier(near_ties))
     reg = orch.register(WorkerRegistration(name="w"), orch.cfg.join_tokens[0].get_secret_value())
     wid = orch.authenticate(reg.secret)
     for i in range(submissions):
@@ -54,10 +55,31 @@ def run_worker(tmp_path, near_ties: int, submissions: int):
 def test_a_worker_within_the_allowance_is_never_struck(tmp_path):
     orch, w = run_worker(tmp_path, near_ties=1, submissions=30)
     assert w.accepted == 30 and w.strikes == 0 and not w.banned
+    record = orch.worker_list().workers[0]  # what GET /v1/workers shows the operator
+    assert (record.draw_deviations, record.deviation_allowance) == (30, 30.0)
     orch.db.close()
 
 
 def test_a_worker_that_deviates_past_the_allowance_is_struck_and_banned(tmp_path):
     orch, w = run_worker(tmp_path, near_ties=3, submissions=30)  # 2 above the allowance each time, burst 4
-    assert w.banned and w.accepted == 9  # a strike at the 3rd, 6th and 9th submission
+    assert w.banned and w.accepted == 6  # the bucket rises past 4, 8 and 12 at the 2nd, 4th and 6th: 3 strikes
+    orch.db.close()
+
+
+def test_a_rare_steerer_is_banned_though_its_strikes_decay(tmp_path):
+    """Each submission 1 above the allowance: a strike every 4th, decayed by the next 3 accepted, so the strikes
+    alone never reach 3; but the bucket only drains by the allowance, and passes near_tie_ban."""
+    orch = make_orchestrator(run_config(tmp_path, strikes_to_ban=3, near_tie_burst=4.0, near_tie_ban=30.0, strike_decay_accepted=3),
+                             DeviatingVerifier(2))
+    reg = orch.register(WorkerRegistration(name="w"), orch.cfg.join_tokens[0].get_secret_value())
+    wid = orch.authenticate(reg.secret)
+    for i in range(45):
+        if orch.workers.get(wid).banned:
+            break
+        lease = orch.lease(wid, LeaseRequest(loaded_policy_version=0, max_prompts=1)).lease
+        orch.submit(wid, encode(make_submission(lease, np.random.default_rng(i))), None)
+        while orch.verification.verify_pending():
+            pass
+    w = orch.workers.get(wid)
+    assert w.banned and w.accepted == 31 and "exact draw" in w.ban_reason  # excess 31 > 30 at the 31st
     orch.db.close()

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from orch_fakes import FakeVerifier, encode, make_orchestrator, make_prompts, make_submission, run_config
+from orch_fakes import FakeVerifier, encode, make_orchestrator, make_prompts, make_submission, run_config, trusted_logprobs
 from prometheus_client import generate_latest
 
 from orchestrator.db import Database
@@ -230,18 +230,27 @@ class PoolVerifier(FakeVerifier):
         self.real._reward_request = lambda job, c: Verifier._reward_request(self.real, job, c)
         self._verdicts = Verifier._verdicts
 
+    checked = True  # spot-checked: the verdicts carry our logprobs (the text is shown to be the policy's draw)
+
     def verify_many(self, jobs):
+        from verifier.service import Replayed
+
         checked = super().verify_many(jobs)
-        return self._verdicts(self.real, jobs, [list(v.rejections) for v in checked], [None] * len(jobs))
+        replayed = [Replayed([trusted_logprobs(c) for c in job.submission.completions]) if self.checked else None for job in jobs]
+        self.real.tolerances = SimpleNamespace(deviation_rate=0.0)
+        return self._verdicts(self.real, jobs, [list(v.rejections) for v in checked], replayed)
 
 
-def test_a_reward_that_times_out_in_the_real_pool_drops_its_group_without_a_strike(tmp_path):
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "unchecked"])
+def test_a_reward_that_times_out_in_the_real_pool_drops_its_group_without_a_strike(tmp_path, checked):
+    """Checked, the text is the policy's draw: no strike. Not spot-checked, the worker chose it: a strike."""
     from verifier.reward_pool import RewardPool, RewardPoolConfig
 
     (tmp_path / "swarmrl_slow_reward.py").write_text(SLOW_PLUGIN)
-    cfg = run_config(tmp_path, strikes_to_ban=1)
+    cfg = run_config(tmp_path, strikes_to_ban=2)
     with RewardPool(RewardPoolConfig(processes=2, time_limit_s=0.5, import_paths=[str(tmp_path)])) as pool:
         verifier = PoolVerifier(pool)
+        verifier.checked = checked
         orch = Orchestrator(cfg.orchestrator, Database(cfg.orchestrator.db_path), make_prompts(cfg), verifier, shape=cfg.step_shape(),
                             task_name=SLOW_REWARD, run_name=cfg.name, make_job=default_make_job, verify_batch=8)
         orch.publish_version(0, "0" * 64)
@@ -262,7 +271,7 @@ def test_a_reward_that_times_out_in_the_real_pool_drops_its_group_without_a_stri
         assert v.status == VerdictStatus.accepted
         assert v.reward_status == [RewardStatus.timed_out if i in slow else RewardStatus.ok for i in range(len(texts))]
         w = orch.workers.get(wid)
-        assert w.strikes == 0 and not w.banned and w.accepted == 1
+        assert w.strikes == (0 if checked else 1) and not w.banned and w.accepted == 1
         assert kept_prompts(orch, v.submission_id) == {1} and orch.db.get_int("groups_dropped_unscored") == 1
         assert orch.status().reward_failures == {SLOW_REWARD: {"timed_out": 1}} and untrained_matches_rows(orch)
         orch.db.close()
