@@ -1,7 +1,7 @@
 """"lookup": the toy tool task. The prompt hides the digits; the model must call the tool to see them.
 
     prompt      ask:=
-    model       ?              (the tool-call token ends the turn)
+    model       ?              (a token holding "?" ends the turn as a tool call)
     environment 4821=          (the hidden digits, then "=")
     model       4821<eos>      (copy them: the toy task's reward on this last turn)
 

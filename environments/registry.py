@@ -4,9 +4,9 @@ verifier's sandboxed pool calls: the tool (`tool_output`) and the reward (`episo
 from __future__ import annotations
 
 import json
-from typing import Sequence
+from typing import Any, Sequence
 
-from environments.base import Encode, Environment
+from environments.base import Decode, Encode, Environment
 from environments.calculator import CalculatorEnv
 from environments.lookup import LookupEnv
 from verifier.tasks import TaskItem, import_plugin
@@ -29,8 +29,16 @@ def environment_class(name: str) -> type[Environment]:
     return cls
 
 
-def get_environment(name: str, encode: Encode, eos_ids: Sequence[int]) -> Environment:
-    return environment_class(name)(encode, eos_ids)
+def get_environment(name: str, encode: Encode, eos_ids: Sequence[int], decode: Decode | None = None, vocab_size: int = 0) -> Environment:
+    return environment_class(name)(encode, eos_ids, decode=decode, vocab_size=vocab_size)
+
+
+def environment_for(name: str, tokenizer: Any, eos_ids: Sequence[int]) -> Environment:
+    """The environment on a transformers-style tokenizer, wired the same way on the worker (vLLM's copy of
+    the tokenizer) and the verifier: encode without special tokens, decode a whole span keeping them (a
+    special token in a call is text that no tool accepts)."""
+    return get_environment(name, lambda text: tokenizer.encode(text, add_special_tokens=False), eos_ids,
+                           lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False), len(tokenizer))
 
 
 def item_to_wire(item: TaskItem) -> str:

@@ -96,6 +96,7 @@ class RolloutEngine:
         self.policy_version = policy_version
         self.model_hash = model_hash
         self.last_stats = GenerationStats()
+        self.environments: dict = {}  # made once per engine (episodes.py): each reads every token's text
         kwargs: dict = dict(
             model=str(model_dir),
             dtype=self.config.dtype,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from environments.registry import get_environment, item_from_wire
+from environments.registry import environment_for, item_from_wire
 from inference_worker.generation import GenerationStats, LeaseNotGeneratable, finish_reason
 from protocol import limits
 from protocol.models import Completion, FinishReason, TaskLease
@@ -52,7 +52,9 @@ def generate_episodes(engine, lease: TaskLease, return_hidden: bool) -> tuple[li
 
     tokenizer = engine.llm.get_tokenizer()
     eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
-    env = get_environment(lease.environment, lambda text: tokenizer.encode(text, add_special_tokens=False), eos)
+    if lease.environment not in engine.environments:  # making one reads every token's text (~0.5 s for 150k tokens)
+        engine.environments[lease.environment] = environment_for(lease.environment, tokenizer, eos)
+    env = engine.environments[lease.environment]
     cap = env.limits.max_episode_tokens
     if lease.sampling.max_tokens < cap:  # the orchestrator's config refuses this; the turn caps would disagree
         raise LeaseNotGeneratable(f"lease max_tokens {lease.sampling.max_tokens} is below environment {env.name!r}'s episode cap {cap}")

@@ -192,10 +192,10 @@ class Verifier:
 
     def environment(self, name: str):
         """The trusted copy of an environment, made once (with this verifier's tokenizer)."""
-        from environments.registry import get_environment
+        from environments.registry import environment_for
 
         if name not in self._environments:
-            self._environments[name] = get_environment(name, lambda text: self.tokenizer.encode(text, add_special_tokens=False), sorted(self.eos_ids))
+            self._environments[name] = environment_for(name, self.tokenizer, sorted(self.eos_ids))
         return self._environments[name]
 
     def _run_tools(self, jobs: Sequence[VerifyJob]) -> "ToolRuns":
