@@ -224,25 +224,61 @@ def eval_(
 @app.command("init-model")
 def init_model(
     out: Path = typer.Option(..., "--out", help="folder to write the model and tokenizer to"),
-    size: str = typer.Option("tiny", "--size", help="tiny | small"),
+    arch: Optional[str] = typer.Option(
+        None, "--arch", help="a real architecture (qwen2.5-0.5b | qwen3-0.6b | llama-3.2-1b) with a BPE tokenizer; default: the toy --size model"
+    ),
+    size: Optional[str] = typer.Option(None, "--size", help="the toy model: tiny | small (default tiny; not with --arch)"),
     seed: int = typer.Option(0, "--seed"),
     tie_embeddings: bool = typer.Option(True, "--tie-embeddings/--no-tie-embeddings"),
-    pretrain_steps: int = typer.Option(0, "--pretrain-steps", min=0, help="short base-model pretraining (echo data, not the RL task)"),
+    untied: bool = typer.Option(False, "--untied", help="a separate LM head (as --no-tie-embeddings)"),
+    layers: Optional[int] = typer.Option(None, "--layers", min=1, help="with --arch: fewer layers than the real model (tests)"),
+    hidden: Optional[int] = typer.Option(None, "--hidden", min=32, help="with --arch: a narrower model, same architecture and vocabulary (tests)"),
+    intermediate: Optional[int] = typer.Option(None, "--intermediate", min=1, help="with --arch: the MLP width (default: scaled with --hidden)"),
+    pretrain_steps: Optional[int] = typer.Option(
+        None, "--pretrain-steps", min=0,
+        help="short base-model pretraining: echo data for --size (default 0), corpus text for --arch "
+        "(default 2 steps of 8 x 128 tokens, ~100 s each at the real 0.6B shape on 2 CPU cores)",
+    ),
     pretrain_target: Optional[float] = typer.Option(
-        None, "--pretrain-target", min=0.0, max=1.0, help="then pretrain on until this echo accuracy (checked every 10 steps)"
+        None, "--pretrain-target", min=0.0, max=1.0, help="then pretrain on until this echo accuracy (checked every 10 steps; --size only)"
     ),
     pretrain_max_steps: int = typer.Option(0, "--pretrain-max-steps", min=0, help="cap on the steps with --pretrain-target"),
+    tokenizer_cache: Optional[Path] = typer.Option(
+        None, "--tokenizer-cache", help="with --arch: where trained tokenizers are cached (default $SWARMRL_CACHE_DIR or ~/.cache/swarmrl)"
+    ),
 ) -> None:
-    """Write a tiny Qwen2-architecture model and tokenizer, made locally (no hub)."""
+    """Write a model and tokenizer made locally (no hub): the toy Qwen2 (--size), or a real architecture at
+    its real shape (--arch), random weights and optionally a short pretraining."""
     import json
 
-    from trainer.tiny_model import SIZES, init_model as make
+    tied = tie_embeddings and not untied
+    if arch is None:
+        from trainer.tiny_model import SIZES, init_model as make
 
-    if size not in SIZES:
-        raise typer.BadParameter(f"choose one of {', '.join(SIZES)}", param_hint="--size")
-    path = make(out, size, seed, tie_embeddings, pretrain_steps, pretrain_target, pretrain_max_steps)  # type: ignore[arg-type]
-    steps = json.loads((path / "swarmrl_model.json").read_text())["pretrain_steps"]
-    console.print(f"wrote a {size} model (seed {seed}, tied={tie_embeddings}, pretrain steps {steps}) to {path}")
+        size = size or "tiny"
+        if size not in SIZES:
+            raise typer.BadParameter(f"choose one of {', '.join(SIZES)}", param_hint="--size")
+        if layers is not None or hidden is not None or intermediate is not None or tokenizer_cache is not None:
+            raise typer.BadParameter("--layers, --hidden, --intermediate and --tokenizer-cache go with --arch", param_hint="--arch")
+        path = make(out, size, seed, tied, pretrain_steps or 0, pretrain_target, pretrain_max_steps)  # type: ignore[arg-type]
+        steps = json.loads((path / "swarmrl_model.json").read_text())["pretrain_steps"]
+        console.print(f"wrote a {size} model (seed {seed}, tied={tied}, pretrain steps {steps}) to {path}")
+        return
+
+    from trainer.model_shapes import DEFAULT_PRETRAIN_STEPS, PRESETS, init_model as make_arch
+
+    if arch not in PRESETS:
+        raise typer.BadParameter(f"choose one of {', '.join(PRESETS)}", param_hint="--arch")
+    if size is not None or pretrain_target is not None or pretrain_max_steps:
+        raise typer.BadParameter("--size, --pretrain-target and --pretrain-max-steps are for the toy model", param_hint="--arch")
+    steps = DEFAULT_PRETRAIN_STEPS if pretrain_steps is None else pretrain_steps
+    try:
+        path = make_arch(out, arch, seed, not tied, layers, hidden, intermediate, steps, tokenizer_cache)
+    except ValueError as exc:  # a shape the architecture cannot take
+        raise typer.BadParameter(str(exc), param_hint="--hidden") from None
+    info = json.loads((path / "swarmrl_model.json").read_text())
+    loss = f", final loss {info['pretrain_final_loss']:.3f}" if steps else ""
+    console.print(f"wrote {arch} ({info['parameters']:,} parameters, tied={tied}, pretrain steps {steps}{loss}) to {path}")
 
 
 def _add_component_clis() -> None:
