@@ -44,10 +44,11 @@ class Tolerances(BaseModel):
 # Seeded draws, from `swarmrl verifier calibrate --part draws` (bench/results/verifier_draw_calibration.md):
 # every accepted token that is not the exact draw on our logits is counted (a near tie or a boundary pick),
 # and a worker is held to `deviation_rate` of them per token, so a wider tolerance buys no free choice.
-# float32: the replay is exact (no honest token lost its draw or left the support in ~790,000 tokens):
-#   margin and slacks 1e-4, ~200x the honest logprob noise (~5e-7), 10x under the logprob limit. At 1e-3
-#   the tightened support dropped the last kept token of every row, and 5.8% of positions (small model,
-#   T=0.7 top-p 0.9) offered a second token.
+# float32: the replay is exact (no honest token lost its draw or left the support in ~790,000 tokens), so
+#   margin and slacks could be far below 1e-3; they stay at 1e-3 (the logprob limit) because a 28-layer
+#   model's fp32 noise is unmeasured here and every pick they allow is counted anyway. The 5.8% of positions
+#   that offered a second token (small model, T=0.7 top-p 0.9) came from the tightened support dropping its
+#   last kept token, not from the slack's size.
 # bfloat16: an honest near tie of 0.127 logits (small model, T=1, batch 32) against the earlier 0.04 +
 #   2**-7 |logit| = 0.085 was a false rejection (the run of 2026-11-27; 0.061 was the largest before,
 #   bench/results/verifier_draw_calibration_before_widening.md): draw_margin is 0.15. Honest tokens outside
@@ -65,10 +66,10 @@ CALIBRATED: dict[str, Tolerances] = {
         proof=ProofThresholds(max_exponent_mismatches=4, max_mantissa_mean=0.25, max_mantissa_median=0.5),
         logprob_max_abs_diff=1e-3,
         logprob_max_mean_diff=2e-5,
-        draw_margin=1e-4,
+        draw_margin=1e-3,
         draw_margin_rel=2.0**-20,
-        draw_logit_slack=1e-4,
-        draw_top_p_slack=1e-4,
+        draw_logit_slack=1e-3,
+        draw_top_p_slack=1e-3,
         deviation_rate=0.1,
     ),
     "bfloat16": Tolerances(
