@@ -37,8 +37,8 @@ class DeviatingVerifier(FakeVerifier):
                 for v in super().verify_many(jobs)]
 
 
-def run_worker(tmp_path, near_ties: int, submissions: int, decay: int = 0):
-    orch = make_orchestrator(run_config(tmp_path, strikes_to_ban=3, near_tie_burst=4.0, near_tie_ban=100.0, strike_decay_accepted=decay),
+def run_worker(tmp_path, near_ties: int, submissions: int, decay: int = 0, ban_at: float = 100.0):
+    orch = make_orchestrator(run_config(tmp_path, strikes_to_ban=3, near_tie_burst=4.0, near_tie_ban=ban_at, strike_decay_accepted=decay),
                              DeviatingVerifier(near_ties))
     reg = orch.register(WorkerRegistration(name="w"), orch.cfg.join_tokens[0].get_secret_value())
     wid = orch.authenticate(reg.secret)
@@ -69,17 +69,6 @@ def test_a_worker_that_deviates_past_the_allowance_is_struck_and_banned(tmp_path
 def test_a_rare_steerer_is_banned_though_its_strikes_decay(tmp_path):
     """Each submission 1 above the allowance: a strike every 4th, decayed by the next 3 accepted, so the strikes
     alone never reach 3; but the bucket only drains by the allowance, and passes near_tie_ban."""
-    orch = make_orchestrator(run_config(tmp_path, strikes_to_ban=3, near_tie_burst=4.0, near_tie_ban=30.0, strike_decay_accepted=3),
-                             DeviatingVerifier(2))
-    reg = orch.register(WorkerRegistration(name="w"), orch.cfg.join_tokens[0].get_secret_value())
-    wid = orch.authenticate(reg.secret)
-    for i in range(45):
-        if orch.workers.get(wid).banned:
-            break
-        lease = orch.lease(wid, LeaseRequest(loaded_policy_version=0, max_prompts=1)).lease
-        orch.submit(wid, encode(make_submission(lease, np.random.default_rng(i))), None)
-        while orch.verification.verify_pending():
-            pass
-    w = orch.workers.get(wid)
+    orch, w = run_worker(tmp_path, near_ties=2, submissions=45, decay=3, ban_at=30.0)
     assert w.banned and w.accepted == 31 and "exact draw" in w.ban_reason  # excess 31 > 30 at the 31st
     orch.db.close()
