@@ -12,7 +12,12 @@ class EngineConfig(BaseModel):
 
     dtype: str = Field("float32", pattern="^(float32|bfloat16|float16|auto)$")
     max_model_len: int = Field(512, ge=16)
-    kv_cache_bytes: int = Field(256 << 20, ge=1 << 20, description="KV cache size (CPU); see notes/vllm-cpu.md")
+    kv_cache_bytes: int | None = Field(
+        None, ge=1 << 20, description="KV cache size (CPU). Unset: derived from the model, enough for kv_cache_sequences sequences "
+        "of max_model_len tokens, at most kv_cache_max_fraction of the available memory, never less than one (kv_cache.py)",
+    )
+    kv_cache_sequences: int = Field(16, ge=1, description="full-length sequences the derived KV cache holds at once")
+    kv_cache_max_fraction: float = Field(0.25, gt=0, le=1, description="the derived KV cache's cap, of the memory available")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     multiprocess: bool = Field(False, description="vLLM's multiprocess engine; in-process starts faster")
     enforce_eager: bool = True

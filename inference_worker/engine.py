@@ -116,7 +116,7 @@ class RolloutEngine:
             kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= self.config.max_lora_rank))
             self._adapters_dir = tempfile.TemporaryDirectory(prefix="swarmrl-adapters-")
         if current_platform.is_cpu():
-            kwargs["kv_cache_memory_bytes"] = self.config.kv_cache_bytes
+            kwargs["kv_cache_memory_bytes"] = self.kv_cache_bytes(model_dir)
         else:
             kwargs["gpu_memory_utilization"] = self.config.gpu_memory_utilization
         started = time.perf_counter()
@@ -126,6 +126,19 @@ class RolloutEngine:
         self.hidden_size = int(self.llm.collective_rpc("swarmrl_hidden_size")[0])
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         log.info("vLLM engine up in %.1f s (multiprocess=%s)", time.perf_counter() - started, self.config.multiprocess)
+
+    def kv_cache_bytes(self, model_dir) -> int:
+        """The configured KV cache, or one derived from the model's shape (inference_worker/kv_cache.py)."""
+        if self.config.kv_cache_bytes is not None:
+            return self.config.kv_cache_bytes
+        from transformers import AutoConfig
+
+        from inference_worker.kv_cache import derived_bytes
+
+        cfg = self.config
+        size = derived_bytes(AutoConfig.from_pretrained(model_dir), cfg.dtype, cfg.max_model_len, cfg.kv_cache_sequences, cfg.kv_cache_max_fraction)
+        log.info("KV cache %.0f MiB, derived from the model (%d sequences of %d tokens at most)", size / 2**20, cfg.kv_cache_sequences, cfg.max_model_len)
+        return size
 
     # ----------------------------------------------------------------------------------------------
     # Generation
