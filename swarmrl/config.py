@@ -22,6 +22,11 @@ class ModelConfig(BaseModel):
 
     path: str = Field("", description="a transformers model folder; empty: make a tiny one in the run folder")
     init_size: Literal["tiny", "small"] = "tiny"
+    init_arch: Literal["qwen2.5-0.5b", "qwen3-0.6b", "llama-3.2-1b"] | None = Field(
+        None, description="make this real architecture (trainer/model_shapes.py, a BPE tokenizer trained here) instead of init_size's toy",
+    )
+    init_layers: int | None = Field(None, ge=1, description="with init_arch: fewer layers than the real model (a rehearsal at small size)")
+    init_hidden: int | None = Field(None, ge=32, description="with init_arch: a narrower model, same architecture and vocabulary")
     init_seed: int = 0
     tie_embeddings: bool = True
     init_pretrain_steps: int = Field(
@@ -35,6 +40,14 @@ class ModelConfig(BaseModel):
         description="pretrain on until this echo accuracy (fresh echo lines, greedy, checked every 10 steps); None: exactly init_pretrain_steps",
     )
     init_pretrain_max_steps: int = Field(0, ge=0, description="cap on the pretraining steps with init_pretrain_target")
+
+    @model_validator(mode="after")
+    def _arch_or_size(self) -> "ModelConfig":
+        if self.init_arch is None and (self.init_layers is not None or self.init_hidden is not None):
+            raise ValueError("model.init_layers and model.init_hidden scale a real architecture: set model.init_arch")
+        if self.init_arch is not None and (self.init_pretrain_target is not None or self.init_tool_format):
+            raise ValueError("model.init_pretrain_target and init_tool_format are the toy model's (echo data); with init_arch use init_pretrain_steps")
+        return self
 
 
 class ResourcesConfig(BaseModel):

@@ -63,10 +63,15 @@ class Progress:
 def ensure_model(cfg: RunConfig, rd: RunDir) -> Path:
     if cfg.model.path:
         return Path(cfg.model.path)
-    if not (rd.model_dir / "config.json").exists():
+    m = cfg.model
+    if m.init_arch and not (rd.model_dir / "config.json").exists():
+        from trainer.model_shapes import init_model as make_arch
+
+        log.info("making the base model", extra={"arch": m.init_arch, "layers": m.init_layers, "hidden": m.init_hidden, "pretrain_steps": m.init_pretrain_steps})
+        make_arch(rd.model_dir, m.init_arch, m.init_seed, not m.tie_embeddings, m.init_layers, m.init_hidden, pretrain_steps=m.init_pretrain_steps)
+    elif not (rd.model_dir / "config.json").exists():
         from trainer.tiny_model import init_model
 
-        m = cfg.model
         log.info("making the base model", extra={"size": m.init_size, "pretrain_steps": m.init_pretrain_steps, "pretrain_target": m.init_pretrain_target})
         init_model(rd.model_dir, m.init_size, m.init_seed, m.tie_embeddings, m.init_pretrain_steps, tool_format=m.init_tool_format,
                    pretrain_target=m.init_pretrain_target, pretrain_max_steps=m.init_pretrain_max_steps)
