@@ -17,7 +17,8 @@ pytestmark = pytest.mark.e2e
 HERE = Path(__file__).resolve().parent
 
 
-def test_a_run_makes_and_trains_a_qwen3_architecture_with_the_real_vocabulary(tmp_path):
+def test_a_run_makes_and_trains_a_qwen3_architecture_with_the_real_vocabulary(tmp_path, monkeypatch):
+    monkeypatch.setenv("SWARMRL_CACHE_DIR", str(tmp_path / "cache"))  # the trained tokenizer's cache: not the home folder
     # A random model scores 0 on the toy task everywhere (no group would have a signal): a reward with signal.
     proc = start_run(tmp_path, "--name", "arch", "--trainer.max_steps", "3", "--num_workers", "1", "--stop_reward", "null",
                      "--model.init_arch", "qwen3-0.6b", "--model.init_layers", "2", "--model.init_hidden", "64",
