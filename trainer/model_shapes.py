@@ -128,16 +128,22 @@ def corpus_windows(text: str, tok, n: int, seq_len: int, rng: random.Random) -> 
     return torch.tensor(rows, dtype=torch.long)
 
 
-def pretrain(model, tok, text: str, steps: int, seed: int, batch_size: int = 8, seq_len: int = 128, lr: float = 1e-3) -> dict:
-    """Next-token pretraining on corpus windows: AdamW, bf16 autocast (CPU), losses of every step."""
+def pretrain(model, tok, text: str, steps: int, seed: int, batch_size: int = 8, seq_len: int = 128, lr: float = 1e-3,
+             max_seconds: float | None = None) -> dict:
+    """Next-token pretraining on corpus windows: AdamW, bf16 autocast on the model's device, losses of every
+    step. `max_seconds`: no step starts after this much time (and at most `steps` steps either way)."""
     rng = random.Random(f"pretrain-{seed}")
+    device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     losses, times = [], []
     model.train()
+    begun = time.perf_counter()
     for _ in range(steps):
+        if max_seconds is not None and time.perf_counter() - begun >= max_seconds:
+            break
         started = time.perf_counter()
-        ids = corpus_windows(text, tok, batch_size, seq_len, rng)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        ids = corpus_windows(text, tok, batch_size, seq_len, rng).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -153,7 +159,7 @@ def pretrain(model, tok, text: str, steps: int, seed: int, batch_size: int = 8, 
 def mean_loss(model, tok, text: str, seed: int, batch_size: int = 4, seq_len: int = 128) -> float:
     """Next-token loss (float32) on corpus windows of their own generator (the same corpus, so not held out):
     ln(vocab) ~ 11.9 for a uniform model."""
-    ids = corpus_windows(text, tok, batch_size, seq_len, random.Random(f"eval-{seed}"))
+    ids = corpus_windows(text, tok, batch_size, seq_len, random.Random(f"eval-{seed}")).to(next(model.parameters()).device)
     return float(model(input_ids=ids, labels=ids).loss)
 
 

@@ -47,13 +47,14 @@ class TokenStats:
 
 
 def token_stats(logits: torch.Tensor, tokens: torch.Tensor, sampling: SamplingParams) -> TokenStats:
-    """Statistics of `tokens` [T] under `logits` [T, V] (any float dtype; computed in float32)."""
+    """Statistics of `tokens` [T] under `logits` [T, V] (any float dtype and device; computed in float32
+    where the logits are, and only the [T] results copied to the host)."""
     logits = logits.float()
     tokens = tokens.long().view(-1, 1)
     logprob = torch.log_softmax(logits, dim=-1).gather(1, tokens).squeeze(1)
     temp = sampling.temperature if sampling.temperature > 0 else 1.0
     tempered = logprob if temp == 1.0 else torch.log_softmax(logits / temp, dim=-1).gather(1, tokens).squeeze(1)
-    return TokenStats(logprob=logprob.double().numpy(), tempered_logprob=tempered.double().numpy())
+    return TokenStats(logprob=logprob.double().cpu().numpy(), tempered_logprob=tempered.double().cpu().numpy())
 
 
 @dataclass

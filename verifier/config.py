@@ -110,6 +110,8 @@ class VerifierConfig(BaseModel):
     keep_versions: int = Field(3, ge=1, description="policy versions kept loaded per actor (LRU)")
     max_batch_tokens: int = Field(16384, ge=1, description="tokens per batched prefill")
     dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$", description="the compute dtype workers must use")
+    # The prefill and the draw replay run here; proofs, rewards and everything else stay on the CPU.
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="where the reference model runs: cpu, cuda or cuda:N")
     # Unset (None): the calibrated default for `dtype` (CALIBRATED above).
     thresholds: ProofThresholds | None = None
     logprob_max_abs_diff: float | None = Field(None, gt=0, description="per token, reported vs recomputed")

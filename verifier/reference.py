@@ -37,8 +37,8 @@ class Prefill:
     draw: Draw | None = None  # with seeds: every draw replayed
 
 
-def load_reference_model(config_dir: Path, weights_dir: Path | None, dtype: str = "float32"):
-    """A transformers causal LM: architecture from `config_dir` (or `weights_dir` if it has a
+def load_reference_model(config_dir: Path, weights_dir: Path | None, dtype: str = "float32", device: str = "cpu"):
+    """A transformers causal LM on `device`: architecture from `config_dir` (or `weights_dir` if it has a
     config.json), weights from the `*.safetensors` in `weights_dir` (tensor names as transformers).
     A LoRA adapter version in `weights_dir` is applied to the base model in `config_dir` (`load_adapted`)."""
     from safetensors.torch import load_file
@@ -50,11 +50,11 @@ def load_reference_model(config_dir: Path, weights_dir: Path | None, dtype: str 
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     config_dir = Path(config_dir)
     if weights_dir is not None and is_adapter(weights_dir):
-        return load_adapted(config_dir, Path(weights_dir), dtype)
+        return load_adapted(config_dir, Path(weights_dir), dtype, device)
     source = Path(weights_dir) if weights_dir is not None and (Path(weights_dir) / "config.json").exists() else config_dir
     config = AutoConfig.from_pretrained(source)
     if weights_dir is None:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype])
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype]).to(device)
     else:
         files = sorted(Path(weights_dir).glob("*.safetensors"))
         if not files:
@@ -72,7 +72,7 @@ def load_reference_model(config_dir: Path, weights_dir: Path | None, dtype: str 
             raise ValueError(f"weights in {weights_dir} do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
         if tied:
             model.tie_weights()
-        model = model.to(DTYPES[dtype])
+        model = model.to(device=device, dtype=DTYPES[dtype])
     model.eval()
     return model
 
@@ -84,7 +84,7 @@ def _base_hash(base_dir: str) -> str:
     return base_model_hash(base_dir)
 
 
-def load_adapted(base_dir: Path, adapter_dir: Path, dtype: str = "float32"):
+def load_adapted(base_dir: Path, adapter_dir: Path, dtype: str = "float32", device: str = "cpu"):
     """The base model in `base_dir` with the LoRA adapter version in `adapter_dir` merged in by peft
     (W + alpha/r * B A, in float32, then cast to `dtype`). The adapter must name this base's model hash:
     one trained on another base is refused, never verified against the wrong weights."""
@@ -102,7 +102,7 @@ def load_adapted(base_dir: Path, adapter_dir: Path, dtype: str = "float32"):
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     with tempfile.TemporaryDirectory(prefix="swarmrl-adapter-") as tmp:
         model = PeftModel.from_pretrained(base, write_peft_dir(state, Path(tmp)), is_trainable=False).merge_and_unload()
-    model = model.to(DTYPES[dtype])
+    model = model.to(device=device, dtype=DTYPES[dtype])
     model.eval()
     return model
 
@@ -147,6 +147,7 @@ def prefill(
     `seeds` (one per sequence) also the replay of every seeded draw (protocol.sampling.replay with
     `draw_slack` = (top_p_slack, logit_slack, slack_rel)), its margins in logit units, and with `draw_margin`
     = (margin, margin_rel) the positions where more than one token would pass."""
+    device = model.lm_head.weight.device  # the model's; only per-token results come back to the host
     lengths = [len(p) + len(c) - 1 for p, c in sequences]
     order = sorted(range(len(sequences)), key=lambda i: lengths[i])
     results: list[Prefill | None] = [None] * len(sequences)
@@ -159,7 +160,7 @@ def prefill(
             p, c = sequences[i]
             seq = np.concatenate([np.asarray(p, dtype=np.int64), np.asarray(c, dtype=np.int64)[:-1]])
             ids[row, : len(seq)] = torch.from_numpy(seq)
-        hidden = model.model(input_ids=ids).last_hidden_state  # final norm applied
+        hidden = model.model(input_ids=ids.to(device)).last_hidden_state  # final norm applied
         rows = {i: hidden[row, len(sequences[i][0]) - 1 : len(sequences[i][0]) - 1 + len(sequences[i][1])] for row, i in enumerate(batch)}
         # Token statistics and draws of every completion that shares its sampling settings at once, in
         # slices of rows so that the logits of long completions over a large vocabulary stay small.
@@ -168,7 +169,7 @@ def prefill(
             groups.setdefault((sampling[i].temperature, sampling[i].top_k, sampling[i].top_p), []).append(i)
         for members in groups.values():
             h = torch.cat([rows[i] for i in members])
-            tokens = torch.from_numpy(np.concatenate([np.asarray(sequences[i][1], dtype=np.int64) for i in members]))
+            tokens = torch.from_numpy(np.concatenate([np.asarray(sequences[i][1], dtype=np.int64) for i in members])).to(device)
             row_seeds = row_positions = None
             if seeds is not None:
                 row_seeds = np.concatenate([np.full(len(sequences[i][1]), seeds[i], dtype=np.int64) for i in members])
@@ -184,8 +185,8 @@ def prefill(
                     r = replay(logits, row_seeds[s : s + _STATS_ROWS], row_positions[s : s + _STATS_ROWS], part_tokens, params, *draw_slack,
                                *(draw_margin or (None, 0.0)))
                     scale = torch.maximum(logits.gather(1, r.winner.view(-1, 1)).abs(), logits.gather(1, part_tokens.view(-1, 1)).abs()).view(-1)
-                    draws.append(Draw(r.winner.numpy(), r.margin.double().numpy() * to_logits, r.inside.numpy(), scale.double().numpy(), r.exact.numpy(),
-                                      None if r.choice is None else r.choice.numpy()))
+                    draws.append(Draw(r.winner.cpu().numpy(), r.margin.double().cpu().numpy() * to_logits, r.inside.cpu().numpy(),
+                                      scale.double().cpu().numpy(), r.exact.cpu().numpy(), None if r.choice is None else r.choice.cpu().numpy()))
             stats = TokenStats.concat(parts)
             draw = Draw.concat(draws) if draws else None
             offset = 0
@@ -203,3 +204,4 @@ def prefill(
     if batch:
         run(batch)
     return results  # type: ignore[return-value]
+

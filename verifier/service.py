@@ -119,7 +119,7 @@ class Verifier:
             self._models.move_to_end(version)
             return self._models[version]
         started = time.perf_counter()
-        model = load_reference_model(self.tokenizer_dir, self.weights_for_version(version), self.config.dtype)
+        model = load_reference_model(self.tokenizer_dir, self.weights_for_version(version), self.config.dtype, self.config.device)
         self.vocab_size = int(model.config.vocab_size)
         self._models[version] = model
         while len(self._models) > self.config.keep_versions:

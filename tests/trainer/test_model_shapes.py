@@ -181,6 +181,19 @@ def test_pretraining_peaks_the_distribution(tmp_path, qwen_tokenizer):
     assert tensor_digest(path) == tensor_digest(init_model(tmp_path / "p2", "qwen3-0.6b", pretrain_steps=8, **kwargs))
 
 
+def test_pretraining_stops_at_its_time_limit(tmp_path, qwen_tokenizer):
+    """`max_seconds` (bench/gpu_check.py gives pretraining a time budget): no step starts after it."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.model_shapes import pretrain
+
+    model = AutoModelForCausalLM.from_pretrained(init_model(tmp_path / "r", "qwen3-0.6b", seed=1, tokenizer=qwen_tokenizer, **TINY))
+    text = "\n".join(read_corpus().texts)
+    assert pretrain(model, qwen_tokenizer.tokenizer, text, 50, 0, batch_size=2, seq_len=16, max_seconds=0)["losses"] == []
+    done = pretrain(model, qwen_tokenizer.tokenizer, text, 3, 0, batch_size=2, seq_len=16, max_seconds=600)
+    assert len(done["losses"]) == 3  # `steps` still bounds it
+
+
 def test_init_model_cli(tmp_path, bpe_cache):
     from typer.testing import CliRunner
 

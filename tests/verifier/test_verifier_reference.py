@@ -52,3 +52,29 @@ def test_bf16_reference_and_bad_weights(tiny_model_dir, tmp_path):
         load_reference_model(tiny_model_dir, tmp_path, "float32")
     with pytest.raises(ValueError, match="unknown dtype"):
         load_reference_model(tiny_model_dir, None, "int8")
+
+
+def test_device_option_cpu_behaves_as_before(tiny_model_dir):
+    """VerifierConfig.device (default cpu) places the reference model; on the CPU nothing changes: the same
+    prefill, replay and statistics."""
+    import pytest
+    from pydantic import ValidationError
+
+    from verifier.config import VerifierConfig
+
+    assert VerifierConfig().device == "cpu" and VerifierConfig(device="cuda:1").device == "cuda:1"
+    with pytest.raises(ValidationError):
+        VerifierConfig(device="tpu")
+    model = load_reference_model(tiny_model_dir, tiny_model_dir, "float32", device="cpu")
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    default = load_reference_model(tiny_model_dir, tiny_model_dir, "float32")
+    rng = np.random.default_rng(3)
+    seqs = [(rng.integers(3, 54, 6).astype(np.int32), rng.integers(3, 54, 30).astype(np.int32)) for _ in range(3)]
+    samplings = [SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=0.5, top_k=5)]
+    kwargs = dict(seeds=[1, 2, 3], draw_slack=(1e-3, 1e-3, 0.0), draw_margin=(1e-3, 0.0))
+    for a, b in zip(prefill(model, seqs, samplings, **kwargs), prefill(default, seqs, samplings, **kwargs)):
+        torch.testing.assert_close(a.hidden, b.hidden, rtol=0, atol=0)
+        np.testing.assert_array_equal(a.stats.logprob, b.stats.logprob)
+        np.testing.assert_array_equal(a.stats.tempered_logprob, b.stats.tempered_logprob)
+        for f in ("winner", "margin", "inside", "exact", "choice"):
+            np.testing.assert_array_equal(getattr(a.draw, f), getattr(b.draw, f))
