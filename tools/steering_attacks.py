@@ -123,13 +123,21 @@ def _job(verifier: Verifier, lease, item, prompt_ids: np.ndarray, tokens: list[i
 def _ledger(per_submission: list[tuple[int, float]], burst: float, ban_at: float) -> tuple[int, int | None]:
     """What the orchestrator's DeviationLedger does over these (deviations, allowance), in order: the
     strikes, and after how many of these submissions it bans (None: never)."""
-    excess, strikes = 0.0, 0
-    for i, (deviations, allowance) in enumerate(per_submission):
-        before, excess = excess, max(0.0, excess + deviations - allowance)
-        strikes += max(0, int(excess // burst) - int(before // burst))
-        if excess > ban_at:
-            return strikes, i + 1
-    return strikes, None
+    from orchestrator.db import Database
+    from orchestrator.draw_deviations import DeviationLedger
+
+    db = Database(":memory:")
+    ledger, strikes = DeviationLedger(db, burst, ban_at), 0
+    try:
+        with db.tx() as conn:
+            for i, (deviations, allowance) in enumerate(per_submission):
+                due, ban = ledger.record(conn, "steerer", deviations, allowance)
+                strikes += due
+                if ban:
+                    return strikes, i + 1
+        return strikes, None
+    finally:
+        db.close()
 
 
 def paired(gains: list[float]) -> tuple[float, float]:

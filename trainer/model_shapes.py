@@ -105,12 +105,6 @@ def make_config(arch: str, untied: bool = False, layers: int | None = None, hidd
     return config
 
 
-def kv_cache_bytes(config, tokens: int, dtype_bytes: int = 4) -> int:
-    """KV cache for `tokens` tokens: layers x KV heads x head_dim x 2 (K and V) x dtype bytes per token."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return config.num_hidden_layers * config.num_key_value_heads * head_dim * 2 * dtype_bytes * tokens
-
-
 def count_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())  # tied weights are one parameter
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.model_shapes import PRESETS, init_model, kv_cache_bytes
+from inference_worker.kv_cache import derived_bytes
+from trainer.model_shapes import PRESETS, init_model
 
 MAX_MODEL_LEN = 128
 CONCURRENT = 4  # sequences of one lease: 2 prompts x 2 samples
@@ -65,8 +66,8 @@ def test_made_model_loads_everywhere_and_honest_rollouts_verify(arch, untied, tm
                       samples_per_prompt=2, sampling=sampling, policy_version=0, min_policy_version=0, deadline=time.time() + 600, generation_version=0)
 
     # The KV cache from the model's shape (the engine's default is a fixed 256 MiB, tools' 64 MiB).
-    kv = kv_cache_bytes(AutoConfig.from_pretrained(model_dir), MAX_MODEL_LEN * CONCURRENT, dtype_bytes=4)
-    engine = RolloutEngine(model_dir, EngineConfig(max_model_len=MAX_MODEL_LEN, kv_cache_bytes=max(kv, 1 << 20)))
+    kv = derived_bytes(AutoConfig.from_pretrained(model_dir), "float32", MAX_MODEL_LEN, CONCURRENT, 0.25)
+    engine = RolloutEngine(model_dir, EngineConfig(max_model_len=MAX_MODEL_LEN, kv_cache_bytes=kv))
     try:
         assert engine.hidden_size == 64
         completions = engine.generate(lease)
