@@ -25,9 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 sys.path.insert(0, str(REPO))
 
+from environments.tasks import get_task  # noqa: E402
 from swarmrl.config import load_run_config  # noqa: E402
 from trainer.tiny_model import EOS_ID, echo_accuracy, init_model, make_tokenizer, pretrain_corpus  # noqa: E402
-from verifier.tasks import get_task  # noqa: E402
 
 
 @torch.no_grad()

@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from environments.tasks import get_task
 from trainer.advantages import group_advantages, has_signal
 from trainer.config import LossConfig, TrainerConfig
 from trainer.samples import TrainSample
 from trainer.tiny_model import EOS_ID, init_model, make_tokenizer
 from trainer.train import Trainer, load_model
-from verifier.tasks import get_task
 
 
 @torch.no_grad()
@@ -59,7 +59,7 @@ VARIANTS = {
 
 def run(variant: dict, steps: int, model_dir: Path, seed: int) -> dict:
     torch.manual_seed(seed)
-    import verifier.tasks as tasks_mod
+    import environments.tasks as tasks_mod
 
     if variant.get("exact_digits"):
         tasks_mod._digit_credit = lambda want, got: float(want == got)

@@ -178,11 +178,11 @@ def part_worker(ctx: Ctx, r: dict, deadline: float) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from environments.tasks import TaskItem
     from protocol.models import Completion, FinishReason, SamplingParams, TaskLease, TaskPrompt
     from trainer.model_shapes import corpus_windows
     from verifier.proofs import build_proofs_many
     from verifier.reference import eos_token_ids
-    from verifier.tasks import TaskItem
 
     base = ctx.served
     r["model"] = "pretrained" if base == ctx.base_dir else "random (pretraining did not finish)"

@@ -4,7 +4,7 @@ The orchestrator runs in its own process (real uvicorn, real SQLite file, the re
 auth, size caps, zstd, schema with vocab check, lease, version, shape, replay fingerprint, durable
 insert). Verification is STUBBED for this benchmark only (accept, random rewards), so accepted
 submissions still become buffer samples in SQLite; a stub trainer thread in the server takes and
-commits batches through the real `take_batch` / `commit_batch` (without publishing versions), so the
+commits batches through the real `take_batch` / `commit_batches` (without publishing versions), so the
 buffer stays bounded as in a real run and the async-generation bound does not stall the workers.
 
 Clients run in separate processes: raw HTTP/1.1 keep-alive connections on asyncio (+ uvloop if installed; one per
@@ -110,9 +110,9 @@ def register(orch, reg):
 
 def commit(orch, batch_id: str) -> None:
     """Commit without publishing a new version."""
-    if hasattr(orch, "verification"):
-        orch.commit_batch(batch_id, 0, {})
-    else:
+    if hasattr(orch, "commit_batches"):
+        orch.commit_batches({batch_id: 0}, {})
+    else:  # an older ref's orchestrator
         orch.commit_batch(batch_id, 0)
 
 
@@ -180,10 +180,10 @@ def serve_main(args) -> None:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     if args.src:  # run another copy of orchestrator/, protocol/, trainer/ (e.g. git HEAD's) against the same harness
         sys.path.insert(0, args.src)
+    from environments.tasks import get_task
     from orchestrator.data import PromptSet
     from orchestrator.server import OrchestratorServer
     from trainer.tiny_model import make_tokenizer, padded_vocab_size
-    from verifier.tasks import get_task
 
     logging.basicConfig(level=logging.WARNING)
     cfg = bench_config(Path(args.dir), args.port, args)
@@ -224,10 +224,10 @@ def steps_main(args) -> None:
         sys.path.insert(0, args.src)
     import zstandard
 
+    from environments.tasks import get_task
     from orchestrator.data import PromptSet
     from protocol.models import LeaseRequest, WorkerRegistration
     from trainer.tiny_model import make_tokenizer, padded_vocab_size
-    from verifier.tasks import get_task
 
     run_dir = Path(tempfile.mkdtemp(prefix="swarmrl-orch-steps-"))
     cfg = bench_config(run_dir, 0, args)

@@ -138,6 +138,7 @@ def compare_with_toploc(acts: list[torch.Tensor], reps: int, workdir: Path) -> d
 
 
 def bench_model(size: str, seqs: int, max_tokens: int, workdir: Path, reps: int) -> dict:
+    from environments.tasks import get_task
     from protocol.models import SamplingParams
     from trainer.tiny_model import init_model
     from tools.verifier_calibration import Trial, encode_prompts, lease_for, to_job
@@ -145,7 +146,6 @@ def bench_model(size: str, seqs: int, max_tokens: int, workdir: Path, reps: int)
     from verifier import proofs
     from verifier.config import VerifierConfig
     from verifier.service import Verifier
-    from verifier.tasks import get_task
 
     model_dir = init_model(workdir / size, size, seed=0)
     items = get_task("toy").make_prompts(seqs, 0)

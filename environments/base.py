@@ -34,8 +34,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from environments.tasks import TaskItem
 from protocol import limits
-from verifier.tasks import TaskItem
 
 Encode = Callable[[str], list[int]]
 Decode = Callable[[list[int]], str]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from environments.base import EnvLimits, Environment
-from verifier.tasks import CountdownTask, TaskItem, safe_arithmetic
+from environments.tasks import CountdownTask, TaskItem, safe_arithmetic
 
 CALC_CHARS = "0123456789+-*/() "
 

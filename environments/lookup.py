@@ -14,12 +14,12 @@ from __future__ import annotations
 from typing import Any
 
 from environments.base import EnvLimits, Environment
-from verifier.tasks import TaskItem, ToyCopyTask
+from environments.tasks import TaskItem, ToyCopyTask
 
 
 class LookupEnv(Environment):
     name = "lookup"
-    task = "lookup"  # the task that makes its prompts (verifier.tasks)
+    task = "lookup"  # the task that makes its prompts (environments.tasks)
     limits = EnvLimits(max_turns=2, max_turn_tokens=8, max_episode_tokens=24)
     tool_call = "?"
 

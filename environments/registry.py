@@ -9,7 +9,7 @@ from typing import Any, Sequence
 from environments.base import Decode, Encode, Environment
 from environments.calculator import CalculatorEnv
 from environments.lookup import LookupEnv
-from verifier.tasks import TaskItem, import_plugin
+from environments.tasks import TaskItem, import_plugin
 
 ENVIRONMENTS: dict[str, type[Environment]] = {"lookup": LookupEnv, "calculator": CalculatorEnv}
 # The reward pool runs these as plug-ins (`module:function`, called as fn(text, item, **params)).

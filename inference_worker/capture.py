@@ -7,7 +7,7 @@ multiprocess mode), and `llm.collective_rpc("<method>", args=...)` calls its met
 and results are plain Python values and bytes, so the same calls work across processes; tensors never
 cross a process boundary, only proofs (and, on request, raw hidden-state bytes for tests).
 
-Capture (see shared/notes/vllm-cpu.md): the model runner calls `model.compute_logits(h)` once per step
+Capture: the model runner calls `model.compute_logits(h)` once per step
 with the final-norm hidden states of exactly the positions sampled at that step, one row per scheduled
 request, in the order of `model_runner.input_batch.req_ids`. We wrap `compute_logits` to keep each row,
 keyed by the sequence position of the token it samples (`optimistic_seq_lens_cpu`: prompt + tokens so
@@ -210,8 +210,8 @@ class HiddenStateCapture:
         the running model, in place.
 
         vLLM's CPU build repacks linear weights into oneDNN GEMMs. With tied embeddings the reload
-        updates `embed_tokens` but leaves the lm_head's packed GEMM holding the old matrix
-        (shared/notes/vllm-cpu.md), so we repack the lm_head from the (shared, reloaded) weight.
+        updates `embed_tokens` but leaves the lm_head's packed GEMM holding the old matrix (a bug of the
+        CPU build), so we repack the lm_head from the (shared, reloaded) weight.
         """
         from vllm.config import set_current_vllm_config
 

@@ -169,9 +169,6 @@ class RolloutBuffer:
         self.max_staleness = max_staleness
         self.room_freed: Callable[[], None] = lambda: None  # the lease book's long poll (leases.RoomSignal)
         db.create(SCHEMA, counters=COUNTERS)
-        with db.tx() as conn:  # a run started before multi-turn episodes: its table lacks env_masks
-            if "env_masks" not in {r[1] for r in conn.execute("PRAGMA table_info(sample_groups)").fetchall()}:
-                conn.execute("ALTER TABLE sample_groups ADD COLUMN env_masks BLOB NOT NULL DEFAULT x''")
         with db.tx() as conn:
             # Taken groups stay taken over a restart: only the trainer knows whether it trained them
             # (Orchestrator.reconcile_trainer decides).

@@ -1,10 +1,11 @@
 """The run's durable state: one SQLite file in WAL mode, everything that must survive a crash of the
 orchestrator process.
 
-This module owns the connection, transactions, the background WAL checkpointer and the `meta` table of
-counters. Every other table belongs to the module of its concept, which creates it and keeps its own SQL:
-workers.py (workers), leases.py (leases, reissue), verification.py (submissions, fingerprints, versions),
-buffer.py (sample_groups and the `samples` view).
+This module owns the connection, transactions, the background WAL checkpointer, the `meta` table of
+counters and the schema's version (`PRAGMA user_version`, with the migrations that bring an older file to
+the latest: MIGRATIONS). Every other table belongs to the module of its concept, which creates it and keeps
+its own SQL: workers.py (workers), leases.py (leases, reissue), verification.py (submissions, fingerprints,
+versions), buffer.py (sample_groups and the `samples` view).
 
 All methods are thread-safe (one connection, one lock): the HTTP server, the verification thread and the
 trainer's pulls (Ray actor threads) share one `Database`. A second connection, on a thread of its own,
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,37 @@ META_SCHEMA = "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT
 WAL_AUTOCHECKPOINT_PAGES = 10_000
 # The background checkpointer's period (see Database._checkpoint_loop).
 CHECKPOINT_EVERY_S = 0.25
+
+
+# --------------------------------------------------------------------------------------------------
+# The schema's version: PRAGMA user_version. MIGRATIONS[v] takes a file at version v to v + 1, in one
+# transaction with the version bump; opening a file at an earlier version applies them in order, before
+# the concept modules create their tables. Every concept module's CREATE TABLE has the latest columns, so a
+# new file starts at SCHEMA_VERSION, and a step changes only the tables that the file already has (a table
+# made later is made new). A change of a table's columns is a new step at the end, never an edit of one.
+
+
+def _add_columns(conn: sqlite3.Connection, table: str, columns: list[tuple[str, str]]) -> None:
+    """Add each column (name, declaration) that `table` lacks; nothing when the file has no such table."""
+    have = {r[1] for r in conn.execute(f"PRAGMA table_info({table})").fetchall()}
+    for name, declaration in columns:
+        if have and name not in have:
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN {name} {declaration}")
+
+
+def _columns_of_unversioned_files(conn: sqlite3.Connection) -> None:
+    """0 -> 1. Every file from before the schema had a version is at 0, with whichever of the columns added
+    since then the swarmrl that made it had: join tokens, idempotency keys, eval leases, prompt instances,
+    release charges, strike decay and multi-turn env masks."""
+    _add_columns(conn, "leases", [("request_id", "TEXT"), ("token_id", "TEXT"), ("instances", "TEXT"), ("eval_version", "INTEGER"),
+                                  ("charged", "INTEGER"), ("submitted_at", "REAL")])
+    _add_columns(conn, "reissue", [("instance", "INTEGER")])
+    _add_columns(conn, "workers", [("token_id", "TEXT"), ("decay_progress", "INTEGER NOT NULL DEFAULT 0")])
+    _add_columns(conn, "sample_groups", [("env_masks", "BLOB NOT NULL DEFAULT x''")])
+
+
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_columns_of_unversioned_files,)
+SCHEMA_VERSION = len(MIGRATIONS)
 
 
 class Database:
@@ -53,12 +85,31 @@ class Database:
                 f"{self.path} is from an older swarmrl (one buffer row per sample); finish or restart that run with "
                 "the version that created it, or start a new run (another output_dir / db_path)"
             )
+        try:
+            self._migrate()
+        except BaseException:
+            self._db.close()
+            raise
         self._db.executescript(META_SCHEMA)
         self._checkpointer: threading.Thread | None = None
         self._closing = threading.Event()
         if self.path != ":memory:":
             self._checkpointer = threading.Thread(target=self._checkpoint_loop, name="orchestrator-checkpoint", daemon=True)
             self._checkpointer.start()
+
+    def _migrate(self) -> None:
+        """Bring the file to SCHEMA_VERSION (see MIGRATIONS); a new, empty one is at it already."""
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise RuntimeError(f"{self.path} is from a newer swarmrl (schema version {version}, this one knows up to {SCHEMA_VERSION})")
+        if version == 0 and not self._db.execute("SELECT 1 FROM sqlite_master").fetchone():
+            version = SCHEMA_VERSION  # a new file: every table is made at the latest schema
+            with self.tx() as db:
+                db.execute(f"PRAGMA user_version = {version}")
+        for step in range(version, SCHEMA_VERSION):
+            with self.tx() as db:
+                MIGRATIONS[step](db)
+                db.execute(f"PRAGMA user_version = {step + 1}")
 
     def create(self, schema: str, counters: tuple[str, ...] = (), float_counters: tuple[str, ...] = ()) -> None:
         """A concept module's tables (CREATE ... IF NOT EXISTS) and the counters it keeps in `meta`."""

@@ -57,6 +57,8 @@ CREATE TABLE IF NOT EXISTS leases (
 );
 CREATE INDEX IF NOT EXISTS leases_by_worker ON leases (worker_id, status);
 CREATE INDEX IF NOT EXISTS leases_by_deadline ON leases (status, deadline);
+CREATE INDEX IF NOT EXISTS leases_by_request ON leases (worker_id, request_id);
+CREATE INDEX IF NOT EXISTS leases_by_token ON leases (token_id, status);
 -- prompts of expired, released or rejected leases, handed out again before new ones
 CREATE TABLE IF NOT EXISTS reissue (seq INTEGER PRIMARY KEY AUTOINCREMENT, prompt_index INTEGER NOT NULL, instance INTEGER);
 -- the run's secret behind every sampling seed (one row, made with the database)
@@ -153,16 +155,6 @@ class LeaseBook:
         self.workers = workers
         self.tokens = tokens
         db.create(SCHEMA, counters=("lease_seq", "prompt_cursor"))
-        added = [("leases", c, "TEXT") for c in ("request_id", "token_id", "instances")] + [("leases", "eval_version", "INTEGER"), ("leases", "charged", "INTEGER"),
-                                                                                          ("leases", "submitted_at", "REAL"), ("reissue", "instance", "INTEGER")]
-        for table, column, kind in added:  # a database from before these
-            if column not in {r[1] for r in db.all(f"PRAGMA table_info({table})")}:
-                with db.tx() as conn:
-                    conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
-        db.create(
-            "CREATE INDEX IF NOT EXISTS leases_by_request ON leases (worker_id, request_id);"
-            "CREATE INDEX IF NOT EXISTS leases_by_token ON leases (token_id, status);"
-        )
         with db.tx() as conn:
             conn.execute("INSERT OR IGNORE INTO seed_key (id, key) VALUES (0, ?)", (secrets.token_bytes(32),))
             self.seed_key = bytes(conn.execute("SELECT key FROM seed_key").fetchone()[0])

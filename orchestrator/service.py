@@ -1,7 +1,7 @@
 """The orchestrator: one object that composes the run's concepts and answers every endpoint.
 
 Transport-free: the HTTP app (api.py) calls the endpoint methods with parsed models and the worker it
-authenticated; the trainer takes and commits batches through `take_batch` / `commit_batch` (in a Ray
+authenticated; the trainer takes and commits batches through `take_batch` / `commit_batches` (in a Ray
 actor, or directly in tests). Each concept keeps its own state and SQL:
 
     db.py            the SQLite file, transactions, counters
@@ -491,11 +491,6 @@ class Orchestrator:
         if published:
             self._advance(max(published))
         return gaps
-
-    def commit_batch(self, batch_id: str, trained_from_version: int, published: dict[int, str], dropped_stale: int = 0) -> dict[int, int]:
-        """One batch, trained and durable (see commit_batches). `dropped_stale` is not needed any more: the
-        commit finds the samples the step dropped itself."""
-        return self.commit_batches({batch_id: trained_from_version}, published)
 
     def give_back_batch(self, batch_id: str) -> int:
         with self.db.tx() as db:

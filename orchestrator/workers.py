@@ -50,6 +50,7 @@ CREATE TABLE IF NOT EXISTS workers (
     token_id TEXT,                  -- the join token it registered with
     decay_progress INTEGER NOT NULL DEFAULT 0  -- accepted since its last strike or decay, while it has strikes
 );
+CREATE INDEX IF NOT EXISTS workers_by_token ON workers (token_id);
 """
 
 # A worker with this many accepted submissions and no strikes is "trusted" for the verifier's
@@ -103,13 +104,6 @@ class Workers:
         self.ban_scope = ban_scope
         self.strike_decay_accepted = strike_decay_accepted  # 0: strikes never decay
         db.create(SCHEMA)
-        columns = {r[1] for r in db.all("PRAGMA table_info(workers)")}
-        with db.tx() as conn:  # a database from before join tokens, or before strikes decayed
-            if "token_id" not in columns:
-                conn.execute("ALTER TABLE workers ADD COLUMN token_id TEXT")
-            if "decay_progress" not in columns:
-                conn.execute("ALTER TABLE workers ADD COLUMN decay_progress INTEGER NOT NULL DEFAULT 0")
-        db.create("CREATE INDEX IF NOT EXISTS workers_by_token ON workers (token_id);")
         self._auth: dict[str, tuple[str, bool]] = {}  # worker id -> (secret hash, banned)
         self._dirty: dict[str, float] = {}  # last-seen times not yet flushed to SQLite
         # Every identity's join token and last request, in memory (fair shares and live counts read them per lease).

@@ -270,9 +270,6 @@ class OrchestratorActor:
     def take_batch(self, n: int, trainer_version: int | None = None, wait_s: float = 0.0) -> Any:
         return self.orch.take_batch(n, trainer_version, wait_s=wait_s)
 
-    def commit_batch(self, batch_id: str, trained_from_version: int, published: dict[int, str], dropped_stale: int = 0) -> dict[int, int]:
-        return self.orch.commit_batch(batch_id, trained_from_version, published, dropped_stale)
-
     def mark_trained(self, batch_id: str, trained_from_version: int) -> bool:
         return self.orch.mark_trained(batch_id, trained_from_version)
 

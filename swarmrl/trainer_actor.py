@@ -204,13 +204,6 @@ class TrainerActor:
             )
         return self.loop
 
-    def checkpoint(self) -> None:
-        """A checkpoint of the current state now (kept for callers outside the batch loop)."""
-        if self.loop is not None:
-            self.loop.finish()
-        else:
-            self.trainer.save_checkpoint()
-
     def release(self) -> None:
         """Rank 0: let the other ranks' `follow` return (the end of a group's run)."""
         from trainer import ranks

@@ -22,7 +22,7 @@ MERGES = 400
 
 
 def corpus(seed: int = 0) -> list[str]:
-    from verifier.tasks import get_task
+    from environments.tasks import get_task
 
     rng = random.Random(seed)
     texts = [it.prompt + it.answer for it in get_task("toy", digits=4).make_prompts(300, seed)]

@@ -1,4 +1,5 @@
-"""Shared test set-up: environment for vLLM / Ray on CPU (see shared/notes/vllm-cpu.md) and tiny models."""
+"""Shared test set-up: environment for vLLM / Ray on CPU (vLLM in-process with a 1 GiB KV cache, its cache and socket
+files in a temporary folder, no Ray auth token, no hub) and tiny models."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The attack matrix of multi-turn episodes: honest episodes from the real vLLM turn loop must all be
 accepted, each episode attack (tools/episode_attacks.py) rejected in every trial.
 
-    swarmrl verifier calibrate --part episodes --trials 100     (or: python -m tools.episode_calibration)
+    python -m tools.calibrate --part episodes --trials 100     (or: python -m tools.episode_calibration)
 
 Each trial is its own one-completion submission: one forged episode, verified alone. Honest episodes are
 verified in submissions of 8. Environment "lookup" on a tiny model taught the tool format (40 pretraining
@@ -20,11 +20,11 @@ import numpy as np
 import typer
 
 from environments.registry import item_to_wire
+from environments.tasks import get_task
 from protocol.models import RolloutSubmission, SamplingParams, TaskLease, TaskPrompt, VerdictStatus
 from tools.episode_attacks import ATTACKS, multi_turn
 from verifier.config import VerifierConfig
 from verifier.service import Verifier, VerifyJob
-from verifier.tasks import get_task
 
 HASH = "a" * 64
 
@@ -129,7 +129,7 @@ def make_tool_model(workdir: Path) -> Path:
 
 def write_results(result: dict, out: Path, trials: int) -> Path:
     meta = {"trials": trials, "environment": "lookup", "model": "tiny, 40 steps of the tool corpus", "episodes": result["prompts"] * result["samples"],
-            "command": f"swarmrl verifier calibrate --part episodes --trials {trials}",
+            "command": f"python -m tools.calibrate --part episodes --trials {trials}",
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": round(result["total_s"], 1)}
     out.mkdir(parents=True, exist_ok=True)
     path = out / "verifier_episode_attacks.md"

@@ -19,7 +19,7 @@ honestly for its own tokens. A row reports the reward gained over the exact draw
 token, how many steered submissions the verifier accepted, and the strikes the orchestrator's ledger gives
 the unbounded attacker over those submissions (with the run's default burst).
 
-Used by `swarmrl verifier calibrate --part steering`; writes bench/results/verifier_steering_attacks.{md,json}.
+Used by `python -m tools.calibrate --part steering`; writes bench/results/verifier_steering_attacks.{md,json}.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from environments.tasks import get_task
 from protocol import sampling as S
 from protocol.models import Completion, FinishReason, RolloutSubmission, SamplingParams, VerdictStatus
 from tools.draw_calibration import SAMPLINGS, acceptable_tokens
@@ -41,7 +42,6 @@ from verifier import proofs
 from verifier.config import VerifierConfig
 from verifier.reference import prefill
 from verifier.service import Verifier, VerifyJob
-from verifier.tasks import get_task
 
 
 @dataclass

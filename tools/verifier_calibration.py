@@ -1,6 +1,6 @@
 """Honest-noise calibration and the attack matrix, on real vLLM output from a locally made tiny model.
 
-A developer tool (not installed): used by `swarmrl verifier calibrate` (writes bench/results/verifier_*),
+A developer tool (not installed): used by `python -m tools.calibrate` (writes bench/results/verifier_*),
 by the attack-matrix tests and by the benchmark. Everything here runs real engines: the worker's own
 vLLM engine (CPU, in-process; tools/vllm_rollouts.py) generates and captures hidden states like an honest
 worker; attacks tamper with those rollouts, or generate with other weights, another prompt or a lower
@@ -21,6 +21,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from environments.tasks import TaskItem, get_task
 from inference_worker.engine import RolloutEngine
 from protocol.models import (
     Completion,
@@ -36,7 +37,6 @@ from verifier import proofs
 from verifier.config import ProofThresholds, VerifierConfig
 from verifier.reference import load_reference_model, prefill
 from verifier.service import Verifier, VerifyJob
-from verifier.tasks import TaskItem, get_task
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ says how many of the accepted submissions carry other tokens than the true polic
 same seeds (generated beside them): a submission that carries exactly those tokens gives the trainer the
 same data as an honest one, since the trainer learns from the verifier's logprobs, never the worker's.
 
-Used by `swarmrl verifier calibrate --part weights`; writes bench/results/verifier_wrong_weights.{md,json}.
+Used by `python -m tools.calibrate --part weights`; writes bench/results/verifier_wrong_weights.{md,json}.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from environments.tasks import get_task
 from protocol.models import SamplingParams, VerdictStatus
 from tools.verifier_calibration import Trial, encode_prompts, lease_for, to_job
 from tools.vllm_rollouts import generate, make_engine
 from verifier.config import VerifierConfig
 from verifier.service import Verifier
-from verifier.tasks import get_task
 
 
 def perturbed(base: Path, out: Path, part: str, eps: float, seed: int = 0) -> Path:

@@ -6,7 +6,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class LossConfig(BaseModel):
-    """The staleness-aware clipped objective (see ARCHITECTURE.md, "The objective")."""
+    """The staleness-aware clipped objective (docs/architecture.md, "The objective"; trainer/loss.py)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -1,4 +1,4 @@
-"""The staleness-aware decoupled PPO objective (ARCHITECTURE.md, "The objective").
+"""The staleness-aware decoupled PPO objective (docs/architecture.md, "The objective").
 
 Per completion token t of a sample with advantage A, behaviour logprob log mu (the policy version v_b
 that generated it, recomputed by the verifier: the worker's own numbers are checked, never used),

@@ -420,14 +420,6 @@ class Trainer:
     def _logprobs_no_grad(self, model: nn.Module, mb: MicroBatch) -> torch.Tensor:
         return forward_logprobs(model, mb, self.config.bf16, self.temperature)[0]
 
-    def accumulate_gradients(self, samples: Sequence[TrainSample]) -> Counter:
-        """Forward/backward over `samples` as one optimizer step, leaving the gradients in `.grad`
-        (proximal policy = the current weights). Returns token-level metric sums."""
-        plan = self._plan(list(samples))
-        reference = [self._logprobs_no_grad(self.reference, mb) for mb in plan] if self.reference is not None else None
-        sums, _, _ = self._backward(plan, None, reference)
-        return sums
-
     def _optimizer_step(self, plan, proximal, reference) -> tuple[Counter, float, int, bool]:
         """Backward over the plan, clip, step. A non-finite loss or gradient norm (e.g. a huge reward
         under Dr. GRPO) skips the step: the gradients are dropped and the weights stay as they were.

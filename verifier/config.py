@@ -41,7 +41,7 @@ class Tolerances(BaseModel):
 #   0.105-0.117 (batch 32, top-k 20), which the earlier 0.1 rejected.
 # float16: not calibrated here (vLLM CPU fp16 vs transformers fp16); between the two above.
 #
-# Seeded draws, from `swarmrl verifier calibrate --part draws` (bench/results/verifier_draw_calibration.md):
+# Seeded draws, from `python -m tools.calibrate --part draws` (bench/results/verifier_draw_calibration.md):
 # every accepted token that is not the exact draw on our logits is counted (a near tie or a boundary pick),
 # and a worker is held to `deviation_rate` of them per token, so a wider tolerance buys no free choice.
 # float32: the replay is exact (no honest token lost its draw or left the support in ~790,000 tokens), so

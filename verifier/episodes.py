@@ -21,10 +21,10 @@ from __future__ import annotations
 import numpy as np
 
 from environments.base import Environment, model_turns
+from environments.tasks import TaskItem
 from protocol.models import Completion, FinishReason, SamplingParams
 from verifier.checks import Finding
 from verifier.reward_pool import RewardResult, RewardStatus
-from verifier.tasks import TaskItem
 
 
 def _bounds(env: Environment, ids: np.ndarray, turns: list) -> Finding | None:

@@ -1,7 +1,7 @@
 """The reward pool's worker process: its limits, the task resolver, one scoring call and its checks.
 
 This module runs inside the pool's children (`verifier.reward_pool` starts them), so it imports only the
-standard library and `verifier.tasks`: never torch, never the service. The parent owns the wall-clock
+standard library and `environments.tasks`: never torch, never the service. The parent owns the wall-clock
 limit (it SIGKILLs a child whose current completion runs too long); the child owns the limits that the
 kernel enforces: address space, CPU seconds per completion, no core files, and death with the pool owner.
 
@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from verifier.tasks import TASKS, TaskItem, get_task, import_plugin
+from environments.tasks import TASKS, TaskItem, get_task, import_plugin
 
 MAX_MESSAGE_CHARS = 300
 # A tool's output becomes an observation that the verifier tokenizes and compares: far more than any

@@ -48,9 +48,9 @@ from enum import Enum
 from multiprocessing.connection import wait
 from typing import Any, Hashable, Literal, Mapping, Sequence
 
+from environments.tasks import TaskItem
 from verifier.reward_child import child_main, params_key
 from verifier.reward_config import RewardPoolConfig
-from verifier.tasks import TaskItem
 
 log = logging.getLogger(__name__)
 

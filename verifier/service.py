@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from environments.tasks import TaskItem
 from protocol import limits
 from protocol.models import (
     Rejection,
@@ -48,7 +49,6 @@ from verifier import checks, episodes, proofs
 from verifier.config import VerifierConfig
 from verifier.reference import eos_token_ids, load_reference_model, prefill
 from verifier.reward_pool import RewardPool, RewardRequest, RewardResult
-from verifier.tasks import TaskItem
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ pool's processes (`verifier.rewards.import_paths`)."""
 
 import time
 
-from verifier.tasks import get_task
+from environments.tasks import get_task
 
 TOY = get_task("toy", digits=2)
 

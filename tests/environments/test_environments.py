@@ -10,11 +10,11 @@ from environments.base import EnvLimits, model_turns
 from environments.calculator import CalculatorEnv
 from environments.lookup import LookupEnv
 from environments.registry import ENVIRONMENTS, episode_reward, get_environment, item_from_wire, item_to_wire, reward_text
+from environments.tasks import get_task
 from protocol.models import Completion, SamplingParams
 from trainer.tiny_model import EOS_ID, make_tokenizer
 from verifier.episodes import check_episode, tool_calls
 from verifier.reward_pool import RewardResult, RewardStatus
-from verifier.tasks import get_task
 
 TOK = make_tokenizer()
 

@@ -13,12 +13,12 @@ import pytest
 from environments.base import model_turns
 from environments.calculator import CALC_CHARS
 from environments.registry import environment_for, get_environment
+from environments.tasks import get_task, safe_arithmetic
 from protocol.models import Completion, SamplingParams
 from tests.bpe_tokenizer import make_bpe_tokenizer, multi_char, pieces
 from trainer.tiny_model import EOS_ID, make_tokenizer
 from verifier.episodes import check_episode, tool_calls
 from verifier.reward_pool import RewardResult, RewardStatus
-from verifier.tasks import get_task, safe_arithmetic
 
 CHAR = make_tokenizer()
 SAMPLING = SamplingParams(max_tokens=96)

@@ -1,4 +1,4 @@
-"""Imports only go up the package table of ARCHITECTURE.md, and no module imports itself round a circle.
+"""Imports only go up the package table of docs/architecture.md, and no module imports itself round a circle.
 
 Every import of every product module counts, the ones inside functions too (a lazy import is still a
 dependency): `from a import b` is an edge to the module `a.b` when that is a module, else to `a`.
@@ -7,26 +7,23 @@ dependency): `from a import b` is an edge to the module `a.b` when that is a mod
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("protocol", "shardcast", "verifier", "environments", "inference_worker", "trainer", "orchestrator", "swarmrl")
-# What each package may import of ours: whole packages, or single modules (ARCHITECTURE.md's table).
+# What each package may import of ours: whole packages, or single modules (docs/architecture.md's table).
 MAY_IMPORT = {
     "protocol": set(),
     "shardcast": {"protocol"},
     # shardcast.adapter: what a LoRA version holds (adapter, config, base hash), read by all three sides.
-    # environments: the task items they answer from (verifier.tasks is standard library only).
     "verifier": {"protocol", "shardcast.adapter", "environments"},
-    "environments": {"protocol", "verifier.tasks"},
+    "environments": {"protocol"},  # the tasks (prompts and their rewards) live here: environments.tasks
     "inference_worker": {"protocol", "shardcast.client", "shardcast.config", "shardcast.adapter", "verifier.proofs", "environments"},
     "trainer": {"protocol", "shardcast.origin", "shardcast.precision", "shardcast.adapter"},  # precision: the published cast of the master
     "orchestrator": {"protocol", "verifier", "trainer.advantages", "environments"},
     "swarmrl": {"protocol", "shardcast", "verifier", "environments", "inference_worker", "trainer", "orchestrator"},
 }
-# `swarmrl verifier calibrate` runs the calibration developer tool from a source checkout (tools/ is
-# not installed; the command says so when it is missing).
-DEV_TOOLS = {("swarmrl.verifier_cli", f"tools.{t}") for t in ("verifier_calibration", "draw_calibration", "steering_attacks", "wrong_weights")}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -48,7 +45,7 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
             names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names]
         else:
             continue
-        out |= {n for n in names if n.split(".")[0] in PACKAGES or n.startswith("tools.")}
+        out |= {n for n in names if n.split(".")[0] in (*PACKAGES, "tools")}
     return out
 
 
@@ -62,7 +59,7 @@ def upward_imports(edges: dict[str, set[str]]) -> list[str]:
     for src, targets in edges.items():
         package = src.split(".")[0]
         for dst in targets:
-            if dst.split(".")[0] == package or (src, dst) in DEV_TOOLS:
+            if dst.split(".")[0] == package:
                 continue
             if not any(dst == allowed or dst.startswith(allowed + ".") for allowed in MAY_IMPORT[package]):
                 bad.append(f"{src} imports {dst}")
@@ -110,13 +107,21 @@ def test_imports_only_go_up_the_table():
     assert upward_imports(graph(REPO)) == []
 
 
+def test_installed_packages_import_nothing_from_tools():
+    """tools/ holds developer tools of a source checkout and is not installed: nothing installed may need it
+    (the calibration command is `python -m tools.calibrate`, not a `swarmrl` subcommand)."""
+    installed = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert sorted(installed) == sorted(PACKAGES)
+    assert [f"{src} imports {dst}" for src, targets in sorted(graph(REPO).items()) for dst in sorted(targets) if dst.split(".")[0] == "tools"] == []
+
+
 def test_no_import_cycles():
     assert cycles(graph(REPO)) == []
 
 
 def test_the_checks_catch_what_they_are_for(tmp_path):
-    """On a made-up tree: a library that imports the application, and two modules that import each
-    other inside functions, are both found."""
+    """On a made-up tree: a library that imports the application, the application importing a developer
+    tool, and two modules that import each other inside functions, are all found."""
     (tmp_path / "shardcast").mkdir()
     (tmp_path / "shardcast" / "relay.py").write_text("def f():\n    from swarmrl.logs import configure_logging\n")
     (tmp_path / "orchestrator").mkdir()
@@ -125,6 +130,7 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     for pkg in ("protocol", "verifier", "inference_worker", "trainer", "swarmrl"):
         (tmp_path / pkg).mkdir()
     (tmp_path / "swarmrl" / "logs.py").write_text("")
+    (tmp_path / "swarmrl" / "calib.py").write_text("def f():\n    from tools import draw_calibration\n")
     edges = graph(tmp_path)
-    assert upward_imports(edges) == ["shardcast.relay imports swarmrl.logs"]
+    assert upward_imports(edges) == ["shardcast.relay imports swarmrl.logs", "swarmrl.calib imports tools"]
     assert cycles(edges) == [["orchestrator.a", "orchestrator.b"]]

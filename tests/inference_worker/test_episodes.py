@@ -11,10 +11,10 @@ import pytest
 
 from environments.base import model_turns
 from environments.registry import get_environment, item_to_wire
+from environments.tasks import get_task
 from inference_worker.generation import LeaseNotGeneratable
 from protocol.models import SamplingParams, TaskLease, TaskPrompt
 from trainer.tiny_model import EOS_ID, make_tokenizer
-from verifier.tasks import get_task
 
 TOK = make_tokenizer()
 

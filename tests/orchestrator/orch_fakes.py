@@ -40,7 +40,7 @@ class FakeVerifier:
     task's rewards of the decoded completions. Counts what it was asked to verify."""
 
     def __init__(self, task_name: str = "toy"):
-        from verifier.tasks import get_task
+        from environments.tasks import get_task
 
         self.task = get_task(task_name)
         self.tok = make_tokenizer()
@@ -113,7 +113,7 @@ def run_config(tmp: Path, **orch: Any) -> RunConfig:
 
 
 def make_prompts(config: RunConfig) -> PromptSet:
-    from verifier.tasks import get_task
+    from environments.tasks import get_task
 
     items = get_task(config.data.task).make_prompts(config.data.num_prompts, config.seed)
     return PromptSet.from_items(items, make_tokenizer(), config.seed, vocab_size=64)

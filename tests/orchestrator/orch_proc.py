@@ -33,7 +33,7 @@ def trainer_loop(orch, stop: threading.Event) -> None:
             continue
         time.sleep(0.2)  # "training"
         version = orch.status().policy_version
-        orch.commit_batch(batch.batch_id, version, {version + 1: HASH0})
+        orch.commit_batches({batch.batch_id: version}, {version + 1: HASH0})
 
 
 def main() -> None:

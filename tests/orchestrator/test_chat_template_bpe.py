@@ -8,12 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from environments.tasks import get_task
 from orchestrator.config import DataConfig
 from orchestrator.data import PromptSet
 from tests.bpe_tokenizer import CHATML_TOKENS, make_bpe_tokenizer, multi_char
 from verifier.reference import eos_token_ids
 from verifier.service import decode_completion
-from verifier.tasks import get_task
 
 
 @pytest.fixture(scope="module")

@@ -383,7 +383,7 @@ def test_buffer_batches_survive_restart_exactly_once(tmp_path):
     total = orch.buffer.depth()
     assert total > 0
     b1 = orch.take_batch(4)
-    orch.commit_batch(b1.batch_id, 0, {1: HASH1})
+    orch.commit_batches({b1.batch_id: 0}, {1: HASH1})
     b2 = orch.take_batch(4)  # taken, never committed: the "crash"
     assert b2.groups
     orch.db.close()
@@ -401,8 +401,8 @@ def test_buffer_batches_survive_restart_exactly_once(tmp_path):
     assert not ids_1 & ids_rest
     assert {s.sample_id for s in samples_from_groups(b2.groups)} <= ids_rest
     assert len(ids_1) + len(ids_rest) == total
-    orch2.commit_batch(rest.batch_id, 1, {2: "2" * 64})
-    assert orch2.commit_batch(rest.batch_id, 1, {}) == {}  # committing twice changes nothing
+    orch2.commit_batches({rest.batch_id: 1}, {2: "2" * 64})
+    assert orch2.commit_batches({rest.batch_id: 1}, {}) == {}  # committing twice changes nothing
     assert len(set(orch2.buffer.trained_sample_ids())) == total == len(orch2.buffer.trained_sample_ids())
     hist = orch2.status().staleness_histogram
     assert sum(hist.values()) == total
@@ -643,7 +643,7 @@ def test_generation_never_runs_more_than_async_level_steps_ahead(tmp_path):
         if depth == 8 * (async_level + 1):  # no group was dropped for zero signal
             assert orch.lease(wid, LeaseRequest(loaded_policy_version=0, max_prompts=2)).lease is None
         batch = orch.take_batch(depth)
-        orch.commit_batch(batch.batch_id, 0, {1: HASH1})
+        orch.commit_batches({batch.batch_id: 0}, {1: HASH1})
         assert lease(orch, wid, version=1) is not None
         assert orch.status().wait_for_trainer_s > 0
         orch.db.close()
@@ -752,7 +752,7 @@ def test_untrained_counters_match_the_rows_through_every_transition(tmp_path):
     orch.give_back_batch(b.batch_id)
     check()
     b = orch.take_batch(2)
-    orch.commit_batch(b.batch_id, 0, {1: HASH1})
+    orch.commit_batches({b.batch_id: 0}, {1: HASH1})
     check()
     for _ in range(20):  # two groups: one to take, one left to go stale
         if orch.buffer.depth() >= 2 * k:

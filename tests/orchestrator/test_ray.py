@@ -97,7 +97,7 @@ def test_orchestrator_and_verifier_actors(ray_cluster, tiny_model_dir, tmp_path)
         for s in samples:
             assert tuple(s.completion_ids.tolist()) in good_tokens  # nothing from the rejected submission
             assert s.behaviour_version == 0
-        ray.get(actor.commit_batch.remote(batch.batch_id, 0, {1: HASH1}))
+        ray.get(actor.commit_batches.remote({batch.batch_id: 0}, {1: HASH1}))
         st = ray.get(actor.status.remote())
         assert st.step == 1 and st.policy_version == 1 and st.buffer_depth == 0
     finally:

@@ -27,7 +27,7 @@ def test_vllm_reloads_a_pulled_version(tmp_path, key, pub, tiny_model_dir):
     from inference_worker.engine import RolloutEngine
 
     prompt = [1, 10, 11, 12, 40, 13]
-    # The worker's own engine and reload path (which repacks a tied lm_head, shared/notes/vllm-cpu.md).
+    # The worker's own engine and reload path (which repacks a tied lm_head: inference_worker/capture.py).
     engine = RolloutEngine(tiny_model_dir, EngineConfig(max_model_len=256, kv_cache_bytes=64 << 20))
     llm = engine.llm
     params = vllm.SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)

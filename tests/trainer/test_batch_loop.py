@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from environments.tasks import get_task
 from orchestrator.buffer import build_groups
 from orchestrator.config import OrchestratorConfig, StepShape
 from orchestrator.data import PromptSet
@@ -22,7 +23,6 @@ from trainer.batch_loop import BatchLoop, SourceUnavailable
 from trainer.config import TrainerConfig
 from trainer.tiny_model import make_tokenizer
 from trainer.train import Trainer
-from verifier.tasks import get_task
 
 K = 4  # group size
 

@@ -135,7 +135,7 @@ def lora_engine(tiny_model_dir):
 def lease(model_dir, version: int, sampling=SamplingParams(temperature=1.0, max_tokens=24)) -> tuple[TaskLease, list]:
     from transformers import AutoTokenizer
 
-    from verifier.tasks import get_task
+    from environments.tasks import get_task
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     items = get_task("toy").make_prompts(3, seed=5)

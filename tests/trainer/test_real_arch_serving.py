@@ -33,13 +33,13 @@ def chat_prompts(tok, items) -> list[np.ndarray]:
 def test_made_model_loads_everywhere_and_honest_rollouts_verify(arch, untied, tmp_path, arch_tokenizers):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from environments.tasks import get_task
     from inference_worker.config import EngineConfig
     from inference_worker.engine import RolloutEngine
     from protocol.models import RolloutSubmission, SamplingParams, TaskLease, TaskPrompt, VerdictStatus
     from verifier.config import VerifierConfig
     from verifier.reference import eos_token_ids, load_reference_model
     from verifier.service import Verifier, VerifyJob
-    from verifier.tasks import get_task
 
     # A few steps of pretraining: peaked distributions, as a base model's, not a near-uniform draw over 150k ids.
     model_dir = init_model(tmp_path / arch, arch, seed=0, untied=untied, layers=2, hidden=64, pretrain_steps=3, batch_size=2, seq_len=64,

@@ -18,6 +18,14 @@ def grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def accumulate_gradients(trainer: Trainer, samples) -> None:
+    """Forward/backward over `samples` as one optimizer step, leaving the gradients in `.grad` (proximal
+    policy = the current weights): the first half of `Trainer.step`, without the optimizer."""
+    plan = trainer._plan(list(samples))
+    reference = [trainer._logprobs_no_grad(trainer.reference, mb) for mb in plan] if trainer.reference is not None else None
+    trainer._backward(plan, None, reference)
+
+
 def on_policy(trainer: Trainer, samples, shift: float = 0.0):
     """Samples whose behaviour logprobs are the trainer's current logprobs (minus `shift`)."""
     with torch.no_grad():
@@ -27,7 +35,7 @@ def on_policy(trainer: Trainer, samples, shift: float = 0.0):
 def test_behaviour_equal_to_proximal_gives_plain_grpo_gradient(tiny_model_dir, tmp_path):
     trainer = Trainer(TrainerConfig(micro_batch_tokens=64), tiny_model_dir, tmp_path)
     samples = on_policy(trainer, random_samples(8, seed=5))
-    trainer.accumulate_gradients(samples)
+    accumulate_gradients(trainer, samples)
     got = grads(trainer.model)
 
     # Plain GRPO (PPO-clip with pi_old = the sampling policy, token-level mean), sample by sample, unpacked.
@@ -50,7 +58,7 @@ def test_stale_behaviour_is_reweighted_by_the_truncated_importance_weight(tiny_m
 
     def flat_grad(shift):
         trainer.model.zero_grad()
-        trainer.accumulate_gradients(on_policy(trainer, base, shift))
+        accumulate_gradients(trainer, on_policy(trainer, base, shift))
         return torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
 
     g0 = flat_grad(0.0)
@@ -65,7 +73,7 @@ def test_zero_advantage_gives_zero_gradient(tiny_model_dir, tmp_path):
         TrainSample(s.prompt_ids, s.completion_ids, s.behaviour_logprobs, 0.0, s.reward, 0, s.sample_id)
         for s in random_samples(6, seed=7)
     ]
-    trainer.accumulate_gradients(samples)
+    accumulate_gradients(trainer, samples)
     assert all(torch.all(p.grad == 0) for p in trainer.model.parameters())
 
 
@@ -232,29 +240,6 @@ def test_every_logprob_is_of_the_sampling_temperature(tiny_model_dir, tmp_path):
     stats = trainer.step(on)
     assert stats["importance_weight/mean"] == pytest.approx(1.0, abs=1e-4) and stats["importance_weight/max"] == pytest.approx(1.0, abs=1e-3)
     assert Trainer(TrainerConfig(), tiny_model_dir, tmp_path / "greedy", sampling_temperature=0.0).temperature == 1.0
-
-
-def test_prometheus_export_of_step_metrics(tiny_model_dir, tmp_path):
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    from trainer.metrics import TrainerMetrics
-
-    registry = CollectorRegistry()
-    exporter = TrainerMetrics(registry)
-    trainer = Trainer(TrainerConfig(max_staleness=0), tiny_model_dir, tmp_path)
-    m1 = trainer.step(random_samples(3, seed=80))
-    exporter.observe(m1)
-    batch = random_samples(3, seed=81, version=1) + random_samples(2, seed=82, version=0)
-    m2 = trainer.step(batch)
-    exporter.observe(m2)
-    get = registry.get_sample_value
-    assert get("swarmrl_trainer_policy_version") == 2
-    assert get("swarmrl_trainer_samples_dropped_stale_total") == 2
-    assert get("swarmrl_trainer_samples_by_staleness_total", {"gap": "0"}) == 6
-    assert get("swarmrl_trainer_samples_by_staleness_total", {"gap": "1"}) == 2
-    assert get("swarmrl_trainer_tokens_total") == m1["tokens"] + m2["tokens"]
-    assert get("swarmrl_trainer_mismatch_kl") == pytest.approx(m2["mismatch_kl"])
-    assert b"swarmrl_trainer_wait_for_rollouts_seconds_total" in generate_latest(registry)
 
 
 def test_a_non_finite_gradient_skips_the_step_and_keeps_the_weights(tiny_model_dir, tmp_path):

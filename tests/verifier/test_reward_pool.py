@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from environments.tasks import TaskItem, get_task
 from verifier.reward_pool import RewardPool, RewardPoolConfig, RewardRequest, RewardStatus
-from verifier.tasks import TaskItem, get_task
 
 LIMIT_S = 2.0
 BOMB = r"\boxed{9^{9^{9^{9}}}}"
@@ -337,9 +337,9 @@ def test_children_die_with_their_parent(plugin_dir, tmp_path):
     """The parent is SIGKILLed while one child sleeps inside a reward and the other is idle."""
     script = tmp_path / "owner.py"
     script.write_text(textwrap.dedent(f'''
+        from environments.tasks import TaskItem
         import os, signal, sys, threading, time
         from verifier.reward_pool import RewardPool, RewardPoolConfig, RewardRequest
-        from verifier.tasks import TaskItem
         if __name__ == "__main__":
             pool = RewardPool(RewardPoolConfig(processes=2, time_limit_s=600, import_paths=[{str(plugin_dir)!r}]))
             req = RewardRequest("{MOD}:sleepy", TaskItem("x", "p", "1"), "t")

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import random
 
+from environments.tasks import get_task
 from protocol.models import SamplingParams, VerdictStatus
 from tools.steering_attacks import Attacker, _job
 from tools.verifier_calibration import encode_prompts, lease_for
 from verifier.config import VerifierConfig
 from verifier.service import Verifier
-from verifier.tasks import get_task
 
 
 def test_steered_tokens_are_accepted_but_every_one_is_counted(tiny_model_dir):

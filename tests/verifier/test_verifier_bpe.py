@@ -13,13 +13,13 @@ import pytest
 
 from environments.base import model_turns
 from environments.registry import item_to_wire
+from environments.tasks import get_task, safe_arithmetic
 from protocol.models import Completion, RolloutSubmission, SamplingParams, TaskLease, TaskPrompt, VerdictStatus
 from tests.bpe_tokenizer import make_bpe_tokenizer, multi_char, pieces
 from trainer.tiny_model import EOS_ID, make_tokenizer
 from verifier.config import VerifierConfig
 from verifier.reward_config import RewardPoolConfig
 from verifier.service import Verifier, VerifyJob, decode_completion
-from verifier.tasks import get_task, safe_arithmetic
 
 CHAR = make_tokenizer()
 TASKS = {"toy": {"digits": 4}, "countdown": {}, "math": {}, "lookup": {"digits": 4}}

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from environments.registry import item_to_wire
+from environments.tasks import get_task
 from protocol.models import RejectionCode, RolloutSubmission, SamplingParams, TaskLease, TaskPrompt, VerdictStatus
 from tools import episode_attacks
 from verifier.config import VerifierConfig
 from verifier.service import Verifier, VerifyJob
-from verifier.tasks import get_task
 
 HASH0 = "a" * 64
 SAMPLING = SamplingParams(temperature=1.0, max_tokens=24)

@@ -13,12 +13,12 @@ import time
 import numpy as np
 import pytest
 
+from environments.tasks import get_task
 from protocol.models import FinishReason, RejectionCode, RewardStatus, RolloutSubmission, SamplingParams, TaskLease, TaskPrompt, VerdictStatus
 from tools.vllm_rollouts import honest_completions
 from verifier.config import VerifierConfig
 from verifier.reference import load_reference_model, prefill
 from verifier.service import Verifier, VerifyJob
-from verifier.tasks import get_task
 
 HASH0, HASH1 = "a" * 64, "b" * 64
 SAMPLING = SamplingParams(temperature=1.0, max_tokens=40)

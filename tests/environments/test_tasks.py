@@ -6,8 +6,8 @@ import random
 
 import pytest
 
+from environments.tasks import TaskItem, get_task, safe_arithmetic
 from trainer.tiny_model import ALPHABET
-from verifier.tasks import TaskItem, get_task, safe_arithmetic
 
 
 def test_toy_prompts_are_char_tokenizer_friendly_and_seeded():
