@@ -33,6 +33,7 @@ from typing import Any
 
 from swarmrl.config import RunConfig
 from swarmrl.loading import dump_toml
+from swarmrl.memory_peaks import MemoryPeaks
 from swarmrl.processes import RunFailed, free_port, start_relay, start_worker, wait_until_free
 from swarmrl.run_dir import RunDir
 from swarmrl.supervisor import RestartPolicy, Supervisor
@@ -121,6 +122,7 @@ class Run:
         self._leftover_pids: frozenset[int] = frozenset()  # components of a killed previous driver (pids.json)
         self._heartbeat_lock = threading.Lock()
         self.tracker = Trackers([JsonlTracker(self.rd)])  # the configured backends join in start()
+        self.memory = MemoryPeaks()
 
     # ---------------------------------------------------------------- start
 
@@ -191,6 +193,7 @@ class Run:
             self.supervisor.watch_process(f"worker-{i}", lambda i=i: start_worker(self.url, model_dir, rd, i, cfg))
         self.supervisor.ticks.append(self._heartbeat)
         self.supervisor.ticks.append(self._scale_verifiers)
+        self.supervisor.ticks.append(lambda: self.memory.sample(self.supervisor.pids()))
         self.supervisor.start()
         self._heartbeat()
         log.info("run started", extra={"url": self.url, "run_dir": str(rd.root), "workers": cfg.num_workers})
@@ -390,6 +393,7 @@ class Run:
     def shutdown(self) -> None:
         import ray
 
+        self.memory.sample(self.supervisor.pids(), force=True)  # before anything ends
         self.supervisor.stop()  # first: nothing may be restarted while we stop it
         for proc in self.supervisor.processes("worker-") + self.supervisor.processes("relay-"):
             proc.stop()
@@ -428,11 +432,13 @@ class Run:
                 f"- {eval_line(p.last_eval)}" if p.last_eval is not None else "",
                 f"- async_level: {self.cfg.orchestrator.async_level}, workers: {self.cfg.num_workers}",
                 *(f"- restarts of {name} this session: {n} ({lost:.1f} s lost)" for name, (n, lost) in sorted(p.restarts.items())),
+                *self.memory.summary_lines(),
                 *(f"- event: {e}" for e in p.events),
                 "",
-                "Files: config.toml, metrics.jsonl, eval.jsonl (with eval.every_steps), reward.png, checkpoints/, logs/.",
+                "Files: config.toml, metrics.jsonl, eval.jsonl (with eval.every_steps), reward.png, memory.json, checkpoints/, logs/.",
             ]
         )
+        self.rd.write_json(self.rd.root / "memory.json", self.memory.report())
 
 
 def run(cfg: RunConfig, display: bool | None = None) -> int:

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from environments.tasks import get_task
 from inference_worker.config import EngineConfig
 from inference_worker.engine import RolloutEngine
 from protocol import sampling as S
@@ -35,7 +36,6 @@ from protocol.models import RolloutSubmission, SamplingParams, TaskLease, TaskPr
 from tools.verifier_calibration import encode_prompts, version_hash
 from verifier.config import VerifierConfig
 from verifier.service import Verifier, VerifyJob
-from verifier.tasks import get_task
 
 SAMPLINGS = {
     "T=1": dict(temperature=1.0),
@@ -72,7 +72,7 @@ def calibrate_draws(
     rows = []
     for model_name, model_dir in models.items():
         for dtype in dtypes:
-            engine = RolloutEngine(model_dir, EngineConfig(dtype=dtype, max_model_len=512, kv_cache_bytes=128 << 20))
+            engine = RolloutEngine(model_dir, EngineConfig(dtype=dtype, max_model_len=512))  # KV cache derived from the model
             verifier = Verifier(VerifierConfig(dtype=dtype, keep_versions=1), lambda v: model_dir, model_dir)
             try:
                 for batch in batches:
@@ -101,7 +101,8 @@ def _run_setting(setting: Setting, engine: RolloutEngine, verifier: Verifier, ta
            "strict_max_margin": 0.0, "slack_outside": 0, "free_positions": 0, "band_positions": 0, "max_abs_logit": 0.0,
            "max_margin_over_tolerance": 0.0, "deviations": 0, "outside_logit_gap": 0.0, "outside_mass_gap": 0.0,
            "draw_margin": tol.draw_margin, "draw_margin_rel": tol.draw_margin_rel,
-           "draw_logit_slack": tol.draw_logit_slack, "draw_top_p_slack": tol.draw_top_p_slack}
+           "draw_logit_slack": tol.draw_logit_slack, "draw_top_p_slack": tol.draw_top_p_slack, "max_logprob_diff": 0.0, "max_mean_logprob_diff": 0.0,
+           "logprob_max_abs_diff": tol.logprob_max_abs_diff, "logprob_max_mean_diff": tol.logprob_max_mean_diff}
     model = verifier.model(0)
     done = 0
     while done < n:
@@ -145,11 +146,19 @@ def _replay_noise(row: dict, model, lease: TaskLease, comps, tol) -> None:
     """Strict replay margins and the attacker's freedom, on the verifier's own logits."""
     sampling = lease.sampling
     to_logits = sampling.temperature if sampling.temperature > 0 else 1.0
-    for c in comps:
+    # One forward for the lease's completions: right padding leaves a causal model's logits at the real
+    # positions as they are (at 0.6B, 32 one-row forwards cost several times one batched forward).
+    rows = [np.concatenate([lease.prompts[c.prompt_index].token_ids, c.token_ids[:-1]]).astype(np.int64) for c in comps]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = torch.from_numpy(r), 1
+    batch_logits = model(ids, attention_mask=mask).logits
+    for i, c in enumerate(comps):
         p = lease.prompts[c.prompt_index]
-        ids = torch.from_numpy(np.concatenate([p.token_ids, c.token_ids[:-1]]).astype(np.int64))[None]
-        logits = model(ids).logits[0, len(p.token_ids) - 1 :].float()
         n = c.token_ids.size
+        logits = batch_logits[i, len(p.token_ids) - 1 : len(p.token_ids) - 1 + n].float()
         seed, positions, tokens = p.seeds[c.sample_index], torch.arange(n), torch.from_numpy(c.token_ids.astype(np.int64))
         strict = S.replay(logits, seed, positions, tokens, sampling)
         not_winner = strict.winner != tokens
@@ -164,6 +173,11 @@ def _replay_noise(row: dict, model, lease: TaskLease, comps, tol) -> None:
         slack = S.replay(logits, seed, positions, tokens, sampling, tol.draw_top_p_slack, tol.draw_logit_slack, tol.draw_margin_rel)
         row["slack_outside"] += int((~slack.inside).sum())
         row["max_abs_logit"] = max(row["max_abs_logit"], float(logits.abs().max()))
+        if c.logprobs is not None:  # the verifier's logprob check, measured: reported raw logprob against ours
+            ours = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0].double().numpy()
+            diff = np.abs(np.asarray(c.logprobs, dtype=np.float64) - ours)
+            row["max_logprob_diff"] = max(row["max_logprob_diff"], float(diff.max()))
+            row["max_mean_logprob_diff"] = max(row["max_mean_logprob_diff"], float(diff.mean()))
         lost = (slack.winner != tokens) & (slack.margin > 0)
         if lost.any():
             scale = torch.maximum(logits.gather(1, slack.winner[:, None]).abs(), logits.gather(1, tokens[:, None]).abs())[:, 0]
@@ -230,7 +244,8 @@ SETTING_KEYS = ("model", "dtype", "batch", "sampling", "max_tokens")
 TOLERANCE_KEYS = ("draw_margin", "draw_margin_rel", "draw_logit_slack", "draw_top_p_slack")
 SUMMED = ("completions", "tokens", "false_rejections", "near_tie_tokens", "strict_not_winner", "strict_outside", "slack_outside",
           "free_positions", "band_positions", "deviations", "seconds")
-MAXED = ("max_margin_accepted", "strict_max_margin", "max_abs_logit", "max_margin_over_tolerance", "outside_logit_gap", "outside_mass_gap")
+MAXED = ("max_margin_accepted", "strict_max_margin", "max_abs_logit", "max_margin_over_tolerance", "outside_logit_gap", "outside_mass_gap",
+         "max_logprob_diff", "max_mean_logprob_diff")
 
 
 def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
@@ -249,7 +264,7 @@ def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
         for k in SUMMED:
             m[k] = round(m[k] + r[k], 1) if k == "seconds" else m[k] + r[k]
         for k in MAXED:
-            m[k] = max(m[k], r[k])
+            m[k] = max(m.get(k, 0.0), r.get(k, 0.0))
         m["rejection_codes"] = {c: m["rejection_codes"].get(c, 0) + r["rejection_codes"].get(c, 0) for c in {**m["rejection_codes"], **r["rejection_codes"]}}
         m["rejection_examples"] = (m["rejection_examples"] + r["rejection_examples"])[:4]
         m["near_tie_share"] = m["near_tie_tokens"] / max(m["tokens"], 1)
@@ -258,9 +273,9 @@ def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
     return list(merged.values())
 
 
-def read_results(out_dir: Path) -> tuple[list[dict], dict]:
+def read_results(out_dir: Path, stem: str = "verifier_draw_calibration") -> tuple[list[dict], dict]:
     """The rows and meta of an earlier run in `out_dir` (none: [], {})."""
-    path = Path(out_dir) / "verifier_draw_calibration.json"
+    path = Path(out_dir) / f"{stem}.json"
     if not path.is_file():
         return [], {}
     data = json.loads(path.read_text())
@@ -271,24 +286,31 @@ def table_markdown(rows: list[dict]) -> str:
     lines = [
         "| model | dtype | batch | sampling | completions | tokens | false rejections | near ties (share) | largest near-tie margin | "
         "largest margin / tolerance | largest abs logit | strict: not winner / outside | strict: largest margin | outside by (logits / mass) | "
-        "free positions | of which boundary band | s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "free positions | of which boundary band | largest logprob diff / limit | s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['dtype']} | {r['batch']} | {r['sampling']} | {r['completions']} | {r['tokens']:,} | {r['false_rejections']} | "
             f"{r['near_tie_tokens']} ({r['near_tie_share']:.2e}) | {r['max_margin_accepted']:.2g} | {r['max_margin_over_tolerance']:.3f} | {r['max_abs_logit']:.2f} | "
             f"{r['strict_not_winner']} / {r['strict_outside']} | {r['strict_max_margin']:.2g} | "
-            f"{r.get('outside_logit_gap', 0.0):.2g} / {r.get('outside_mass_gap', 0.0):.2g} | {r['free_share']:.2e} | {r.get('band_share', 0.0):.2e} | {r['seconds']} |"
+            f"{r.get('outside_logit_gap', 0.0):.2g} / {r.get('outside_mass_gap', 0.0):.2g} | {r['free_share']:.2e} | {r.get('band_share', 0.0):.2e} | "
+            f"{_logprob_cell(r)} | {r['seconds']} |"
         )
     return "\n".join(lines)
 
 
-def write_results(rows: list[dict], out_dir: Path, meta: dict) -> Path:
+def _logprob_cell(r: dict) -> str:
+    if "logprob_max_abs_diff" not in r:  # rows of runs before this was measured
+        return "-"
+    return f"{r['max_logprob_diff']:.2g} / {r['logprob_max_abs_diff']:.2g}"
+
+
+def write_results(rows: list[dict], out_dir: Path, meta: dict, stem: str = "verifier_draw_calibration") -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "verifier_draw_calibration.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    path = out_dir / "verifier_draw_calibration.md"
+    (out_dir / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    path = out_dir / f"{stem}.md"
     path.write_text("\n".join([
         "# Seeded-draw calibration: honest vLLM output against the verifier's replay", "",
         "```", json.dumps(meta, indent=1), "```", "", table_markdown(rows), "",

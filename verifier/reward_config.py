@@ -6,9 +6,10 @@ Meant to sit in the verifier's config as `VerifierConfig.rewards`; its own modul
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class RewardPoolConfig(BaseModel):
@@ -41,5 +42,13 @@ class RewardPoolConfig(BaseModel):
     # Plain fork is unsafe in the verifier (torch and its threads); spawn works, but a replacement after
     # a kill re-imports everything and was ready 2-4x later than with forkserver (bench).
     start_method: Literal["forkserver", "spawn"] = "forkserver"
-    import_paths: list[str] = Field(default_factory=list, description="prepended to sys.path in children, for plug-ins")
+    import_paths: list[str] = Field(
+        default_factory=list, description="prepended to sys.path in children, for plug-ins; a relative path is resolved against "
+        "the folder the config is loaded in (the reward processes may run elsewhere)",
+    )
     start_timeout_s: float = Field(60.0, gt=0, description="a child must be ready within this")
+
+    @field_validator("import_paths")
+    @classmethod
+    def _absolute(cls, paths: list[str]) -> list[str]:
+        return [str(Path(p).resolve()) for p in paths]

@@ -14,7 +14,7 @@ from e2e_helpers import db, metrics, start_run, stop_run
 from protocol.models import TaskLease
 
 pytestmark = pytest.mark.e2e
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_run_makes_and_trains_a_qwen3_architecture_with_the_real_vocabulary(tmp_path, monkeypatch):
@@ -23,7 +23,7 @@ def test_a_run_makes_and_trains_a_qwen3_architecture_with_the_real_vocabulary(tm
     proc = start_run(tmp_path, "--name", "arch", "--trainer.max_steps", "3", "--num_workers", "1", "--stop_reward", "null",
                      "--model.init_arch", "qwen3-0.6b", "--model.init_layers", "2", "--model.init_hidden", "64",
                      "--model.init_pretrain_steps", "0", "--model.init_pretrain_target", "null", "--model.init_pretrain_max_steps", "0",
-                     "--data.reward", "parity_reward:reward", "--verifier.rewards.import_paths", json.dumps([str(HERE)]))
+                     "--data.reward", "length_parity:reward", "--verifier.rewards.import_paths", json.dumps([str(ROOT / "configs" / "rewards")]))
     try:
         code = proc.wait(timeout=600)
     finally:

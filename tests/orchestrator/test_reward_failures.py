@@ -124,6 +124,7 @@ def test_reward_failures_are_shown_in_status_metrics_live_view_and_summary_and_s
     from swarmrl.config import RunConfig
     from swarmrl.driver import Progress, Run
     from swarmrl.live_view import render
+    from swarmrl.memory_peaks import MemoryPeaks
     from swarmrl.run_dir import RunDir
 
     run = SimpleNamespace(progress=Progress(status=st), cfg=RunConfig(), url="http://127.0.0.1:1")
@@ -132,6 +133,7 @@ def test_reward_failures_are_shown_in_status_metrics_live_view_and_summary_and_s
     assert "toy: 2 crashed, 2 timed_out; 4 groups dropped" in console.export_text()
     finished = Run.__new__(Run)  # only what Run.finish reads
     finished.rd, finished.cfg, finished.progress = RunDir(tmp_path / "run"), RunConfig(), Progress(status=st)
+    finished.memory = MemoryPeaks()
     finished.finish()
     assert "toy: 2 crashed, 2 timed_out; 4 groups dropped" in (tmp_path / "run" / "summary.md").read_text()
 
@@ -199,8 +201,8 @@ def test_rejections_within_the_decay_rate_never_ban_and_a_cheater_above_it_is_ba
 # the real reward pool: a reward that hangs on some of the policy's texts
 
 SLOW_PLUGIN = '''
+from environments.tasks import get_task
 import hashlib, time
-from verifier.tasks import get_task
 
 TOY = get_task("toy")
 
