@@ -197,23 +197,28 @@ def start_relay(origin_url: str, public_key: str, rd: RunDir, index: int, cfg: R
     return Proc(f"relay-{index}", popen, log_path, url=json.loads(line)["url"])
 
 
-def start_worker(url: str, model_dir: Path, rd: RunDir, index: int, cfg: RunConfig) -> Proc:
-    rd.logs.mkdir(parents=True, exist_ok=True)
-    log_path = rd.logs / f"worker-{index}.log"
+def worker_command(url: str, model_dir: Path, work_dir: Path, index: int, cfg: RunConfig) -> list[str]:
+    """`swarmrl worker ...` for a local worker: the run's worker settings travel as overrides of its config."""
     cmd = swarmrl_command() + [
         "worker",
         "--orchestrator", url,
         "--name", f"local-{index}",
         "--model", str(model_dir),
-        "--work-dir", str(rd.workers / f"worker-{index}"),
+        "--work-dir", str(work_dir),
         "--no-display",
         "--log-level", cfg.log_level,
     ]
-    # The worker's own settings travel as overrides of its config section.
     for key, value in cfg.worker.engine.model_dump().items():
-        cmd += [f"--engine.{key}", json.dumps(value) if isinstance(value, (list, dict)) else str(value)]
+        cmd += [f"--engine.{key}", json.dumps(value) if value is None or isinstance(value, (list, dict)) else str(value)]
     for key in ("max_prompts_per_lease", "num_threads"):
         cmd += [f"--{key}", str(getattr(cfg.worker, key))]
+    return cmd
+
+
+def start_worker(url: str, model_dir: Path, rd: RunDir, index: int, cfg: RunConfig) -> Proc:
+    rd.logs.mkdir(parents=True, exist_ok=True)
+    log_path = rd.logs / f"worker-{index}.log"
+    cmd = worker_command(url, model_dir, rd.workers / f"worker-{index}", index, cfg)
     out = log_path.open("ab")
     env = child_env(max(1, cfg.worker.num_threads))
     env["SWARMRL_JOIN_TOKEN"] = cfg.orchestrator.join_tokens[0].get_secret_value()  # not in argv, which any local user can read

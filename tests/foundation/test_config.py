@@ -173,3 +173,20 @@ def test_every_recipe_resolves_with_dry_run(recipe, tmp_path):
     for key in ("min_actors", "max_actors"):
         if key in raw.get("verifier", {}):
             assert getattr(resolved.verifier, key) == raw["verifier"][key]
+
+
+@pytest.mark.parametrize("config", ["demo.toml", "realsize-cpu.toml", "qwen3-0.6b-math-gpu.toml"])
+def test_a_local_worker_started_by_the_run_gets_the_runs_engine_settings(config, tmp_path):
+    """The command `swarmrl run` starts its workers with, parsed by the real `swarmrl worker` (--dry-run):
+    every engine setting arrives as the run configured it, unset ones (None) included."""
+    import json
+
+    from swarmrl.cli import _load
+    from swarmrl.processes import worker_command
+
+    cfg = _load(Path(__file__).resolve().parents[2] / "configs" / config, [])
+    cmd = worker_command("http://127.0.0.1:1", tmp_path / "model", tmp_path / "work", 0, cfg)
+    out = subprocess.run([*cmd, "--dry-run"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "SWARMRL_JOIN_TOKEN": "t"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert json.loads(out.stdout)["engine"] == cfg.worker.engine.model_dump()
