@@ -107,7 +107,12 @@ class BatchLoop:
         self._lock = threading.Lock()
         self._waited = 0.0  # time spent waiting for a whole batch since the last step
         self.needs_reconcile = True  # a new trainer (or a resumed one) always reconciles first
+        if background and not ckpt.snapshot_fits(trainer.model, trainer.optimizer):
+            log.warning("checkpoints are written in the step: a background copy of the weights and the optimizer state would "
+                        "not fit in the memory available", extra={"snapshot_gib": round(ckpt.snapshot_bytes(trainer.model, trainer.optimizer) / 2**30, 2)})
+            background = False
         self.writer = BackgroundWriter() if background else None
+        trainer.snapshot_copies = background  # written in the step, a checkpoint is taken from the live tensors
 
     # ---------------------------------------------------------------- the step
 

@@ -103,6 +103,21 @@ def detached_copy(obj: Any) -> Any:
     return obj
 
 
+def snapshot_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """What a checkpoint's copy holds: the float32 weights and, with AdamW, two moments of each trained one."""
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    trained = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    return weights + (2 * trained if optimizer is not None else 0)
+
+
+def snapshot_fits(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, share: float = 0.5) -> bool:
+    """Whether a background checkpoint's copy fits in `share` of the memory available now (Linux; elsewhere
+    assumed to fit). The trainer's own weights, gradients and moments are already resident."""
+    import psutil
+
+    return snapshot_bytes(model, optimizer) <= share * psutil.virtual_memory().available
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -115,13 +115,14 @@ def all_reduce(values: torch.Tensor, env: DistEnv, op: str = "sum") -> torch.Ten
     return values
 
 
-def full_model_state(model: nn.Module, env: DistEnv) -> dict[str, torch.Tensor]:
-    """The whole model's parameters and buffers on the CPU (every rank takes part; meaningful on rank 0)."""
+def full_model_state(model: nn.Module, env: DistEnv, copy: bool = True) -> dict[str, torch.Tensor]:
+    """The whole model's parameters and buffers on the CPU (every rank takes part; meaningful on rank 0).
+    `copy=False`: one process on the CPU returns the live tensors (read before the next step changes them)."""
     if env.enabled:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()}
+    return {k: v.detach().cpu().clone() if copy or v.device.type != "cpu" else v.detach() for k, v in unwrap(model).state_dict().items()}
 
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_state: Mapping, optim_state: dict | None, env: DistEnv) -> None:

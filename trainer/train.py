@@ -142,6 +142,9 @@ class Trainer:
         self.defer_io = defer_io
         self.pending_publish: list[tuple[int, dict[str, torch.Tensor]]] = []  # (version, weights) for the writer
         self.pending_checkpoint: dict[str, Any] | None = None  # save_checkpoint's arguments, for the writer
+        # Whether a checkpoint's state is copied: only for a background writer, which reads it while the next
+        # step trains (the batch loop decides). At 0.6B the copy is ~7 GB: fp32 weights and AdamW's moments.
+        self.snapshot_copies = defer_io
         self.model_dir = Path(model_dir)
         self.run_dir = Path(run_dir)
         self.publish_fn = publish
@@ -231,7 +234,7 @@ class Trainer:
     def checkpoint_state(self) -> dict[str, Any] | None:
         """`checkpoint.save_checkpoint`'s arguments for the current state, as copies that the next step
         cannot change (every rank takes part; None off rank 0)."""
-        model_state = dist_utils.full_model_state(self.model, self.env)  # the model/ folder: exportable, loads anywhere
+        model_state = dist_utils.full_model_state(self.model, self.env, copy=self.snapshot_copies)  # the model/ folder: exportable, loads anywhere
         train_state: dict[str, Any] = {"scheduler": self.scheduler.state_dict(), "rng": ckpt.rng_state()}
         shards = None
         if self.env.enabled:
@@ -250,7 +253,7 @@ class Trainer:
             model_state=model_state,  # full_model_state made it a CPU copy already
             model_config=self.model_config,
             base_model_dir=self.model_dir,
-            train_state=ckpt.detached_copy(train_state),
+            train_state=ckpt.detached_copy(train_state) if self.snapshot_copies else train_state,
             optimizer_shards=shards,
             trainer_state=copy.deepcopy({
                 "step": self.version,

@@ -129,3 +129,38 @@ def test_a_checkpoint_is_read_as_data_never_run(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="more than tensors"):
         read_checkpoint(path)
     assert not os.path.exists(marker)
+
+
+def test_a_checkpoint_written_in_the_step_copies_nothing_and_a_background_one_only_when_its_copy_fits(tiny_model_dir, tmp_path, monkeypatch):
+    """At 0.6B a checkpoint's copy is ~7 GB (fp32 weights, AdamW's two moments): the batch loop writes in
+    the step, from the live tensors, when that copy would not fit in the memory available."""
+    import psutil
+
+    from trainer.batch_loop import BatchLoop
+
+    cfg = TrainerConfig(lr=1e-2, checkpoint_every=1)
+    trainer = Trainer(cfg, tiny_model_dir, tmp_path / "run", defer_io=True)
+    trainer.step(random_samples(4, seed=1))
+    n = sum(p.numel() for p in trainer.model.parameters())
+    assert ckpt.snapshot_bytes(trainer.model, trainer.optimizer) == 3 * 4 * n
+
+    roomy = BatchLoop(trainer, source=None, samples_per_step=4)
+    assert roomy.writer is not None and trainer.snapshot_copies
+    state = trainer.checkpoint_state()
+    live = dict(trainer.model.named_parameters())
+    assert all(state["model_state"][k].data_ptr() != live[k].data_ptr() for k in live if k in state["model_state"])
+    roomy.close()
+
+    class Tight:
+        available = 2 * 4 * n  # less than twice the copy
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Tight())
+    tight = BatchLoop(trainer, source=None, samples_per_step=4)
+    assert tight.writer is None and not trainer.snapshot_copies
+    state = trainer.checkpoint_state()
+    assert all(state["model_state"][k].data_ptr() == live[k].data_ptr() for k in live if k in state["model_state"])
+    path = ckpt.save_checkpoint(**state)
+    want = params(trainer)
+    resumed = Trainer.resume(cfg, tmp_path / "run")
+    assert path.name == "step_00000001" and resumed.version == 1
+    for name, p in params(resumed).items():
+        assert torch.equal(p, want[name]), name
