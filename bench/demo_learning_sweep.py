@@ -22,9 +22,10 @@ import torch
 from environments.tasks import get_task
 from trainer.advantages import group_advantages, has_signal
 from trainer.config import LossConfig, TrainerConfig
+from trainer.policy_model import load_model
 from trainer.samples import TrainSample
 from trainer.tiny_model import EOS_ID, init_model, make_tokenizer
-from trainer.train import Trainer, load_model
+from trainer.train import Trainer
 
 
 @torch.no_grad()

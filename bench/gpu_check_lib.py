@@ -75,12 +75,13 @@ def generate(model, prompts, seeds, temperature: float, top_p: float, max_tokens
     import numpy as np
     import torch
 
+    from protocol import prf
     from protocol import sampling as ps
 
     n, vocab, dev = prompts.shape[0], model.config.vocab_size, prompts.device
     params = ps.DrawParams.build([temperature] * n, [-1] * n, [top_p] * n, vocab, dev)
-    words = ps.token_words(torch.arange(vocab, device=dev))
-    seed_states = ps.seed_state_np(seeds)
+    words = prf.token_words(torch.arange(vocab, device=dev))
+    seed_states = prf.seed_state_np(seeds)
     eos_t = torch.tensor(sorted(eos), device=dev)
     out = model.model(input_ids=prompts, use_cache=True)
     tokens, logprobs, hidden = [], [], []
@@ -88,7 +89,7 @@ def generate(model, prompts, seeds, temperature: float, top_p: float, max_tokens
     for t in range(max_tokens):
         h = out.last_hidden_state[:, -1]
         logits = model.lm_head(h).float()
-        states = torch.from_numpy(ps.row_state_np(seed_states, np.full(n, t, dtype=np.uint32)).astype(np.int64)).to(dev)
+        states = torch.from_numpy(prf.row_state_np(seed_states, np.full(n, t, dtype=np.uint32)).astype(np.int64)).to(dev)
         tok = ps.draw(logits, states, words, params)
         tokens.append(tok)
         logprobs.append(torch.log_softmax(logits, -1).gather(1, tok[:, None])[:, 0])
@@ -137,7 +138,7 @@ def limits(tol) -> dict:
 
 def summary(rows: list[dict], verdicts: list, seconds: float) -> dict:
     """One setting's verification: every submission is honest, so every rejection is a false one."""
-    from protocol.models import VerdictStatus
+    from protocol.verdicts import VerdictStatus
 
     tokens, choices, near = sum(x["tokens"] for x in rows), sum(x["choices"] for x in rows), sum(x["near_ties"] for x in rows)
     worst = max(rows, key=lambda x: x["margin_ratio"])

@@ -78,7 +78,7 @@ class StubVerifier:
         self.rng = np.random.default_rng(0)
 
     def verify_many(self, jobs):
-        from protocol.models import Verdict, VerdictStatus
+        from protocol.verdicts import Verdict, VerdictStatus
 
         return [
             Verdict(submission_id=j.submission_id, status=VerdictStatus.accepted,
@@ -114,6 +114,14 @@ def commit(orch, batch_id: str) -> None:
         orch.commit_batches({batch_id: 0}, {})
     else:  # an older ref's orchestrator
         orch.commit_batch(batch_id, 0)
+
+
+def announce_v0(orch) -> None:
+    """Version 0 (the trainer's first reconciliation announces it in a run)."""
+    if hasattr(orch, "versions"):
+        orch.versions.announce({0: "0" * 64})
+    else:  # an older ref's orchestrator
+        orch.publish_version(0, "0" * 64)
 
 
 def verify_pending(orch) -> int:
@@ -190,7 +198,7 @@ def serve_main(args) -> None:
     items = get_task("toy", digits=6).make_prompts(cfg.data.num_prompts, 0)
     prompts = PromptSet.from_items(items, make_tokenizer(), 0, padded_vocab_size())
     orch = make_orchestrator(cfg, prompts, StubVerifier())
-    orch.publish_version(0, "0" * 64)
+    announce_v0(orch)
     server = OrchestratorServer(orch).start()
     stop, events = threading.Event(), []
     record_gc(events)
@@ -233,7 +241,7 @@ def steps_main(args) -> None:
     cfg = bench_config(run_dir, 0, args)
     items = get_task("toy", digits=6).make_prompts(cfg.data.num_prompts, 0)
     orch = make_orchestrator(cfg, PromptSet.from_items(items, make_tokenizer(), 0, padded_vocab_size()), StubVerifier())
-    orch.publish_version(0, "0" * 64)
+    announce_v0(orch)
     workers = [orch.authenticate(register(orch, WorkerRegistration(name="bench")).secret) for _ in range(64)]
     tmpl, cctx, rng = template(args), zstandard.ZstdCompressor(level=1), np.random.default_rng(0)
     spent = dict.fromkeys(STEPS, 0.0)
@@ -247,7 +255,7 @@ def steps_main(args) -> None:
         t1 = clock()
         body = cctx.compress(tmpl.replace(LEASE_MARK, resp.lease.lease_id).replace(PROOF_MARK, base64.b64encode(rng.bytes(258)).decode()).encode())
         t2 = clock()
-        orch.submit(wid, body, "zstd").model_dump_json()
+        (orch.admission.submit if hasattr(orch, "admission") else orch.submit)(wid, body, "zstd").model_dump_json()
         t3 = clock()
         spent["lease"] += t1 - t0
         spent["submit"] += t3 - t2

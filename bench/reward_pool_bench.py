@@ -27,7 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from environments.tasks import TaskItem, get_task  # noqa: E402
-from verifier.reward_pool import RewardPool, RewardPoolConfig, RewardRequest  # noqa: E402
+from verifier.reward_pool import RewardPool, RewardPoolConfig  # noqa: E402
+from verifier.reward_requests import RewardRequest  # noqa: E402
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 SLEEPY = "import time\ndef sleepy(text, item):\n    time.sleep(3600)\n"

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 from protocol import api, limits
 from protocol.retry import backoff_delays
 from protocol import models as m
+from protocol.verdicts import Verdict
 
 log = logging.getLogger(__name__)
 T = TypeVar("T", bound=BaseModel)
@@ -231,6 +232,6 @@ class OrchestratorClient:
         resp = self._request(api.SUBMIT, token=self._worker_token(), body=body, headers={"Content-Encoding": api.SUBMIT_CONTENT_ENCODING})
         return self._parse(resp, m.SubmissionReceipt)
 
-    def verdict(self, submission_id: str) -> m.Verdict:
+    def verdict(self, submission_id: str) -> Verdict:
         resp = self._request(api.VERDICT, token=self._worker_token(), submission_id=submission_id)
-        return self._parse(resp, m.Verdict)
+        return self._parse(resp, Verdict)

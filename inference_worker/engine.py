@@ -44,7 +44,7 @@ import torch
 
 from inference_worker.config import EngineConfig
 from inference_worker.generation import GenerationStats, LeaseNotGeneratable, finish_reason as _finish_reason  # noqa: F401 - re-exported
-from protocol import limits
+from protocol import limits, memory
 from protocol.models import Completion, TaskLease
 
 log = logging.getLogger(__name__)
@@ -265,6 +265,7 @@ class RolloutEngine:
         if not adapter:
             self._drop_adapter()  # a full version replaces base + adapter
         self.llm.reset_prefix_cache()
+        memory.trim()  # the replaced weights
         self.policy_version = int(version)
         self.model_hash = model_hash
         took = time.perf_counter() - started

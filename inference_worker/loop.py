@@ -33,8 +33,9 @@ from inference_worker.config import WorkerConfig
 from inference_worker.display import LiveDisplay, WorkerStats
 from inference_worker.weights import WeightsKeeper
 from protocol import staleness
-from protocol.models import Heartbeat, RolloutSubmission, TaskLease, VerdictStatus, WorkerState
+from protocol.models import Heartbeat, RolloutSubmission, TaskLease, WorkerState
 from protocol.retry import backoff_delays
+from protocol.verdicts import VerdictStatus
 
 log = logging.getLogger(__name__)
 

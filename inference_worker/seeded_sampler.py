@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from protocol import sampling
+from protocol import prf, sampling
 
 if TYPE_CHECKING:
     from vllm import SamplingParams as VllmSamplingParams
@@ -76,7 +76,7 @@ class _Layout:
         self.indices = sorted(rows)
         self.rows = [rows[i] for i in self.indices]
         self.index_tensor = torch.tensor(self.indices, dtype=torch.int64, device=device)
-        self.seed_states = sampling.seed_state_np([r.seed for r in self.rows])
+        self.seed_states = prf.seed_state_np([r.seed for r in self.rows])
         self.offsets = np.fromiter((r.offset for r in self.rows), dtype=np.uint32, count=len(self.rows))
         self.params = sampling.DrawParams.build(
             [r.temperature for r in self.rows], [r.top_k for r in self.rows], [r.top_p for r in self.rows], vocab_size, device
@@ -135,7 +135,7 @@ class SeededSampler(LogitsProcessor):
             return logits
         batch, vocab = logits.shape
         if self.token_words is None or self.token_words.shape[0] != vocab:
-            self.token_words = sampling.token_words(torch.arange(vocab, device=self.device))
+            self.token_words = prf.token_words(torch.arange(vocab, device=self.device))
         layout = self.layout
         if layout is None:
             layout = self.layout = _Layout(self.rows, vocab, self.device)
@@ -143,7 +143,7 @@ class SeededSampler(LogitsProcessor):
         whole_batch = len(layout.indices) == batch and layout.indices[-1] == batch - 1
         # Row states on the host, where the positions are (tokens generated so far): a few numpy ops.
         positions = layout.offsets + np.fromiter((len(r.output_ids) for r in layout.rows), dtype=np.uint32, count=len(layout.rows))
-        states = torch.from_numpy(sampling.row_state_np(layout.seed_states, positions).astype(np.int64)).to(self.device, non_blocking=True)
+        states = torch.from_numpy(prf.row_state_np(layout.seed_states, positions).astype(np.int64)).to(self.device, non_blocking=True)
         rows = logits if whole_batch else logits.index_select(0, layout.index_tensor)
         winners = sampling.draw(rows, states, self.token_words, layout.params).view(-1, 1)
         if whole_batch:

@@ -1,22 +1,30 @@
 """Admission of a submission, in the order that spends the least work on a bad one:
-size caps -> decompression (bounded) -> schema -> lease -> policy version -> shape -> replay.
-Nothing here verifies proofs; a submission that passes is queued for the verifier pool.
+size caps -> decompression (bounded) -> schema -> ban -> lease -> policy version -> shape -> replay.
+Every accept-side check lives here (`Admission`: `parse`, touching no state, then `accept`, one visit
+each); nothing here verifies proofs. A submission that passes is queued for the verifier pool
+(orchestrator/verification.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import secrets
 import threading
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import zstandard
 from pydantic import ValidationError
 
 from orchestrator.errors import ApiError
+from orchestrator.leases import LeaseBook, LeaseRow
+from orchestrator.versions import PolicyVersions
+from orchestrator.workers import Workers
 from protocol import limits, staleness
-from protocol.models import ErrorCode, RolloutSubmission, TaskLease
+from protocol.models import ErrorCode, RolloutSubmission, SubmissionReceipt, TaskLease
 
 # A zstd frame may ask for a window up to 2 GiB; no honest rollout body needs more than this.
 MAX_ZSTD_WINDOW = 16 << 20
@@ -24,6 +32,28 @@ READ_CHUNK = 1 << 20
 
 
 _local = threading.local()
+
+
+@dataclass
+class SubmissionRow:
+    submission_id: str
+    worker_id: str
+    lease_id: str
+    policy_version: int
+    num_tokens: int
+    received_at: float
+    status: str
+    body: bytes | None
+    verdict: str | None
+
+
+@dataclass
+class Pending:
+    worker_id: str
+    submission: RolloutSubmission
+    lease: TaskLease
+    prompt_indices: list[int]
+    eval_version: int | None = None  # an eval lease: its rollouts are scored for the evaluation, never buffered
 
 
 def decompress_zstd(body: bytes, max_output: int = limits.MAX_DECOMPRESSED_BODY_BYTES) -> bytes:
@@ -127,6 +157,77 @@ def fingerprint(sub: RolloutSubmission) -> str:
             h.update(p)
         h.update(b"|")
     return h.hexdigest()
+
+
+class Admission:
+    """What a submission must pass before it is queued for verification, all of it: `parse` (decompress and
+    validate; no state, so the HTTP app may run it off the event loop), then `accept` (the worker, its lease,
+    the policy version, the shape, a replay), which hands it to the verification queue."""
+
+    def __init__(self, *, async_level: int, vocab_size: int, cap: int, workers: Workers, leases: LeaseBook, versions: PolicyVersions,
+                 verification: Any):
+        self.async_level, self.vocab_size, self.cap = async_level, vocab_size, cap
+        self.workers, self.leases, self.versions, self.verification = workers, leases, versions, verification
+
+    def submit(self, worker_id: str, body: bytes, content_encoding: str | None) -> SubmissionReceipt:
+        return self.accept(worker_id, self.parse(body, content_encoding), body, content_encoding)
+
+    def parse(self, body: bytes, content_encoding: str | None) -> tuple[bytes, RolloutSubmission]:
+        """Decompress and validate, at most the largest honest body for this run's leases."""
+        raw = decode_body(body, content_encoding, self.cap)
+        return raw, parse_submission(raw, self.vocab_size)
+
+    def accept(self, worker_id: str, parsed: tuple[bytes, RolloutSubmission], body: bytes, content_encoding: str | None) -> SubmissionReceipt:
+        raw, sub = parsed
+        self.workers.refuse_if_banned(worker_id)
+        now = time.time()
+        row, lease = self.lease_for(sub.lease_id, worker_id, now)
+        current = self.versions.current
+        check_version(sub.policy_version, current, self.async_level)
+        if sub.policy_version < lease.min_policy_version:
+            raise ApiError(
+                ErrorCode.version_too_old,
+                f"policy version {sub.policy_version} is below the lease's minimum {lease.min_policy_version}",
+                min_policy_version=max(lease.min_policy_version, staleness.min_policy_version(current, self.async_level)),
+            )
+        if lease.generation_version is not None and sub.policy_version != lease.generation_version:
+            raise ApiError(
+                ErrorCode.lease_mismatch,
+                f"generated with policy version {sub.policy_version}; this lease was issued for version {lease.generation_version}, "
+                "the one the worker said it had loaded",
+            )
+        if self.versions.is_superseded(sub.policy_version, sub.model_hash):
+            # Weights of a version that a trainer crash undid (a relay served them before they were
+            # replaced): the worker is honest, so no strike; it moves on to a newer version.
+            raise ApiError(
+                ErrorCode.version_too_old, f"version {sub.policy_version} was re-published with other weights after a trainer restart",
+                min_policy_version=sub.policy_version + 1,
+            )
+        check_shape(sub, lease)
+        submission_id = f"S{secrets.token_hex(8)}"
+        stored = body if (content_encoding or "").strip().lower() == "zstd" else zstandard.ZstdCompressor(level=1).compress(raw)
+        dup = self.verification.enqueue(
+            SubmissionRow(submission_id, worker_id, sub.lease_id, sub.policy_version, sub.num_tokens, now, "pending", stored, None),
+            fingerprint(sub),
+            Pending(worker_id, sub, lease, list(row.prompt_indices), row.eval_version),
+        )
+        if dup == "lease":
+            raise ApiError(ErrorCode.duplicate, f"lease {sub.lease_id} already has a submission")
+        if dup == "replay":
+            raise ApiError(ErrorCode.duplicate, "these rollouts were submitted before (replay)")
+        return SubmissionReceipt(submission_id=submission_id, lease_id=sub.lease_id, num_completions=len(sub.completions))
+
+    def lease_for(self, lease_id: str, worker_id: str, now: float) -> tuple[LeaseRow, TaskLease]:
+        """The open lease a submission is for, or the reason it cannot be submitted."""
+        row = self.leases.get(lease_id)
+        if row is None or row.worker_id != worker_id:
+            # Not yours: indistinguishable from a lease that does not exist, so ids cannot be probed.
+            raise ApiError(ErrorCode.not_found, f"no lease {lease_id}")
+        if row.status in ("submitted", "done", "rejected"):
+            raise ApiError(ErrorCode.duplicate, f"lease {lease_id} already has a submission")
+        if row.status in ("expired", "released") or row.deadline < now:
+            raise ApiError(ErrorCode.lease_expired, f"lease {lease_id} is {row.status if row.status != 'open' else 'past its deadline'}")
+        return row, self.leases.parsed(row)
 
 
 class RateLimiter:

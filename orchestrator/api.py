@@ -8,6 +8,8 @@ the entry (method, path, body model, auth), plus the operator's dashboard page a
   request budgets and reads the body under its cap; group commit (group_commit.py) wraps every request;
   the fast path (fast_path.py) keeps FastAPI's per-request machinery off every route. A submission's
   decompression and parsing run off the event loop when the run's leases allow big bodies.
+- A lease request with `wait_s` is held on the event loop while the async bound is full (`lease_held`,
+  the long poll; room.py wakes it).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,9 +41,11 @@ from orchestrator.fast_path import (
 )
 from orchestrator.group_commit import GroupCommit, GroupCommitMiddleware
 from orchestrator.gate import CALLER, Gate
+from orchestrator.leases import GenerationBoundReached
 from orchestrator.service import Orchestrator
 from protocol import api, limits
-from protocol.models import ErrorBody, ErrorCode, HealthStatus, WireModel
+from protocol.models import ErrorBody, ErrorCode, LeaseRequest, LeaseResponse, WireModel
+from protocol.operator_models import HealthStatus
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +73,31 @@ def swagger_assets() -> Path | None:
     return static if (static / "swagger-ui-bundle.js").is_file() and (static / "swagger-ui.css").is_file() else None
 
 
+async def lease_held(orch: Orchestrator, worker_id: str, req: LeaseRequest) -> LeaseResponse:
+    """`orch.lease`, held on the event loop for up to `req.wait_s` while the async bound is full (a long
+    poll): the worker gets its lease as soon as a verdict, a trained batch or a lease given back makes
+    room, instead of sleeping a guessed retry-after. Each wake-up is one more try."""
+    deadline = time.monotonic() + min(req.wait_s, orch.cfg.request_timeout_s / 2)
+    woken = False
+    while True:
+        try:
+            answer = orch.try_lease(worker_id, req)
+        except GenerationBoundReached:
+            left = deadline - time.monotonic()
+            if left <= 0 or not orch.ready:
+                return orch.bound_reached()
+        except ApiError:  # e.g. its version is too old: the room it was woken for is someone else's
+            if woken:
+                orch.leases.room.notify()
+            raise
+        else:
+            if woken:  # there may be room for the next waiter too (room.RoomSignal: one at a time)
+                orch.leases.room.notify()
+            return answer
+        await orch.leases.room.wait(left)
+        woken = True
+
+
 def handlers(orch: Orchestrator) -> dict[api.Endpoint, Handler]:
     """What each endpoint does, given the request, its caller (the gate's: a worker id for worker
     endpoints, the join token's row for register) and the parsed body."""
@@ -80,18 +110,18 @@ def handlers(orch: Orchestrator) -> dict[api.Endpoint, Handler]:
 
     async def submit(request: Request, worker: Any, body: bytes) -> WireModel:
         encoding = request.headers.get("content-encoding")
-        if orch.submission_cap <= INLINE_PARSE_BYTES:
-            parsed = orch.parse_submission(body, encoding)
+        if orch.admission.cap <= INLINE_PARSE_BYTES:
+            parsed = orch.admission.parse(body, encoding)
         else:
             async with parse_lock:
-                parsed = await asyncio.get_running_loop().run_in_executor(None, orch.parse_submission, body, encoding)
-        return orch.accept_submission(worker, parsed, body, encoding)
+                parsed = await asyncio.get_running_loop().run_in_executor(None, orch.admission.parse, body, encoding)
+        return orch.admission.accept(worker, parsed, body, encoding)
 
     def history(*_: Any) -> Response:
         return JSONResponse(
             {
                 "status": orch.status().model_dump(mode="json"),
-                "workers": orch.worker_list().model_dump(mode="json")["workers"],
+                "workers": orch.operators.worker_list().model_dump(mode="json")["workers"],
                 "history": list(orch.windows.history),
             }
         )
@@ -104,17 +134,17 @@ def handlers(orch: Orchestrator) -> dict[api.Endpoint, Handler]:
     return {
         api.REGISTER: register,
         api.HEARTBEAT: lambda r, worker, body: orch.heartbeat(worker, r.path_params["worker_id"], body),
-        api.LEASE: lambda r, worker, body: orch.lease_held(worker, body) if body.wait_s > 0 else orch.lease(worker, body),
+        api.LEASE: lambda r, worker, body: lease_held(orch, worker, body) if body.wait_s > 0 else orch.lease(worker, body),
         api.RELEASE: lambda r, worker, body: orch.release(worker, r.path_params["lease_id"]),
         api.SUBMIT: submit,
-        api.VERDICT: lambda r, worker, body: orch.verdict(worker, r.path_params["submission_id"]),
+        api.VERDICT: lambda r, worker, body: orch.verification.verdict(worker, r.path_params["submission_id"]),
         api.STATUS: lambda *_: orch.status(),
-        api.WORKERS: lambda *_: orch.worker_list(),
-        api.BAN: lambda r, _, body: orch.set_ban(r.path_params["worker_id"], True, body.reason, body.scope),
-        api.UNBAN: lambda r, _, body: orch.set_ban(r.path_params["worker_id"], False, body.reason),
-        api.MINT_TOKEN: lambda r, _, body: orch.mint_token(body),
-        api.TOKENS: lambda *_: orch.token_list(),
-        api.REVOKE_TOKEN: lambda r, _, body: orch.revoke_token(r.path_params["token_id"], body.reason),
+        api.WORKERS: lambda *_: orch.operators.worker_list(),
+        api.BAN: lambda r, _, body: orch.operators.set_ban(r.path_params["worker_id"], True, body.reason, body.scope),
+        api.UNBAN: lambda r, _, body: orch.operators.set_ban(r.path_params["worker_id"], False, body.reason),
+        api.MINT_TOKEN: lambda r, _, body: orch.operators.mint_token(body),
+        api.TOKENS: lambda *_: orch.operators.token_list(),
+        api.REVOKE_TOKEN: lambda r, _, body: orch.operators.revoke_token(r.path_params["token_id"], body.reason),
         api.METRICS: lambda *_: Response(generate_latest(orch.metrics.registry), media_type=CONTENT_TYPE_LATEST),
         api.STATUS_HISTORY: history,
         api.HEALTH: lambda *_: HealthStatus(ok=True),

@@ -105,6 +105,14 @@ class BatchBook:
         db.execute("UPDATE batches SET status='committed', trained_from_version=?, settled_at=? WHERE seq=?", (version, time.time(), row["seq"]))
         return self.buffer.commit(db, batch_id, int(version))
 
+    def commit_all(self, db: sqlite3.Connection, batches: dict[str, int]) -> dict[int, int]:
+        """`commit` of each batch (batch id -> the version its step started from); their staleness summed."""
+        gaps: dict[int, int] = {}
+        for batch_id, version in batches.items():
+            for gap, k in self.commit(db, batch_id, version).items():
+                gaps[gap] = gaps.get(gap, 0) + k
+        return gaps
+
     def give_back(self, db: sqlite3.Connection, batch_id: str) -> int:
         """In the caller's transaction: the batch goes back untrained; returns how many samples."""
         row = db.execute("SELECT status FROM batches WHERE batch_id=?", (batch_id,)).fetchone()

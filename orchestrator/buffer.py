@@ -167,7 +167,7 @@ class RolloutBuffer:
     def __init__(self, db: Database, max_staleness: int | None = None):
         self.db = db
         self.max_staleness = max_staleness
-        self.room_freed: Callable[[], None] = lambda: None  # the lease book's long poll (leases.RoomSignal)
+        self.room_freed: Callable[[], None] = lambda: None  # the lease book's long poll (room.RoomSignal)
         db.create(SCHEMA, counters=COUNTERS)
         with db.tx() as conn:
             # Taken groups stay taken over a restart: only the trainer knows whether it trained them

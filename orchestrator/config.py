@@ -11,7 +11,8 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from protocol.models import BanScope, SamplingParams
+from protocol.models import SamplingParams
+from protocol.operator_models import BanScope
 
 
 DEMO_JOIN_TOKEN = "demo-join-token"

@@ -15,12 +15,17 @@ How a round goes:
 - An accepted submission's trusted rewards and completion lengths are recorded per prompt; the round is
   done when every prompt has them. A version left behind (below the oldest one a submission may still
   claim) before that closes the round as partial, with what it has.
+
+`RunEvaluation` is the orchestrator's side: it opens rounds as versions are announced (orchestrator/
+versions.py), closes those left behind, logs and exports the finished ones, and does nothing for a run
+that does not evaluate.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import sqlite3
 import time
@@ -28,10 +33,14 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.config import DataConfig, EvalConfig
+from orchestrator.config import DataConfig, EvalConfig, OrchestratorConfig
 from orchestrator.data import DataError, Prompt, PromptSet
 from orchestrator.db import Database
-from protocol.models import EvalResult
+from orchestrator.versions import PolicyVersions
+from protocol import staleness
+from protocol.operator_models import EvalResult
+
+log = logging.getLogger(__name__)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS eval_rounds (
@@ -85,6 +94,14 @@ def hold_out(prompts: PromptSet, num: int, seed: int) -> HeldOutPrompts:
         raise DataError(f"eval.num_prompts ({num}) must be below the number of prompts ({len(prompts)}): training needs some")
     chosen = set(np.random.default_rng([seed, 0xE7A1]).choice(len(prompts), size=num, replace=False).tolist())
     return HeldOutPrompts(prompts, [p for i, p in enumerate(prompts.prompts) if i in chosen])
+
+
+def evaluated_prompts(prompts: PromptSet, config: EvalConfig | None, eval_prompts: list[Prompt] | None) -> PromptSet:
+    """The prompts a run leases: when it evaluates, with held-out prompts (from eval.path, or a seeded slice
+    of the run's) that are never in the training order."""
+    if config is None or not config.every_steps:
+        return prompts
+    return HeldOutPrompts(prompts, eval_prompts) if eval_prompts else hold_out(prompts, config.num_prompts, prompts.seed)
 
 
 def held_out_data(data: DataConfig, config: EvalConfig) -> DataConfig | None:
@@ -234,3 +251,66 @@ def per_prompt_results(prompt_indices: list[int], completions: list[Any], reward
         rs.append(float(r))
         ts.append(int(c.token_ids.size))
     return out
+
+
+class RunEvaluation:
+    """The orchestrator's side of evaluation. A run that evaluates (held-out prompts and an eval config)
+    has an EvalBook, which the lease book leases from (`leases.evals`); every call is a no-op otherwise."""
+
+    def __init__(self, db: Database, prompts: PromptSet, config: EvalConfig | None, orch: OrchestratorConfig, *, leases: Any,
+                 versions: PolicyVersions, metrics: Any, finished: list[int]):
+        self.db, self.leases, self.versions, self.metrics, self.async_level = db, leases, versions, metrics, orch.async_level
+        self.done = finished  # versions whose round a verdict finished or this closed, not yet logged
+        self.book: EvalBook | None = None
+        if isinstance(prompts, HeldOutPrompts) and config is not None:
+            self.book = leases.evals = EvalBook(
+                db, prompts, config, train_k=orch.samples_per_prompt, prompts_per_lease=orch.prompts_per_lease, seed_key=leases.seed_key,
+            )
+
+    def announced(self, old: int, new: int) -> None:
+        """The current version moved from `old` to `new`: open the round of every newly announced version
+        still generatable (several at once with mini_batches > 1; a version announced before a crash of this
+        process again, idempotently)."""
+        if self.book is None:
+            return
+        lo = max(staleness.min_policy_version(new, self.async_level), min(old + 1, new))
+        with self.db.tx() as db:
+            for v in range(lo, new + 1):
+                if self.book.announce(db, v):
+                    log.info("evaluation opened", extra={"policy_version": v, "prompts": len(self.book.prompts.held_out)})
+            self._close_left_behind(db)
+
+    def housekeeping(self) -> None:
+        if self.book is None:
+            return
+        with self.db.tx() as db:
+            self._close_left_behind(db)
+        self._log_finished()
+
+    def _close_left_behind(self, db: sqlite3.Connection) -> None:
+        assert self.book is not None
+        min_version = staleness.min_policy_version(self.versions.current, self.async_level)
+        for v in self.book.close_left_behind(db, min_version, self.leases.eval_in_flight(db)):
+            self.done.append(v)
+            log.warning("evaluation closed partial: its version was left behind before every prompt was verified", extra={"policy_version": v})
+
+    def _log_finished(self) -> None:
+        """Evaluations finished since the last call: logged and exported to Prometheus."""
+        book, done = self.book, self.done
+        while book is not None and done:
+            r = book.result(done.pop(0))
+            if r is None:
+                continue
+            self.metrics.observe_eval(r)
+            log.info("evaluation finished", extra={"policy_version": r.policy_version, "avg_reward": r.avg_reward, "pass_at": r.pass_at,
+                                                    "mean_completion_tokens": r.mean_completion_tokens, "complete": r.complete})
+
+    def finished(self, after_version: int = -1) -> list[EvalResult]:
+        """Finished evaluations (held-out prompts, per policy version) of versions above `after_version`."""
+        return self.book.finished(after_version) if self.book is not None else []
+
+    def latest(self) -> EvalResult | None:
+        return self.book.latest() if self.book is not None else None
+
+    def open_rounds(self) -> int:
+        return self.book.open_rounds() if self.book is not None else 0

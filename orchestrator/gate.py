@@ -132,7 +132,7 @@ class Gate:
                 if hmac.compare_digest(token.encode(), self.admin_token):
                     return None
                 self.over_budget(address)
-                if self.orch.is_worker_secret(token):
+                if self.orch.workers.is_secret(token):
                     raise ApiError(ErrorCode.forbidden, "operator endpoints refuse worker tokens")
                 raise ApiError(ErrorCode.unauthorized, "invalid admin token")
             if not self.orch.workers.is_cached(token):

@@ -14,13 +14,11 @@ leases it, so giving a lease back delays its group but cannot reroll it.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import secrets
 import sqlite3
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +31,7 @@ from orchestrator.errors import ApiError
 from orchestrator.evaluation import EvalBook
 from orchestrator.lease_shares import LeaseShares, NoLeaseNow
 from orchestrator.release_costs import ReleaseCosts
+from orchestrator.room import RoomSignal
 from orchestrator.tokens import JoinTokens
 from orchestrator.workers import Workers
 from protocol import staleness
@@ -75,47 +74,6 @@ class GenerationBoundReached(Exception):
     """Generation is async_level steps ahead of the trainer; wait for it to consume a batch."""
 
 
-class RoomSignal:
-    """Wakes the lease requests held on the event loop (a long poll) when room under the async bound may
-    have freed up. `notify` is called from any thread (verification, the trainer's pulls, housekeeping).
-
-    One waiter per notification, first come first served, and a waiter that got a lease (or any answer
-    but "the bound is full") passes it on: a freed prompt costs one retry, not one per waiting worker (a
-    thousand workers waking for every verdict would be the herd the long poll exists to avoid)."""
-
-    def __init__(self) -> None:
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._waiters: deque[asyncio.Future[None]] = deque()
-
-    async def wait(self, timeout_s: float) -> None:
-        loop = self._loop = asyncio.get_running_loop()
-        woken: asyncio.Future[None] = loop.create_future()
-        self._waiters.append(woken)
-        try:
-            await asyncio.wait_for(woken, timeout_s)
-        except TimeoutError:
-            pass
-        finally:
-            if not woken.done() or woken.cancelled():
-                try:
-                    self._waiters.remove(woken)
-                except ValueError:
-                    pass
-
-    def notify(self, everyone: bool = False) -> None:
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._wake, everyone)
-
-    def _wake(self, everyone: bool) -> None:
-        while self._waiters:
-            woken = self._waiters.popleft()
-            if not woken.done():
-                woken.set_result(None)
-                if not everyone:
-                    return
-
-
 @dataclass
 class LeaseRow:
     lease_id: str
@@ -146,7 +104,7 @@ class LeaseBook:
         self, db: Database, prompts: PromptSet, config: OrchestratorConfig, shape: StepShape | None = None,
         workers: Workers | None = None, tokens: JoinTokens | None = None,
     ):
-        self.evals: EvalBook | None = None  # set by the orchestrator when the run evaluates
+        self.evals: EvalBook | None = None  # set by evaluation.RunEvaluation when the run evaluates
         self.room = RoomSignal()  # notified whenever leased prompts go down (the buffer notifies it too)
         self.db = db
         self.prompts = prompts
@@ -341,18 +299,9 @@ class LeaseBook:
         row = self.db.one("SELECT COUNT(*) FROM leases WHERE worker_id=? AND status='open' AND deadline>=?", (worker_id, now))
         return int(row[0])
 
-    def for_submission(self, lease_id: str, worker_id: str, now: float) -> tuple[LeaseRow, TaskLease]:
-        """The open lease a submission is for, or the reason it cannot be submitted."""
-        row = self.get(lease_id)
-        if row is None or row.worker_id != worker_id:
-            # Not yours: indistinguishable from a lease that does not exist, so ids cannot be probed.
-            raise ApiError(ErrorCode.not_found, f"no lease {lease_id}")
-        if row.status in ("submitted", "done", "rejected"):
-            raise ApiError(ErrorCode.duplicate, f"lease {lease_id} already has a submission")
-        if row.status in ("expired", "released") or row.deadline < now:
-            raise ApiError(ErrorCode.lease_expired, f"lease {lease_id} is {row.status if row.status != 'open' else 'past its deadline'}")
-        lease = self._open.pop(lease_id, None) or TaskLease.model_validate_json(row.body)
-        return row, lease
+    def parsed(self, row: LeaseRow) -> TaskLease:
+        """The lease a submission was admitted for, parsed (from the cache of open leases if there)."""
+        return self._open.pop(row.lease_id, None) or TaskLease.model_validate_json(row.body)
 
     @staticmethod
     def mark_submitted(db: sqlite3.Connection, lease_id: str) -> bool:

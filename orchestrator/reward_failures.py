@@ -1,5 +1,5 @@
 """Rewards the trusted side could not compute: a completion whose reward timed out, crashed its process or
-was skipped (its submission had spent the pool's failure budget), `protocol.models.UNSCORED_REWARD_STATUS`.
+was skipped (its submission had spent the pool's failure budget), `protocol.verdicts.UNSCORED_REWARD_STATUS`.
 
 A verified completion's text is the policy's draw, not the worker's choice, so such a failure never charges
 the worker (no strike, full credit); its GRPO group is dropped (orchestrator.buffer.build_groups) rather
@@ -15,7 +15,8 @@ from collections import Counter
 from typing import Any
 
 from orchestrator.db import Database
-from protocol.models import UNSCORED_REWARD_STATUS, TaskLease, Verdict
+from protocol.models import TaskLease
+from protocol.verdicts import UNSCORED_REWARD_STATUS, Verdict
 
 PREFIX = "reward_failures:"  # meta key: reward_failures:<kind>:<reward> (a plug-in's name has a colon)
 GROUPS_DROPPED = "groups_dropped_unscored"  # counted by the buffer, with the groups it keeps

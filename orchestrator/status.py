@@ -1,5 +1,6 @@
-"""Status and metrics: the Prometheus metrics of one orchestrator, the rates over the last minute that
-/v1/status and the dashboard show, the dashboard's history, and the time workers waited for the trainer.
+"""Status and metrics: /v1/status (`run_status`), the Prometheus metrics of one orchestrator, the rates over
+the last minute that /v1/status and the dashboard show, the dashboard's history, and the time workers
+waited for the trainer.
 """
 
 from __future__ import annotations
@@ -10,6 +11,10 @@ from collections import deque
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from orchestrator import reward_failures
+from orchestrator.release_costs import RELEASED_CHARGED, RELEASED_FREE
+from protocol.operator_models import RestartCount, RunStatus
 
 WINDOW_S = 60.0  # throughput and acceptance are reported over this window
 HISTORY_EVERY_S = 2.0
@@ -81,7 +86,7 @@ class Metrics:
         self.eval_completion_tokens = Gauge("swarmrl_eval_completion_tokens", "Mean completion length of the held-out samples (tokens)", registry=r)
 
     def observe_eval(self, result: Any) -> None:
-        """A finished evaluation (protocol.models.EvalResult); versions finish in order, mostly: keep the newest."""
+        """A finished evaluation (protocol.operator_models.EvalResult); versions finish in order, mostly: keep the newest."""
         if result.policy_version < getattr(self, "_eval_newest", -1):
             return
         self._eval_newest = result.policy_version
@@ -169,3 +174,78 @@ class RunWindows:
             "acceptance": n_acc / (n_acc + n_rej) if n_acc + n_rej else None,
             "mean_reward": reward_sum / completions if completions else None,
         }
+
+
+def run_status(o: Any) -> RunStatus:
+    """/v1/status of an orchestrator (orchestrator/service.py): its counters, rates and concepts."""
+    now = time.time()
+    c = o.db.counters()
+    accepted, rejected = int(c.get("submissions_accepted", 0)), int(c.get("submissions_rejected", 0))
+    rates = o.windows.rates(now)
+    return RunStatus(
+        run_name=o.run_name,
+        step=int(c.get("step", 0)),
+        policy_version=o.versions.current,
+        async_level=o.cfg.async_level,
+        buffer_depth=o.buffer.depth(),
+        workers_online=o.workers.count_online(now),
+        acceptance_rate=accepted / (accepted + rejected) if accepted + rejected else 0.0,
+        submissions_accepted=accepted,
+        submissions_rejected=rejected,
+        groups_dropped_zero_signal=int(c.get("groups_dropped_zero_signal", 0)),
+        groups_dropped_unscored=int(c.get("groups_dropped_unscored", 0)),
+        reward_failures=reward_failures.from_counters(c),
+        samples_dropped_stale=int(c.get("samples_dropped_stale", 0)),
+        verified_tokens=int(c.get("verified_tokens", 0)),
+        near_tie_tokens=int(c.get("near_tie_tokens", 0)),
+        rollout_tokens_per_s=rates["rollout_tokens_per_s"],
+        trained_samples_per_s=rates["trained_samples_per_s"],
+        mean_reward=rates["mean_reward"],
+        wait_for_trainer_s=o.windows.wait_for_trainer_s(now),
+        verify_queue=o.verification.backlog(),
+        verify_in_per_s=rates["verify_in_per_s"],
+        verify_out_per_s=rates["verify_out_per_s"],
+        verify_tokens_per_s=rates["verify_tokens_per_s"],
+        verifier_actors=o.verifier_actors[0],
+        verifier_actors_pending=o.verifier_actors[1],
+        staleness_histogram=o.buffer.staleness_histogram(),
+        restarts=restarts(c),
+        finished=o.finished,
+        error=o.error,
+        eval_latest=o.evals.latest(),
+        evals_open=o.evals.open_rounds(),
+        releases_free=int(c.get(RELEASED_FREE, 0)),
+        releases_charged=int(c.get(RELEASED_CHARGED, 0)),
+        max_token_release_ratio=o.leases.costs.highest_ratio(),
+    )
+
+
+def restarts(counters: dict[str, float]) -> dict[str, RestartCount]:
+    names = [k.split(":", 1)[1] for k in counters if k.startswith("restarts:")]
+    return {n: RestartCount(count=int(counters[f"restarts:{n}"]), seconds_lost=round(counters.get(f"restart_s:{n}", 0.0), 3)) for n in sorted(names)}
+
+
+def record_history(metrics: Metrics, windows: RunWindows, st: RunStatus, now: float) -> None:
+    """Each housekeeping pass: the gauges of /metrics, and a point of the dashboard's history."""
+    rates = windows.rates(now)
+    metrics.buffer_depth.set(st.buffer_depth)
+    metrics.workers_online.set(st.workers_online)
+    metrics.policy_version.set(st.policy_version)
+    metrics.verify_queue.set(st.verify_queue)
+    for what, key in (("in", "verify_in_per_s"), ("out", "verify_out_per_s"), ("tokens", "verify_tokens_per_s")):
+        metrics.verify_rate.labels(what).set(rates[key])
+    windows.history.append(
+        {
+            "t": now,
+            "step": st.step,
+            "policy_version": st.policy_version,
+            "mean_reward": rates["mean_reward"],
+            "rollout_tokens_per_s": rates["rollout_tokens_per_s"],
+            "submissions_per_s": rates["submissions_per_s"],
+            "acceptance": rates["acceptance"],
+            "workers_online": st.workers_online,
+            "buffer_depth": st.buffer_depth,
+            "verify_queue": st.verify_queue,
+            "verifier_actors": st.verifier_actors,
+        }
+    )

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 from orchestrator.db import Database
 from orchestrator.errors import ApiError
-from protocol.models import ErrorCode, JoinTokenRecord
+from protocol.models import ErrorCode
+from protocol.operator_models import JoinTokenRecord
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS join_tokens (

@@ -1,7 +1,7 @@
 """Verification bookkeeping: the submissions waiting for a verdict, the thread that sends them to the
 verifier pool in batches, and what a verdict changes (the submission, its lease, the worker's ledger and
-strikes, the buffer), all in one transaction. Owns the `submissions`, `fingerprints` and `versions`
-tables (a submission claims a published version; its model hash is checked against `versions`).
+strikes, the buffer), all in one transaction. Owns the `submissions` and `fingerprints` tables (a
+submission claims a published version; the verifier checks its model hash against orchestrator/versions.py).
 
 Verification goes through anything with `verify_many(jobs) -> list[Verdict]`: Ray actors wrapping
 `verifier.service.Verifier` in production, a fake in logic unit tests.
@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import math
 import queue
-import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -20,30 +19,23 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from orchestrator import admission, reward_failures
+from orchestrator.admission import Pending, SubmissionRow
 from orchestrator.buffer import Groups, RolloutBuffer, build_groups
 from orchestrator.data import PromptSet
 from orchestrator.db import Database
 from orchestrator.draw_deviations import DeviationLedger
+from orchestrator.errors import ApiError
 from orchestrator.evaluation import per_prompt_results
 from orchestrator.leases import LeaseBook
 from orchestrator.status import Metrics, RunWindows
+from orchestrator.versions import PolicyVersions
 from orchestrator.workers import WorkerRow, Workers
-from protocol.models import (
-    NO_STRIKE,
-    Rejection,
-    RejectionCode,
-    RolloutSubmission,
-    TaskLease,
-    Verdict,
-    VerdictStatus,
-)
+from protocol.models import ErrorCode, RolloutSubmission, TaskLease
+from protocol.verdicts import NO_STRIKE, Rejection, RejectionCode, Verdict, VerdictStatus
 
 log = logging.getLogger(__name__)
 
 SCHEMA = """
-CREATE TABLE IF NOT EXISTS versions (version INTEGER PRIMARY KEY, model_hash TEXT NOT NULL, created_at REAL NOT NULL);
--- hashes a version had before a trainer restart re-published it with other weights
-CREATE TABLE IF NOT EXISTS superseded_versions (version INTEGER NOT NULL, model_hash TEXT NOT NULL, PRIMARY KEY (version, model_hash)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS submissions (
     submission_id TEXT PRIMARY KEY,
     worker_id TEXT NOT NULL,
@@ -59,7 +51,7 @@ CREATE INDEX IF NOT EXISTS submissions_pending ON submissions (status);
 -- a hash of each submission's generated content, so replays are refused
 CREATE TABLE IF NOT EXISTS fingerprints (fingerprint TEXT PRIMARY KEY, submission_id TEXT NOT NULL);
 """
-COUNTERS = ("policy_version", "submissions_accepted", "submissions_rejected", "reward_count")
+COUNTERS = ("submissions_accepted", "submissions_rejected", "reward_count")
 
 # Submissions waiting for verification: above this, leases are refused (retry later); parsed ones above
 # MAX_PARSED_PENDING are not kept in memory but re-read from SQLite when their turn comes.
@@ -89,28 +81,6 @@ def default_make_job(**fields: Any) -> Any:
 
 
 @dataclass
-class SubmissionRow:
-    submission_id: str
-    worker_id: str
-    lease_id: str
-    policy_version: int
-    num_tokens: int
-    received_at: float
-    status: str
-    body: bytes | None
-    verdict: str | None
-
-
-@dataclass
-class Pending:
-    worker_id: str
-    submission: RolloutSubmission
-    lease: TaskLease
-    prompt_indices: list[int]
-    eval_version: int | None = None  # an eval lease: its rollouts are scored for the evaluation, never buffered
-
-
-@dataclass
 class Applied:
     submission_id: str
     worker_id: str
@@ -124,52 +94,13 @@ class Applied:
     failures: tuple[str, dict[str, int]] = ("", {})  # rewards not computed: (reward, kind -> completions)
 
 
-class PolicyVersions:
-    """Published policy versions and their model hashes; the current version only moves forward."""
-
-    def __init__(self, db: Database):
-        self.db = db
-        self._hashes: dict[int, str] = {}  # immutable once published: cached, but dropped on (re)publish
-        self._superseded = {(r[0], r[1]) for r in db.all("SELECT version, model_hash FROM superseded_versions")}
-
-    def publish(self, db: sqlite3.Connection, version: int, model_hash: str) -> None:
-        old = db.execute("SELECT model_hash FROM versions WHERE version=?", (version,)).fetchone()
-        if old is not None and old[0] != model_hash:
-            self.supersede(db, version, old[0])
-        db.execute(
-            "INSERT INTO versions (version, model_hash, created_at) VALUES (?, ?, ?) ON CONFLICT(version) DO UPDATE SET model_hash=excluded.model_hash",
-            (version, model_hash, time.time()),
-        )
-        if version > Database.read_int(db, "policy_version"):
-            Database.set(db, "policy_version", version)
-        self._hashes.pop(version, None)
-
-    def supersede(self, db: sqlite3.Connection, version: int, model_hash: str) -> None:
-        """Weights that a version had on a trainer that crashed before they were durable (a relay may still
-        serve them): a submission made with them is refused without a strike (`is_superseded`)."""
-        db.execute("INSERT OR IGNORE INTO superseded_versions (version, model_hash) VALUES (?, ?)", (version, model_hash))
-        self._superseded.add((version, model_hash))
-
-    def is_superseded(self, version: int, model_hash: str) -> bool:
-        return (version, model_hash) in self._superseded and self.model_hash(version) != model_hash
-
-    def model_hash(self, version: int) -> str:
-        """A published version's hash, or "" if it was never published."""
-        h = self._hashes.get(version)
-        if h is None:
-            row = self.db.one("SELECT model_hash FROM versions WHERE version=?", (version,))
-            if row is None:
-                return ""
-            h = self._hashes[version] = row["model_hash"]
-        return h
-
-
 class Verification:
     def __init__(
         self,
         db: Database,
         *,
         verifier: Verifier,
+        versions: PolicyVersions,
         workers: Workers,
         leases: LeaseBook,
         buffer: RolloutBuffer,
@@ -189,7 +120,7 @@ class Verification:
         self.deviations = DeviationLedger(db, near_tie_burst, near_tie_ban)
         db.create(SCHEMA, counters=COUNTERS, float_counters=("reward_sum",))
         reward_failures.seed_metrics(metrics, db.counters())
-        self.versions = PolicyVersions(db)
+        self.versions = versions
         self.verifier, self.workers, self.leases, self.buffer, self.prompts = verifier, workers, leases, buffer, prompts
         self.metrics, self.windows = metrics, windows
         self.task_name, self.task_params, self.advantage_std = task_name, dict(task_params), advantage_std
@@ -238,6 +169,15 @@ class Verification:
     def submission(self, submission_id: str) -> SubmissionRow | None:
         row = self.db.one("SELECT * FROM submissions WHERE submission_id=?", (submission_id,))
         return SubmissionRow(**{k: row[k] for k in row.keys()}) if row else None
+
+    def verdict(self, worker_id: str, submission_id: str) -> Verdict:
+        """A worker's submission's verdict (pending until verified); another worker's is not found."""
+        row = self.submission(submission_id)
+        if row is None or row.worker_id != worker_id:
+            raise ApiError(ErrorCode.not_found, f"no submission {submission_id}")
+        if row.verdict is None:
+            return Verdict(submission_id=submission_id, status=VerdictStatus.pending)
+        return Verdict.model_validate_json(row.verdict)
 
     def _load(self, submission_id: str) -> Pending | None:
         p = self._pending.get(submission_id)

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from orchestrator.db import Database
 from orchestrator.errors import ApiError
 from orchestrator.tokens import JoinTokens
-from protocol.models import BanScope, ErrorCode, WorkerRecord, WorkerState
+from protocol.models import ErrorCode, WorkerState
+from protocol.operator_models import BanScope, WorkerRecord
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,12 @@ class Workers:
             return entry[1]
         row = self.get(worker_id)
         return row is None or row.banned
+
+    def refuse_if_banned(self, worker_id: str) -> None:
+        """Before a worker's request changes state: the gate authenticated it from the headers, and a ban
+        may have landed since (while its body arrived, while its lease request was held)."""
+        if self.is_banned(worker_id):
+            raise ApiError(ErrorCode.banned, f"worker {worker_id} is banned")
 
     def is_cached(self, secret: str) -> bool:
         """Whether the secret names an identity already in the auth cache (a worker that authenticated

@@ -10,6 +10,8 @@ from enum import Enum
 from pydantic import BaseModel
 
 from protocol import models as m
+from protocol import operator_models as ops
+from protocol import verdicts
 
 
 class Auth(str, Enum):
@@ -71,20 +73,20 @@ HEARTBEAT = Endpoint("POST", "/v1/workers/{worker_id}/heartbeat", m.Heartbeat, m
 LEASE = Endpoint("POST", "/v1/tasks/lease", m.LeaseRequest, m.LeaseResponse, Auth.worker, "Lease a task")
 RELEASE = Endpoint("POST", "/v1/tasks/{lease_id}/release", m.ReleaseRequest, m.ReleaseAck, Auth.worker, "Give a leased task back")
 SUBMIT = Endpoint("POST", "/v1/rollouts", m.RolloutSubmission, m.SubmissionReceipt, Auth.worker, "Submit rollouts for a lease")
-VERDICT = Endpoint("GET", "/v1/rollouts/{submission_id}", None, m.Verdict, Auth.worker, "Verdict of one of your submissions")
+VERDICT = Endpoint("GET", "/v1/rollouts/{submission_id}", None, verdicts.Verdict, Auth.worker, "Verdict of one of your submissions")
 
-STATUS = Endpoint("GET", "/v1/status", None, m.RunStatus, Auth.admin, "Run status")
-WORKERS = Endpoint("GET", "/v1/workers", None, m.WorkerList, Auth.admin, "All workers")
-BAN = Endpoint("POST", "/v1/workers/{worker_id}/ban", m.BanRequest, m.WorkerRecord, Auth.admin, "Ban a worker")
-UNBAN = Endpoint("POST", "/v1/workers/{worker_id}/unban", m.BanRequest, m.WorkerRecord, Auth.admin, "Unban a worker")
+STATUS = Endpoint("GET", "/v1/status", None, ops.RunStatus, Auth.admin, "Run status")
+WORKERS = Endpoint("GET", "/v1/workers", None, ops.WorkerList, Auth.admin, "All workers")
+BAN = Endpoint("POST", "/v1/workers/{worker_id}/ban", ops.BanRequest, ops.WorkerRecord, Auth.admin, "Ban a worker")
+UNBAN = Endpoint("POST", "/v1/workers/{worker_id}/unban", ops.BanRequest, ops.WorkerRecord, Auth.admin, "Unban a worker")
 METRICS = Endpoint("GET", "/metrics", None, None, Auth.admin, "Prometheus metrics")
-MINT_TOKEN = Endpoint("POST", "/v1/join-tokens", m.JoinTokenRequest, m.JoinTokenMinted, Auth.admin, "Mint a join token (its secret is shown once)")
-TOKENS = Endpoint("GET", "/v1/join-tokens", None, m.JoinTokenList, Auth.admin, "All join tokens")
-REVOKE_TOKEN = Endpoint("POST", "/v1/join-tokens/{token_id}/revoke", m.BanRequest, m.JoinTokenRecord, Auth.admin, "Revoke a join token and ban its workers")
+MINT_TOKEN = Endpoint("POST", "/v1/join-tokens", ops.JoinTokenRequest, ops.JoinTokenMinted, Auth.admin, "Mint a join token (its secret is shown once)")
+TOKENS = Endpoint("GET", "/v1/join-tokens", None, ops.JoinTokenList, Auth.admin, "All join tokens")
+REVOKE_TOKEN = Endpoint("POST", "/v1/join-tokens/{token_id}/revoke", ops.BanRequest, ops.JoinTokenRecord, Auth.admin, "Revoke a join token and ban its workers")
 STATUS_HISTORY = Endpoint("GET", "/v1/status/history", None, None, Auth.admin, "Dashboard data: status, workers and time series")
 
-HEALTH = Endpoint("GET", "/healthz", None, m.HealthStatus, Auth.none, "Liveness")
-READY = Endpoint("GET", "/readyz", None, m.HealthStatus, Auth.none, "Readiness: 503 until the run is serving")
+HEALTH = Endpoint("GET", "/healthz", None, ops.HealthStatus, Auth.none, "Liveness")
+READY = Endpoint("GET", "/readyz", None, ops.HealthStatus, Auth.none, "Readiness: 503 until the run is serving")
 
 WORKER_ENDPOINTS = (REGISTER, HEARTBEAT, LEASE, RELEASE, SUBMIT, VERDICT)
 OPERATOR_ENDPOINTS = (STATUS, WORKERS, BAN, UNBAN, MINT_TOKEN, TOKENS, REVOKE_TOKEN, METRICS, STATUS_HISTORY)

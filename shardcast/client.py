@@ -1,7 +1,7 @@
 """The shardcast client: get a signed version of this run from several untrusted servers, fast and safely.
 
 - A manifest is trusted only after its ed25519 signature and run id check out; it then authenticates every
-  file through its signed digest (transfer.py), and names the model hash that any path to the version must yield.
+  file through its signed digest (file_fetch.py), and names the model hash that any path to the version must yield.
 - The plan (plan.py): the cheapest path in bytes from what the client holds (the last pulled weights in
   memory, verified version folders on disk) to the version: its full shards, or deltas applied in turn,
   or an anchor's full shards and then deltas. Manifests of the chain are fetched first, in parallel.
@@ -18,6 +18,7 @@ No torch here unless a delta is met (assemble.py): a pull of full versions needs
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import os
@@ -30,13 +31,13 @@ from pathlib import Path
 
 from protocol.manifests import PolicyManifest
 from shardcast import assemble
+from shardcast.client_folders import already_verified, check_space, finish_full, prune_folders, read_delta, signed_folders, staging_folder, write_version
 from shardcast.config import DEFAULTS
-from shardcast.files import file_matches
-from shardcast.keys import ManifestError, parse_verified_manifest
+from shardcast.file_fetch import FileJob, ShardcastError, StaleManifest
 from shardcast.plan import Plan, Step, explain_no_path, plan_path
 from shardcast.sources import ServerStats, TransferPolicy
-from shardcast.store import MANIFEST_FILE, DiskFullError, complete_dir_name, fsync_dir, partial_dir_name
-from shardcast.transfer import CHUNK_BYTES, FileJob, ServerPool, ShardcastError, StaleManifest
+from shardcast.store import DiskFullError, complete_dir_name, partial_dir_name
+from shardcast.transfer import CHUNK_BYTES, ServerPool
 
 log = logging.getLogger(__name__)
 
@@ -224,11 +225,11 @@ class ShardcastClient:
         jobs = []
         for step in plan.steps:
             manifest = manifests.get(step.version) or target
-            folder = self._staging(manifest)
+            folder = staging_folder(self.dest_root, manifest)
             holders = frozenset(u for u, vs in listings.items() if step.version in vs) or None
-            jobs += [FileJob(step.version, f, folder, holders, manifest.created_at) for f in step.files if not self._already_verified(folder / f.name, f)]
+            jobs += [FileJob(step.version, f, folder, holders, manifest.created_at) for f in step.files if not already_verified(folder / f.name, f)]
         try:
-            self._check_space(target, plan, jobs)
+            check_space(self.dest_root, target, plan, jobs)
             self.pool.download_files(jobs, deadline=deadline)
         except OSError as e:
             if e.errno != errno.ENOSPC:
@@ -240,7 +241,8 @@ class ShardcastClient:
         first, rest = plan.steps[0], list(plan.steps[1:])
         if first.delta is None:  # a full download: a complete version folder of its own
             m = manifests.get(first.version) or target
-            self._finish_full(m)
+            finish_full(self.dest_root, m, self.pool.durable)
+            self._pulled(m.version, m.model_hash)
             steps.append(f"full {first.version}")
             if not rest:
                 self._pulled(target.version, target.model_hash)
@@ -253,7 +255,7 @@ class ShardcastClient:
         from shardcast.delta import DeltaBaseMismatch, DeltaError
 
         try:
-            state = assemble.apply_steps(state, start[1], rest, self._read_delta, self.delta_workers)
+            state = assemble.apply_steps(state, start[1], rest, functools.partial(read_delta, self.dest_root), self.delta_workers)
         except DeltaBaseMismatch as e:
             raise self._bad_base(start, f"held version {start[0]} is not the base it claims: {e}") from None
         except DeltaError as e:
@@ -316,18 +318,8 @@ class ShardcastClient:
     def _held(self) -> dict[int, tuple[str, str]]:
         """version -> (model hash, where): the weights in memory, and version folders on disk whose signed
         manifest checks out (their bytes are checked when a plan uses them)."""
-        held: dict[int, tuple[str, str]] = {}
-        self._local_manifests: dict[int, PolicyManifest] = {}
-        for p in self.dest_root.iterdir():
-            if not (p.is_dir() and p.name.startswith("v") and p.name[1:].isdigit() and (p / MANIFEST_FILE).is_file()):
-                continue
-            try:
-                m = parse_verified_manifest((p / MANIFEST_FILE).read_bytes(), self.pool.public_key, int(p.name[1:]), run_id=self.run_id)
-            except (ManifestError, OSError):
-                shutil.rmtree(p, ignore_errors=True)  # another run's, or damaged
-                continue
-            self._local_manifests[m.version] = m
-            held[m.version] = (m.model_hash, "disk")
+        self._local_manifests: dict[int, PolicyManifest] = signed_folders(self.dest_root, self.pool.public_key, self.run_id)
+        held: dict[int, tuple[str, str]] = {v: (m.model_hash, "disk") for v, m in self._local_manifests.items()}
         if self._state is not None:
             held[self._state[0]] = (self._state[1], "memory")
         return held
@@ -358,67 +350,11 @@ class ShardcastClient:
         self._pulled(v, h, state)
         return state
 
-    # -- files --------------------------------------------------------------------------------------------
-
-    def _staging(self, manifest: PolicyManifest) -> Path:
-        """`.partial-v<N>` for this manifest: kept across restarts (resume), reset if the manifest differs."""
-        staging = self.dest_root / partial_dir_name(manifest.version)
-        body = manifest.model_dump_json().encode()
-        old = staging / MANIFEST_FILE
-        if staging.is_dir():
-            try:
-                same = PolicyManifest.model_validate_json(old.read_bytes()).signing_payload() == manifest.signing_payload()
-            except (OSError, ValueError):
-                same = False
-            if not same:
-                shutil.rmtree(staging)
-        staging.mkdir(exist_ok=True)
-        if not old.is_file():
-            old.write_bytes(body)
-        return staging
-
-    def _already_verified(self, path: Path, entry) -> bool:
-        """A file under its final name from an earlier attempt or process: trusted only after re-hashing."""
-        if file_matches(path, entry):
-            return True
-        path.unlink(missing_ok=True)
-        return False
-
-    def _check_space(self, target: PolicyManifest, plan: Plan, jobs: list[FileJob]) -> None:
-        need = sum(j.entry.size for j in jobs) + (target.full_bytes if plan.steps[-1].delta is not None else 0)
-        free = shutil.disk_usage(self.dest_root).free
-        if free < need:
-            raise DiskFullError(errno.ENOSPC, f"version {target.version} needs {need} more bytes, {self.dest_root} has {free} free")
-
-    def _read_delta(self, step: Step) -> bytes:
-        return (self.dest_root / partial_dir_name(step.version) / step.delta.file).read_bytes()
-
-    def _finish_full(self, manifest: PolicyManifest) -> None:
-        """A version whose full shards are all verified in staging becomes `v<N>` (one rename)."""
-        staging = self.dest_root / partial_dir_name(manifest.version)
-        final = self.dest_root / complete_dir_name(manifest.version)
-        for d in manifest.deltas:  # only the model's shards stay in a version folder
-            (staging / d.file).unlink(missing_ok=True)
-        if self.pool.durable:
-            fsync_dir(staging)
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(staging, final)
-        fsync_dir(self.dest_root)
-        self._pulled(manifest.version, manifest.model_hash)
+    # -- folders written and pruned (client_folders.py) ------------------------------------------------
 
     def _write(self, target: PolicyManifest, state: dict) -> Path:
-        """Write weights reached by deltas as the folder `v<N>` (through a temp folder; one rename)."""
-        final = self.dest_root / complete_dir_name(target.version)
-        free = shutil.disk_usage(self.dest_root).free
-        if free < target.full_bytes:
-            raise DiskFullError(errno.ENOSPC, f"version {target.version} needs {target.full_bytes} bytes, {self.dest_root} has {free} free")
-        try:
-            assemble.write_folder(state, target, self.dest_root / f".tmp-v{target.version:010d}", final, self.shard_bytes, self.pool.durable)
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise DiskFullError(errno.ENOSPC, f"no space left on device under {self.dest_root}") from None
-            raise
-        shutil.rmtree(self.dest_root / partial_dir_name(target.version), ignore_errors=True)
+        """Write weights reached by deltas as the folder `v<N>` (client_folders.write_version)."""
+        final = write_version(self.dest_root, target, state, self.shard_bytes, self.pool.durable)
         self._pulled(target.version, target.model_hash, state)
         return final
 
@@ -432,17 +368,8 @@ class ShardcastClient:
         """Delete older version folders beyond `keep_versions` (never `keep`, the one just pulled)."""
         if self.keep_versions is None:
             return
-        done = sorted(int(p.name[1:]) for p in self.dest_root.iterdir() if p.is_dir() and p.name.startswith("v") and p.name[1:].isdigit())
-        for v in done[: max(0, len(done) - self.keep_versions)]:
-            if v != keep:
-                shutil.rmtree(self.dest_root / complete_dir_name(v), ignore_errors=True)
-                self._verified.pop(v, None)
-        for p in self.dest_root.glob(".partial-v*"):
-            if int(p.name.removeprefix(".partial-v")) < keep:
-                shutil.rmtree(p, ignore_errors=True)
-        if self._writer is None or not self._writer.is_alive():  # else one of them is being written
-            for p in self.dest_root.glob(".tmp-v*"):
-                shutil.rmtree(p, ignore_errors=True)
+        for v in prune_folders(self.dest_root, keep, self.keep_versions, self._writer):
+            self._verified.pop(v, None)
 
 
 class _Replan(Exception):

@@ -24,11 +24,12 @@ from pathlib import Path
 from protocol import api
 from protocol.manifests import PolicyManifest
 from shardcast.config import DEFAULTS
+from shardcast.file_fetch import FileJob, ShardcastError, StaleManifest
 from shardcast.files import file_matches
 from shardcast.keys import ManifestError, check_run, verify_manifest
 from shardcast.sources import TransferPolicy
 from shardcast.store import VersionStore
-from shardcast.transfer import MAX_MANIFEST_BYTES, FileJob, ServerPool, ShardcastError, StaleManifest
+from shardcast.transfer import MAX_MANIFEST_BYTES, ServerPool
 
 log = logging.getLogger(__name__)
 

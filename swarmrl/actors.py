@@ -3,9 +3,11 @@ orchestrator.
 
 - `VerifierActor` wraps `verifier.service.Verifier` in one process; `RayVerifierPool` spreads
   `verify_many` over N of them and is what the orchestrator verifies with.
-- `OrchestratorActor` runs the orchestrator and its HTTP API (in a thread) inside the actor, and serves
-  the trainer's side: take, commit and give back batches, publish versions, reconcile after a restart.
-  It is a named actor, so a restarted trainer finds it again through Ray.
+- `OrchestratorActor` is the orchestrator itself (a subclass, made remote as Ray's util/queue.py makes its
+  plain class remote) with its HTTP API in a thread: the trainer calls its `trainer.batch_loop.BatchSource`
+  methods (take, give back, mark trained, commit batches, reconcile after a restart: versions, version 0
+  included, are announced by the last two), the driver the few others. It is a named actor, so a
+  restarted trainer finds it again through Ray.
 
 Every actor may be killed at any instant: Ray restarts it (with the same arguments, so the orchestrator
 comes back on the same port and SQLite file), and the driver's supervisor counts the restarts. Each
@@ -83,20 +85,25 @@ def db_path(cfg: RunConfig) -> Path:
     return Path(cfg.orchestrator.db_path) if cfg.orchestrator.db_path else RunDir(cfg.run_dir, create=False).db_path
 
 
-def build_orchestrator(
+def orchestrator_args(
     cfg: RunConfig, verifier: Verifier, *, prompts: PromptSet | None = None, relay_urls: list[str] | None = None, manifest_public_key: str = "", **kwargs: Any
-) -> Orchestrator:
-    """The orchestrator of a run, over the run's SQLite file; prompts from the config unless given."""
+) -> dict[str, Any]:
+    """The arguments of a run's orchestrator, over the run's SQLite file; prompts from the config unless given."""
     if prompts is None:
         prompts = PromptSet.from_config(cfg.data, model_dir(cfg), cfg.seed)
     data = cfg.data
     held = held_out_data(data, cfg.eval) if cfg.eval.every_steps else None  # else a slice of the run's prompts
     eval_prompts = PromptSet.from_config(held, model_dir(cfg), cfg.seed).prompts if held is not None else None
-    return Orchestrator(
-        cfg.orchestrator, Database(db_path(cfg)), prompts, verifier, shape=cfg.step_shape(), task_name=data.reward or data.task,
+    return dict(
+        config=cfg.orchestrator, db=Database(db_path(cfg)), prompts=prompts, verifier=verifier, shape=cfg.step_shape(), task_name=data.reward or data.task,
         task_params=data.reward_params if data.reward else data.task_params, run_name=cfg.name, relay_urls=relay_urls,
         manifest_public_key=manifest_public_key, run_id=cfg.shardcast.run_id, evaluation=cfg.eval, eval_prompts=eval_prompts, **kwargs,
     )
+
+
+def build_orchestrator(cfg: RunConfig, verifier: Verifier, **kwargs: Any) -> Orchestrator:
+    """The orchestrator of a run (`orchestrator_args`), in this process."""
+    return Orchestrator(**orchestrator_args(cfg, verifier, **kwargs))
 
 
 class ShardcastWeights:
@@ -234,10 +241,12 @@ class RayVerifierPool:
         self.actors = []
 
 
-class OrchestratorActor:
-    """The orchestrator in a Ray actor: SQLite state, the HTTP API (in a thread), verification through
-    a verifier pool, and the trainer's batch interface. Created with max_concurrency > 1 (see
-    `start_orchestrator_actor`), so a trainer blocked in `take_batch` does not stop `status`."""
+class OrchestratorActor(Orchestrator):
+    """The orchestrator in a Ray actor: SQLite state, the HTTP API (in a thread), verification through a
+    verifier pool, and every method of `Orchestrator` (the trainer's: exactly BatchSource). Besides those,
+    only what the actor adds: its URL, a ping, the pool's actors, and shutting the server down. Created
+    with max_concurrency > 1 (see `start_orchestrator_actor`), so a trainer blocked in `take_batch` does
+    not stop `status`; no method is async (that would make Ray run them all on one event loop)."""
 
     def __init__(self, config: RunConfig, verifier_actors: list[Any], *, relay_urls: list[str] | None = None, manifest_public_key: str = "", origin_url: str = ""):
         component_logging(RunDir(config.run_dir), "orchestrator", config.log_level)
@@ -245,11 +254,9 @@ class OrchestratorActor:
         # The run's verifier.timeout_s, not the pool's default: a call stuck on a dying actor is split
         # and retried after it, so it bounds how long a verifier crash can hold verification back.
         self.pool = RayVerifierPool(verifier_actors, timeout_s=config.verifier.timeout_s)
-        self.orch = build_orchestrator(
-            config, self.pool, relay_urls=relay_urls, manifest_public_key=manifest_public_key, origin_url=origin_url,
-        )
-        self.orch.set_verifier_actors(len(verifier_actors), 0)
-        self.server = OrchestratorServer(self.orch).start()
+        super().__init__(**orchestrator_args(config, self.pool, relay_urls=relay_urls, manifest_public_key=manifest_public_key, origin_url=origin_url))
+        self.set_verifier_actors(len(verifier_actors), 0)
+        self.server = OrchestratorServer(self).start()
         self.started_at = time.time()
 
     def url(self) -> str:
@@ -262,42 +269,10 @@ class OrchestratorActor:
         """The live verifier actors (the driver resized the pool; or, after this actor restarted with its
         first arguments, the pool as it is now). Calls in flight finish on the actors they started on."""
         self.pool.set_actors(actors)
-        self.orch.set_verifier_actors(len(actors), pending)
+        self.set_verifier_actors(len(actors), pending)
 
-    def publish_version(self, version: int, model_hash: str) -> None:
-        self.orch.publish_version(version, model_hash)
-
-    def take_batch(self, n: int, trainer_version: int | None = None, wait_s: float = 0.0) -> Any:
-        return self.orch.take_batch(n, trainer_version, wait_s=wait_s)
-
-    def mark_trained(self, batch_id: str, trained_from_version: int) -> bool:
-        return self.orch.mark_trained(batch_id, trained_from_version)
-
-    def commit_batches(self, batches: dict[str, int], published: dict[int, str]) -> dict[int, int]:
-        return self.orch.commit_batches(batches, published)
-
-    def give_back_batch(self, batch_id: str) -> int:
-        return self.orch.give_back_batch(batch_id)
-
-    def reconcile_trainer(self, lineage: list[list[int]], from_versions: dict[str, int], published: dict[int, str], superseded: dict[int, str] | None = None) -> dict[str, int]:
-        return self.orch.reconcile_trainer(lineage, from_versions, published, superseded)
-
-    def record_restart(self, component: str, seconds_lost: float) -> None:
-        self.orch.record_restart(component, seconds_lost)
-
-    def status(self) -> Any:
-        return self.orch.status()
-
-    def reward_totals(self) -> tuple[float, int]:
-        return self.orch.reward_totals()
-
-    def eval_results(self, after_version: int = -1) -> list[Any]:
-        return self.orch.eval_results(after_version)
-
-    def set_finished(self, error: str | None = None) -> None:
-        self.orch.set_finished(error)
-
-    def stop(self) -> None:
+    def shutdown(self) -> None:
+        """Stop the HTTP server, then the orchestrator (its threads, SQLite)."""
         self.server.stop()
 
 

@@ -39,7 +39,8 @@ def pass_rates(cfg: RunConfig, model_dir: str | Path, samples: int, pass_thresho
     """(rows, pass rate per row or None if the prompt is too long, rows too long) for cfg.data's dataset."""
     from inference_worker.engine import RolloutEngine
     from protocol.models import TaskLease, TaskPrompt
-    from verifier.reward_pool import RewardPool, RewardRequest
+    from verifier.reward_pool import RewardPool
+    from verifier.reward_requests import RewardRequest
 
     data = cfg.data
     if not data.path:

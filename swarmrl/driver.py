@@ -58,7 +58,7 @@ class Progress:
     restarts: dict[str, tuple[int, float]] = field(default_factory=dict)  # component -> (restarts, seconds lost)
     recorded_version: int = 0  # the newest version in metrics.jsonl: a restarted trainer may report a step again
     recorded_eval_version: int = -1  # the newest evaluated version in eval.jsonl
-    last_eval: Any = None  # the newest protocol.models.EvalResult
+    last_eval: Any = None  # the newest protocol.operator_models.EvalResult
 
 
 def ensure_model(cfg: RunConfig, rd: RunDir) -> Path:
@@ -182,7 +182,6 @@ class Run:
         log.info("starting orchestrator")
         self.orch = start_orchestrator_actor(cfg, self.pool.handles(), relay_urls=relay_urls, manifest_public_key=info["public_key"], origin_url=cfg.shardcast.public_origin_url or info["origin_url"])
         self.url = ray.get(self.orch.url.remote())
-        ray.get(self.orch.publish_version.remote(info["version"], info["model_hash"]))
         self.progress.reward_totals = ray.get(self.orch.reward_totals.remote())  # a resumed run starts from here
         pid, started_at = ray.get(self.orch.ping.remote())
         self.supervisor.watch_actor("orchestrator", self.orch, rd.logs / "orchestrator.log", pid, started_at)
@@ -339,7 +338,9 @@ class Run:
             **{k: v for k, v in metrics.items() if k != "version" and isinstance(v, (int, float))},
         }
         if st is not None:
-            record["time/wait_for_trainer"] = st.wait_for_trainer_s - p.wait_for_trainer_total
+            # A restarted orchestrator counts from 0 again: then all it counted is new.
+            waited = st.wait_for_trainer_s - p.wait_for_trainer_total
+            record["time/wait_for_trainer"] = waited if waited >= 0 else st.wait_for_trainer_s
             p.wait_for_trainer_total = st.wait_for_trainer_s
             record.update(
                 rollout_tokens_per_s=st.rollout_tokens_per_s,
@@ -399,7 +400,7 @@ class Run:
             proc.stop()
         if self.orch is not None:
             try:
-                ray.get(self.orch.stop.remote(), timeout=20)
+                ray.get(self.orch.shutdown.remote(), timeout=20)
             except Exception:
                 pass
         if self._started_ray and ray.is_initialized():

@@ -19,7 +19,8 @@ import numpy as np
 from orchestrator.data import Prompt, PromptSet, load_tokenizer
 from orchestrator.evaluation import held_out_data, hold_out, summarize
 from protocol import limits
-from protocol.models import EvalResult, SamplingParams, TaskLease, TaskPrompt
+from protocol.models import SamplingParams, TaskLease, TaskPrompt
+from protocol.operator_models import EvalResult
 from swarmrl.config import RunConfig
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,8 @@ def evaluate(
     summarize. Returns the result and what was evaluated (model, prompts, timings)."""
     from inference_worker.engine import RolloutEngine
     from verifier.reference import eos_token_ids
-    from verifier.reward_pool import RewardPool, RewardRequest
+    from verifier.reward_pool import RewardPool
+    from verifier.reward_requests import RewardRequest
     from verifier.service import decode_completion
 
     model_dir, weights_dir, version = resolve_model(checkpoint, base_model)

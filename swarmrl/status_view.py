@@ -7,7 +7,7 @@ from typing import Any
 import httpx
 
 from protocol import api
-from protocol.models import RunStatus
+from protocol.operator_models import RunStatus
 
 
 def fetch_status(url: str, admin_token: str, timeout_s: float = 10.0) -> RunStatus:

@@ -31,8 +31,10 @@ import torch
 from environments.tasks import get_task
 from inference_worker.config import EngineConfig
 from inference_worker.engine import RolloutEngine
+from protocol import prf
 from protocol import sampling as S
-from protocol.models import RolloutSubmission, SamplingParams, TaskLease, TaskPrompt, VerdictStatus
+from protocol.models import RolloutSubmission, SamplingParams, TaskLease, TaskPrompt
+from protocol.verdicts import VerdictStatus
 from tools.verifier_calibration import encode_prompts, version_hash
 from verifier.config import VerifierConfig
 from verifier.service import Verifier, VerifyJob
@@ -225,8 +227,8 @@ def acceptable_tokens(logits: torch.Tensor, seed: int, positions: torch.Tensor, 
     is counted against it)."""
     n, vocab = logits.shape
     params = S.DrawParams.build([sampling.temperature] * n, [sampling.top_k] * n, [sampling.top_p] * n, vocab)
-    states = S.row_state(S.seed_state(torch.full((n,), seed, dtype=torch.int64)), positions)
-    z, _, score = S.scores(logits, states, S.token_words(torch.arange(vocab)), params)
+    states = prf.row_state(prf.seed_state(torch.full((n,), seed, dtype=torch.int64)), positions)
+    z, _, score = S.scores(logits, states, prf.token_words(torch.arange(vocab)), params)
     z_slack = tol.draw_logit_slack / (sampling.temperature if sampling.temperature > 0 else 1.0)
     tight = S.support_threshold(z, params, -tol.draw_top_p_slack, z_slack, tol.draw_margin_rel)
     wide = S.support_threshold(z, params, tol.draw_top_p_slack, -z_slack, tol.draw_margin_rel)

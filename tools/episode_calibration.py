@@ -21,7 +21,8 @@ import typer
 
 from environments.registry import item_to_wire
 from environments.tasks import get_task
-from protocol.models import RolloutSubmission, SamplingParams, TaskLease, TaskPrompt, VerdictStatus
+from protocol.models import RolloutSubmission, SamplingParams, TaskLease, TaskPrompt
+from protocol.verdicts import VerdictStatus
 from tools.episode_attacks import ATTACKS, multi_turn
 from verifier.config import VerifierConfig
 from verifier.service import Verifier, VerifyJob

@@ -35,7 +35,8 @@ import torch
 
 from environments.tasks import get_task
 from protocol import sampling as S
-from protocol.models import Completion, FinishReason, RolloutSubmission, SamplingParams, VerdictStatus
+from protocol.models import Completion, FinishReason, RolloutSubmission, SamplingParams
+from protocol.verdicts import VerdictStatus
 from tools.draw_calibration import SAMPLINGS, acceptable_tokens
 from tools.verifier_calibration import encode_prompts, lease_for, version_hash
 from verifier import proofs

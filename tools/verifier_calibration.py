@@ -30,8 +30,8 @@ from protocol.models import (
     SamplingParams,
     TaskLease,
     TaskPrompt,
-    VerdictStatus,
 )
+from protocol.verdicts import VerdictStatus
 from tools.vllm_rollouts import Rollout, generate, make_engine
 from verifier import proofs
 from verifier.config import ProofThresholds, VerifierConfig

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from environments.tasks import get_task
-from protocol.models import SamplingParams, VerdictStatus
+from protocol.models import SamplingParams
+from protocol.verdicts import VerdictStatus
 from tools.verifier_calibration import Trial, encode_prompts, lease_for, to_job
 from tools.vllm_rollouts import generate, make_engine
 from verifier.config import VerifierConfig

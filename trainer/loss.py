@@ -29,6 +29,7 @@ against the truncated mu / Z it would be Z < 1 on every token even then.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -132,3 +133,27 @@ def ppo_loss(
 def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
     """Entropy of each next-token distribution, given its full log-probabilities (last dimension)."""
     return -(logp.exp() * logp).sum(-1)
+
+
+def step_metrics(sums: Counter, n_steps: int, iw_max: float, tokens: int) -> dict[str, float]:
+    """The metrics of one trainer step from its sums over micro-batches, ranks and optimizer steps: the
+    token-level statistics (STAT_KEYS) per token, the loss, gradient norm and learning rate per optimizer step."""
+    n_tok = max(sums["tokens"], 1.0)
+    out = {
+        "loss": sums["loss"] / n_steps,
+        "policy_loss": sums["policy_loss"] / n_steps,
+        "clip_frac": sums["clipped"] / n_tok,
+        "importance_weight/mean": sums["importance_weight"] / n_tok,
+        "importance_weight/max": iw_max,
+        "importance_weight/truncated_frac": sums["importance_truncated"] / n_tok,
+        "ratio/mean": sums["ratio"] / n_tok,
+        "entropy": sums["entropy"] / n_tok,
+        "mismatch_kl": sums["mismatch_kl"] / n_tok,
+        "grad_norm": sums["grad_norm"] / n_steps,
+        "lr": sums["lr"] / n_steps,
+        "tokens": float(tokens),
+        "completion_tokens": sums["tokens"],
+    }
+    if "kl" in sums:
+        out["kl"] = sums["kl"] / n_tok
+    return out

@@ -9,6 +9,9 @@ tests/trainer/test_trainer_packing.py checks that a sequence's logits packed wit
 
 Padded: rows padded on the right to the longest sequence of the micro-batch, with a 2-D attention mask.
 
+One optimizer step's plan (`plan_micro_batches`): each rank's share of the samples, weighted by the loss's
+normalizer and packed (or padded), with placeholders so that every rank runs as many micro-batches.
+
 A sequence of n tokens feeds its first n-1 tokens to the model; position p predicts token p+1. Loss
 positions are those whose target is a completion token that the model sampled (a multi-turn episode's
 environment tokens are context only: no loss, no entropy, not in any normalizer).
@@ -23,6 +26,9 @@ from typing import Literal
 import numpy as np
 import torch
 
+from trainer import distributed as dist_utils
+from trainer.config import TrainerConfig
+from trainer.loss import sequence_weights
 from trainer.samples import TrainSample
 
 
@@ -189,3 +195,16 @@ def placeholder_micro_batch(mode: str) -> MicroBatch:
         cu_seq_lens=None if mode == "padded" else torch.tensor([0, 1], dtype=torch.int32),
         max_length=None if mode == "padded" else 1,
     )
+
+
+def plan_micro_batches(samples: list[TrainSample], config: TrainerConfig, env: dist_utils.DistEnv, device: torch.device) -> list[MicroBatch]:
+    """This rank's micro-batches for one optimizer step; every rank gets the same number."""
+    weights = sequence_weights([s.num_completion_tokens for s in samples], config.loss)
+    mine = dist_utils.split_for_rank([s.num_tokens for s in samples], env)
+    plan = make_micro_batches([samples[i] for i in mine], weights[mine], config.micro_batch_tokens, config.batching)
+    if env.enabled:
+        # FSDP/DDP collectives run per forward/backward, so ranks must run equally many micro-batches.
+        n = dist_utils.all_reduce(torch.tensor([len(plan)]), env, op="max").item()
+        while len(plan) < n:
+            plan.append(placeholder_micro_batch(config.batching))
+    return [mb.to(device) for mb in plan]

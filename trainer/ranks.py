@@ -16,7 +16,9 @@ not), so the broadcasts never interleave.
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from trainer import distributed as dist_utils
@@ -25,6 +27,25 @@ log = logging.getLogger(__name__)
 
 NOOP = "noop"  # a heartbeat: nothing to do
 STOP = "stop"
+
+
+def collective(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A Trainer method that every rank must call together. On rank 0 of a Ray group (`lead`), a call from
+    outside any other collective method first tells the other ranks to make it too."""
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any) -> Any:
+        if self.announce is None or self._in_collective:
+            return method(self, *args)
+        self.announce(method.__name__, args)
+        self._in_collective = True
+        try:
+            return method(self, *args)
+        finally:
+            self._in_collective = False
+
+    call.collective = True  # type: ignore[attr-defined]
+    return call
 
 
 def lead(trainer: Any) -> None:

@@ -9,6 +9,8 @@ One call to `Trainer.step(samples)` is one batch of verified samples, read top t
      non-finite loss or gradient norm skips the step (counted; the weights never see it);
   5. publish: version += 1 per optimizer step taken (version N = the weights after N optimizer steps);
   6. checkpoint every `checkpoint_every` versions.
+Its pieces: the model and its logprobs (policy_model.py), the plan of micro-batches (packing.py), the loss
+and the step's metrics (loss.py), AdamW and the LR schedule (optimizer.py), calls all ranks make (ranks.py).
 
 With `defer_io=True` (the batch loop's background writer, trainer/background.py), steps 5 and 6 only take
 copies of the state (`pending_publish`, `pending_checkpoint`) and the writer publishes and checkpoints
@@ -22,7 +24,6 @@ separate no-grad pass, for one forward less). That is always true of the first o
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import math
 import time
@@ -35,92 +36,21 @@ import numpy as np
 import torch
 from torch import nn
 
-from trainer import attention as attention_impl
 from trainer import checkpoint as ckpt
 from trainer import distributed as dist_utils
 from protocol import staleness
 from trainer.config import TrainerConfig
-from trainer.loss import STAT_KEYS, entropy_from_logprobs, ppo_loss, sequence_weights
-from trainer.packing import MicroBatch, make_micro_batches, placeholder_micro_batch
+from trainer.loss import STAT_KEYS, ppo_loss, step_metrics
+from trainer.optimizer import make_optimizer
+from trainer.packing import MicroBatch, plan_micro_batches
+from trainer.policy_model import forward_logprobs, load_model
+from trainer.ranks import collective
 from trainer.samples import TrainSample
 
 log = logging.getLogger(__name__)
 
 # Publishes (version, weights) and returns the published version's model hash (or None if it has none).
 PublishFn = Callable[[int, Mapping[str, torch.Tensor]], "str | None"]
-
-
-def collective(method: Callable[..., Any]) -> Callable[..., Any]:
-    """A Trainer method that every rank must call together. On rank 0 of a Ray group (trainer/ranks.py),
-    a call from outside any other collective method first tells the other ranks to make it too."""
-
-    @functools.wraps(method)
-    def call(self: "Trainer", *args: Any) -> Any:
-        if self.announce is None or self._in_collective:
-            return method(self, *args)
-        self.announce(method.__name__, args)
-        self._in_collective = True
-        try:
-            return method(self, *args)
-        finally:
-            self._in_collective = False
-
-    call.collective = True  # type: ignore[attr-defined]
-    return call
-
-
-def load_model(model_dir: Path, device: torch.device, attention: str = "varlen") -> nn.Module:
-    """fp32 master weights. attention: "varlen" (ours, trainer/attention.py), or any transformers
-    implementation ("sdpa", "flash_attention_2", ...)."""
-    from transformers import AutoModelForCausalLM
-
-    impl = attention_impl.register() if attention == "varlen" else attention
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=impl)
-    return model.to(device)
-
-
-def forward_logprobs(model: nn.Module, mb: MicroBatch, bf16: bool, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprobs of the completion tokens under logits / temperature, the distribution the workers sampled
-    from, and its entropy at those positions (fp32, 1-D, one per token)."""
-    device = mb.input_ids.device
-    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
-        if mb.attention_mask is None:
-            # Packed row, no attention mask: the sequences are kept apart by cu_seq_lens (varlen / flash
-            # attention) or, under plain sdpa, by the block-diagonal mask transformers derives from the
-            # position resets. use_cache=False matters: with a cache that derivation is skipped.
-            out = model(
-                input_ids=mb.input_ids,
-                position_ids=mb.position_ids,
-                use_cache=False,
-                logits_to_keep=mb.loss_positions,
-                cu_seq_lens_q=mb.cu_seq_lens,
-                cu_seq_lens_k=mb.cu_seq_lens,
-                max_length_q=mb.max_length,
-                max_length_k=mb.max_length,
-            )
-            logits = out.logits[0]
-        else:
-            out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask, use_cache=False)
-            logits = out.logits.flatten(0, 1)[mb.loss_positions]
-    logits = logits.float()
-    logp_all = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
-    logprobs = logp_all.gather(-1, mb.targets[:, None])[:, 0]
-    entropy = entropy_from_logprobs(logp_all)
-    return logprobs, entropy
-
-
-def lr_lambda(config: TrainerConfig) -> Callable[[int], float]:
-    def f(step: int) -> float:
-        if config.warmup_steps and step < config.warmup_steps:
-            return (step + 1) / (config.warmup_steps + 1)
-        if config.schedule == "constant":
-            return 1.0
-        span = max(1, config.max_steps - config.warmup_steps)
-        progress = min(1.0, (step - config.warmup_steps) / span)
-        floor = config.min_lr_ratio
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return f
 
 
 class Trainer:
@@ -183,13 +113,7 @@ class Trainer:
             self.reference = load_model(self.model_dir, self.device, config.attention).eval().requires_grad_(False)
         self.model = dist_utils.wrap_model(model, self.env, config.distributed, self.device)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=config.lr,
-            betas=config.betas,
-            weight_decay=config.weight_decay,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
+        self.optimizer, self.scheduler = make_optimizer(self.model, config)
         self.version = 0
         self.published_version = -1
         self.last_published: dict[int, str] = {}  # versions the last step published -> model hash
@@ -328,7 +252,7 @@ class Trainer:
 
         # 2. One plan of packed micro-batches per optimizer step.
         n_steps = min(cfg.mini_batches, len(kept))
-        plans = [self._plan([kept[i] for i in chunk]) for chunk in np.array_split(np.arange(len(kept)), n_steps)]
+        plans = [plan_micro_batches([kept[i] for i in chunk], cfg, self.env, self.device) for chunk in np.array_split(np.arange(len(kept)), n_steps)]
 
         # 3. Proximal logprobs: the weights at the start of the step. For the first optimizer step they are
         #    the current weights, so the training forward's own detached logprobs serve (None); later
@@ -349,7 +273,7 @@ class Trainer:
             self.version += 1
             time_publish += self._publish()
         self.totals["optimizer_steps_skipped"] += skipped
-        metrics.update(self._step_metrics(sums, n_steps, iw_max, tokens))
+        metrics.update(step_metrics(sums, n_steps, iw_max, tokens))
         metrics.update({"version": float(self.version), "optimizer_steps": float(n_steps - skipped), "optimizer_steps_skipped": float(skipped), "time/publish": time_publish})
         compute = time.perf_counter() - t_start - time_publish
         metrics["time/compute"] = compute
@@ -384,40 +308,6 @@ class Trainer:
         metrics = {"samples/received": float(len(samples)), "samples/dropped_stale": float(dropped), "samples/trained": float(len(kept))}
         metrics.update({f"staleness/{gap}": float(n) for gap, n in sorted(Counter(gaps).items())})
         return kept, metrics
-
-    @staticmethod
-    def _step_metrics(sums: Counter, n_steps: int, iw_max: float, tokens: int) -> dict[str, float]:
-        n_tok = max(sums["tokens"], 1.0)
-        out = {
-            "loss": sums["loss"] / n_steps,
-            "policy_loss": sums["policy_loss"] / n_steps,
-            "clip_frac": sums["clipped"] / n_tok,
-            "importance_weight/mean": sums["importance_weight"] / n_tok,
-            "importance_weight/max": iw_max,
-            "importance_weight/truncated_frac": sums["importance_truncated"] / n_tok,
-            "ratio/mean": sums["ratio"] / n_tok,
-            "entropy": sums["entropy"] / n_tok,
-            "mismatch_kl": sums["mismatch_kl"] / n_tok,
-            "grad_norm": sums["grad_norm"] / n_steps,
-            "lr": sums["lr"] / n_steps,
-            "tokens": float(tokens),
-            "completion_tokens": sums["tokens"],
-        }
-        if "kl" in sums:
-            out["kl"] = sums["kl"] / n_tok
-        return out
-
-    def _plan(self, samples: list[TrainSample]) -> list[MicroBatch]:
-        """This rank's micro-batches for one optimizer step; every rank gets the same number."""
-        weights = sequence_weights([s.num_completion_tokens for s in samples], self.config.loss)
-        mine = dist_utils.split_for_rank([s.num_tokens for s in samples], self.env)
-        plan = make_micro_batches([samples[i] for i in mine], weights[mine], self.config.micro_batch_tokens, self.config.batching)
-        if self.env.enabled:
-            # FSDP/DDP collectives run per forward/backward, so ranks must run equally many micro-batches.
-            n = dist_utils.all_reduce(torch.tensor([len(plan)]), self.env, op="max").item()
-            while len(plan) < n:
-                plan.append(placeholder_micro_batch(self.config.batching))
-        return [mb.to(self.device) for mb in plan]
 
     @torch.no_grad()
     def _logprobs_no_grad(self, model: nn.Module, mb: MicroBatch) -> torch.Tensor:

@@ -24,7 +24,7 @@ from environments.base import Environment, model_turns
 from environments.tasks import TaskItem
 from protocol.models import Completion, FinishReason, SamplingParams
 from verifier.checks import Finding
-from verifier.reward_pool import RewardResult, RewardStatus
+from verifier.reward_requests import RewardResult, RewardStatus
 
 
 def _bounds(env: Environment, ids: np.ndarray, turns: list) -> Finding | None:

@@ -3,7 +3,7 @@
 A completion's text comes from an untrusted worker, and some texts make honest reward code run for
 minutes (`\\boxed{9^{9^{9^{9}}}}` in math-verify) or exhaust memory. So no reward runs in the verifier's
 process: `RewardPool.score_many` sends completions to child processes (`verifier.reward_child`) and
-returns one `RewardResult` per completion, always, whatever the reward code does:
+returns one `RewardResult` (verifier.reward_requests) per completion, always, whatever the reward code does:
 
   ok         the reward, a float in [0, 1]
   error      the reward raised, or returned NaN / inf / a value outside [0, 1] / not a number, or the
@@ -37,24 +37,23 @@ from __future__ import annotations
 import logging
 import math
 import multiprocessing as mp
-import os
 import signal
 import threading
 import time
 import weakref
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from enum import Enum
 from multiprocessing.connection import wait
-from typing import Any, Hashable, Literal, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-from environments.tasks import TaskItem
 from verifier.reward_child import child_main, params_key
 from verifier.reward_config import RewardPoolConfig
+from verifier.reward_processes import ChildProcess, exit_text, kill_all, kill_child
+from verifier.reward_requests import RewardRequest, RewardResult, RewardStatus, req_kind
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RewardPool", "RewardPoolConfig", "RewardPoolError", "RewardRequest", "RewardResult", "RewardStatus"]
+__all__ = ["RewardPool", "RewardPoolConfig", "RewardPoolError"]
 
 # Imported once in the forkserver, so a replacement child (after a kill) does not import math-verify /
 # sympy again (~0.7 s of CPU each time). "__main__" is the standard library's default, kept.
@@ -70,54 +69,8 @@ MAX_UNBLAMED_RETRIES = 2
 MAX_WARMUP_SPECS = 16
 
 
-class RewardStatus(str, Enum):
-    ok = "ok"
-    error = "error"
-    timed_out = "timed_out"
-    crashed = "crashed"
-    skipped = "skipped"
-
-
-@dataclass(frozen=True)
-class RewardRequest:
-    task: str  # a built-in task name ("toy", "countdown", "math") or a plug-in "module:function"
-    item: TaskItem
-    text: str  # the decoded completion
-    params: Mapping[str, Any] = field(default_factory=dict)  # the task's parameters (kwargs for a plug-in)
-    group: Hashable | None = None  # e.g. the submission id: the failure budget is per group
-    # "reward": the call returns a reward in [0, 1]. "text": it returns a string (an environment's tool
-    # output, environments.registry.tool_output), which comes back in RewardResult.output.
-    returns: Literal["reward", "text"] = "reward"
-
-
-@dataclass(frozen=True)
-class RewardResult:
-    reward: float
-    status: RewardStatus
-    message: str = ""
-    seconds: float = 0.0
-    output: str = ""  # a "text" call's string, when its status is ok
-
-
 class RewardPoolError(RuntimeError):
     """The pool cannot run at all (its processes fail to start): a deployment problem, not a bad completion."""
-
-
-class _Proc:
-    """One child and what it is doing: `chunk` holds request indices, `done` how many have results."""
-
-    def __init__(self, proc: Any, conn: Any, progress: Any, ready_by: float):
-        self.proc, self.conn, self.progress, self.pid = proc, conn, progress, proc.pid
-        self.ready = False
-        self.ready_by = ready_by
-        self.chunk: list[int] = []
-        self.done = 0
-        self.sent_at = 0.0
-        self.lifeline: Any = None
-
-    def running_since(self) -> float:
-        """When the completion now running started (the chunk's send time until the child says otherwise)."""
-        return max(self.sent_at, self.progress[0])
 
 
 @dataclass
@@ -128,37 +81,6 @@ class _Call:
     spec: list[tuple] = field(default_factory=list)  # per request: its (task, params key, returns)
     failures: Counter = field(default_factory=Counter)  # per group: timed-out and crashed completions
     retries: Counter = field(default_factory=Counter)  # per request: requeues after a death that was not its fault
-
-
-def req_kind(r: RewardRequest) -> str:
-    return "tool" if r.returns == "text" else "reward"
-
-
-def _kill(proc: Any) -> None:
-    """SIGKILL a child and its process group (anything a plug-in started), and reap it."""
-    if proc.exitcode is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass  # not yet its own group leader, or already gone
-        proc.kill()
-    proc.join(5)
-
-
-def _kill_all(live: list) -> None:
-    for proc, lifeline in list(live):
-        _kill(proc)
-        lifeline.close()
-    live.clear()
-
-
-def _exit_text(code: int | None) -> str:
-    if code is not None and code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 class RewardPool:
@@ -172,9 +94,9 @@ class RewardPool:
         self._warmup: dict[tuple, tuple[str, dict]] = {}
         for task, params in warmup:
             self._warmup[(task, params_key(dict(params)))] = (task, dict(params))
-        self._procs: list[_Proc] = []
+        self._procs: list[ChildProcess] = []
         self._live: list = []  # (Process, lifeline write end), shared with the finalizer (which must not hold self)
-        self._finalizer = weakref.finalize(self, _kill_all, self._live)
+        self._finalizer = weakref.finalize(self, kill_all, self._live)
         self._lock = threading.Lock()
         self._closed = False
         self._start_failures = 0
@@ -266,7 +188,7 @@ class RewardPool:
         proc.start()
         child_conn.close()  # the child's end lives only in the child now, so its death is EOF here
         lifeline_r.close()
-        p = _Proc(proc, parent_conn, progress, time.monotonic() + cfg.start_timeout_s)
+        p = ChildProcess(proc, parent_conn, progress, time.monotonic() + cfg.start_timeout_s)
         p.lifeline = lifeline_w
         self._procs.append(p)
         self._live.append((proc, lifeline_w))
@@ -334,14 +256,14 @@ class RewardPool:
             size = min(size, int(TARGET_CHUNK_S / self._ewma_s))
         return max(1, size)
 
-    def _drain(self, p: _Proc, call: _Call | None) -> None:
+    def _drain(self, p: ChildProcess, call: _Call | None) -> None:
         try:
             while p.conn.poll():
                 self._on_message(p, p.conn.recv(), call)
         except Exception:  # EOF, or a message cut short by a death: the child is gone
             self._replace(p, call, "died")
 
-    def _on_message(self, p: _Proc, msg: Any, call: _Call | None) -> None:
+    def _on_message(self, p: ChildProcess, msg: Any, call: _Call | None) -> None:
         if isinstance(msg, tuple) and msg[0] == "ready":
             p.ready = True
             self._start_failures = 0
@@ -355,10 +277,10 @@ class RewardPool:
         if p.done == len(p.chunk):
             p.chunk, p.done = [], 0
 
-    def _replace(self, p: _Proc, call: _Call | None, cause: str) -> None:
+    def _replace(self, p: ChildProcess, call: _Call | None, cause: str) -> None:
         """Kill `p` (if alive), settle the completion it was running, requeue the rest, start a new child."""
         killed_at = time.monotonic()
-        _kill(p.proc)
+        kill_child(p.proc)
         try:  # everything the child sent before it died is still in the socket
             while p.chunk and p.conn.poll():
                 self._on_message(p, p.conn.recv(), call)
@@ -366,7 +288,7 @@ class RewardPool:
             pass
         code = p.proc.exitcode
         log.info("reward process %d replaced: %s, %s, %d of %d completions of its chunk done, progress %s",
-                 p.pid, cause, _exit_text(code), p.done, len(p.chunk), list(p.progress))
+                 p.pid, cause, exit_text(code), p.done, len(p.chunk), list(p.progress))
         if p.chunk and call is not None:
             # The child is dead, so `progress` is final: the index of the completion it was running (or of one
             # whose result died with it; -1 if it never started the chunk).
@@ -385,10 +307,10 @@ class RewardPool:
             elif code == -signal.SIGXCPU:
                 self._settle(call, running, 0.0, RewardStatus.timed_out, "cpu", f"{req_kind(call.reqs[running])} {task!r} used more than {self.config.cpu_limit_s} CPU seconds; its process was killed", ran)
             else:
-                self._settle(call, running, 0.0, RewardStatus.crashed, _exit_text(code), f"{req_kind(call.reqs[running])} {task!r} killed its process ({_exit_text(code)})", ran)
+                self._settle(call, running, 0.0, RewardStatus.crashed, exit_text(code), f"{req_kind(call.reqs[running])} {task!r} killed its process ({exit_text(code)})", ran)
         elif cause == "start" or not p.ready:
             self._start_failures += 1
-            log.warning("reward process %d did not start (%s, %s)", p.pid, cause, _exit_text(code))
+            log.warning("reward process %d did not start (%s, %s)", p.pid, cause, exit_text(code))
         p.conn.close()
         p.lifeline.close()
         self._procs.remove(p)

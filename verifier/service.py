@@ -35,20 +35,23 @@ import numpy as np
 import torch
 
 from environments.tasks import TaskItem
-from protocol import limits
+from protocol import limits, memory
 from protocol.models import (
+    RolloutSubmission,
+    TaskLease,
+)
+from protocol.verdicts import (
     Rejection,
     RejectionCode,
     RewardStatus,
-    RolloutSubmission,
-    TaskLease,
     Verdict,
     VerdictStatus,
 )
 from verifier import checks, episodes, proofs
 from verifier.config import VerifierConfig
 from verifier.reference import eos_token_ids, load_reference_model, prefill
-from verifier.reward_pool import RewardPool, RewardRequest, RewardResult
+from verifier.reward_pool import RewardPool
+from verifier.reward_requests import RewardRequest, RewardResult
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +128,7 @@ class Verifier:
         while len(self._models) > self.config.keep_versions:
             evicted, _ = self._models.popitem(last=False)
             log.info("evicted policy version %d", evicted)
+        memory.trim()  # the float32 build and the evicted version, freed
         log.info("loaded policy version %d in %.2fs", version, time.perf_counter() - started)
         return model
 

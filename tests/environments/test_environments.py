@@ -14,7 +14,7 @@ from environments.tasks import get_task
 from protocol.models import Completion, SamplingParams
 from trainer.tiny_model import EOS_ID, make_tokenizer
 from verifier.episodes import check_episode, tool_calls
-from verifier.reward_pool import RewardResult, RewardStatus
+from verifier.reward_requests import RewardResult, RewardStatus
 
 TOK = make_tokenizer()
 

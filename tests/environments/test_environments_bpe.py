@@ -18,7 +18,7 @@ from protocol.models import Completion, SamplingParams
 from tests.bpe_tokenizer import make_bpe_tokenizer, multi_char, pieces
 from trainer.tiny_model import EOS_ID, make_tokenizer
 from verifier.episodes import check_episode, tool_calls
-from verifier.reward_pool import RewardResult, RewardStatus
+from verifier.reward_requests import RewardResult, RewardStatus
 
 CHAR = make_tokenizer()
 SAMPLING = SamplingParams(max_tokens=96)

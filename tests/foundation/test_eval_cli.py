@@ -46,7 +46,7 @@ def test_status_and_live_view_show_the_newest_evaluation():
 
     from rich.console import Console
 
-    from protocol.models import EvalResult, RunStatus
+    from protocol.operator_models import EvalResult, RunStatus
     from swarmrl.config import RunConfig
     from swarmrl.driver import Progress
     from swarmrl.live_view import render

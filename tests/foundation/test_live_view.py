@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
-from protocol.models import RunStatus
+from protocol.operator_models import RunStatus
 from swarmrl.config import RunConfig
 from swarmrl.driver import Progress
 from swarmrl.live_view import render

@@ -23,6 +23,8 @@ from pydantic import ValidationError
 
 from protocol import api, limits
 from protocol import models as m
+from protocol.operator_models import HealthStatus
+from protocol.verdicts import Rejection, RejectionCode, Verdict, VerdictStatus
 
 JOIN_TOKEN = "join-token-for-tests"
 
@@ -76,7 +78,7 @@ class Record:
     submissions: dict[str, m.RolloutSubmission] = field(default_factory=dict)  # lease_id -> accepted body
     released: dict[str, str] = field(default_factory=dict)  # lease_id -> reason
     refused: list[tuple[str, str]] = field(default_factory=list)  # (lease_id, code)
-    verdicts: dict[str, m.Verdict] = field(default_factory=dict)
+    verdicts: dict[str, Verdict] = field(default_factory=dict)
 
 
 def make_app(knobs: Knobs, rec: Record) -> FastAPI:
@@ -123,7 +125,7 @@ def make_app(knobs: Knobs, rec: Record) -> FastAPI:
 
     @app.get(api.HEALTH.path)
     async def health():
-        return ok(m.HealthStatus(ok=True))
+        return ok(HealthStatus(ok=True))
 
     @app.post(api.REGISTER.path)
     async def register(request: Request):
@@ -214,9 +216,9 @@ def make_app(knobs: Knobs, rec: Record) -> FastAPI:
         sid = f"s-{sub.lease_id}"
         if knobs.reject_verdicts > 0:
             knobs.reject_verdicts -= 1
-            verdict = m.Verdict(submission_id=sid, status=m.VerdictStatus.rejected, rejections=[m.Rejection(code=m.RejectionCode.proof_mismatch, message="test server says no")])
+            verdict = Verdict(submission_id=sid, status=VerdictStatus.rejected, rejections=[Rejection(code=RejectionCode.proof_mismatch, message="test server says no")])
         else:
-            verdict = m.Verdict(submission_id=sid, status=m.VerdictStatus.accepted, rewards=[0.5] * len(sub.completions), verified_tokens=sub.num_tokens)
+            verdict = Verdict(submission_id=sid, status=VerdictStatus.accepted, rewards=[0.5] * len(sub.completions), verified_tokens=sub.num_tokens)
         rec.verdicts[sid] = verdict
         if knobs.ban_after_submissions is not None and len(rec.submissions) >= knobs.ban_after_submissions:
             banned.add(wid)

@@ -13,7 +13,8 @@ import pytest
 from environments.base import model_turns
 from environments.registry import environment_for, item_to_wire
 from environments.tasks import get_task
-from protocol.models import RolloutSubmission, SamplingParams, TaskLease, TaskPrompt, VerdictStatus
+from protocol.models import RolloutSubmission, SamplingParams, TaskLease, TaskPrompt
+from protocol.verdicts import VerdictStatus
 from tests.bpe_tokenizer import make_bpe_tokenizer
 
 HASH0 = "a" * 64

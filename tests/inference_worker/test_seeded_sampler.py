@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from iw_helpers import make_lease
+from protocol import prf
 from protocol import sampling as S
 
 PROMPTS = [[1, 10, 11, 12, 13], [1, 20, 21, 22, 23, 24, 25, 26], [1, 5, 40, 41]]
@@ -146,8 +147,8 @@ def test_processor_follows_the_persistent_batch():
 
     def expected(name, logits_row):
         seed, t, k, p = settings[name]
-        states = S.row_state(S.seed_state(torch.tensor([seed])), torch.tensor([len(outputs[name])]))
-        return int(S.draw(logits_row[None], states, S.token_words(torch.arange(v)), S.DrawParams.build([t], [k], [p], v))[0])
+        states = prf.row_state(prf.seed_state(torch.tensor([seed])), torch.tensor([len(outputs[name])]))
+        return int(S.draw(logits_row[None], states, prf.token_words(torch.arange(v)), S.DrawParams.build([t], [k], [p], v))[0])
 
     def check(layout: list[str]):
         logits = torch.randn(len(layout), v, generator=gen)

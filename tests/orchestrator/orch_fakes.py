@@ -18,10 +18,12 @@ from protocol import limits
 from protocol.models import (
     Completion,
     FinishReason,
-    Rejection,
-    RejectionCode,
     RolloutSubmission,
     TaskLease,
+)
+from protocol.verdicts import (
+    Rejection,
+    RejectionCode,
     Verdict,
     VerdictStatus,
 )
@@ -124,7 +126,7 @@ def make_orchestrator(config: RunConfig, verifier: Any = None) -> Orchestrator:
         config.orchestrator, Database(config.orchestrator.db_path), make_prompts(config), verifier or FakeVerifier(), shape=config.step_shape(),
         task_name=config.data.task, run_name=config.name, make_job=make_job, verify_batch=8, evaluation=config.eval,
     )
-    orch.publish_version(0, HASH0)
+    orch.versions.announce({0: HASH0})
     return orch
 
 

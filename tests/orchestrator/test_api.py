@@ -23,14 +23,16 @@ from protocol.models import (
     HeartbeatAck,
     LeaseResponse,
     ReleaseAck,
-    RunStatus,
     SubmissionReceipt,
     TaskLease,
-    Verdict,
-    WorkerList,
-    WorkerRecord,
     WorkerRegistered,
 )
+from protocol.operator_models import (
+    RunStatus,
+    WorkerList,
+    WorkerRecord,
+)
+from protocol.verdicts import Verdict
 from swarmrl.status_view import fetch_status
 from swarmrl.status_view import status as print_status
 
@@ -341,7 +343,7 @@ def test_version_too_old_over_http(client, server):
     w = register(client)
     lease = get_lease(client, w)
     for v in (1, 2, 3):
-        server.orch.publish_version(v, f"{v}" * 64)
+        server.orch.versions.announce({v: f"{v}" * 64})
     r = client.post(api.SUBMIT.path, content=encode(make_submission(lease, np.random.default_rng(0))), headers=bearer(w.secret))
     body = error(r, 409, "version_too_old")
     assert body.min_policy_version == 1

@@ -28,7 +28,7 @@ def setup(tmp_path):
     rng = np.random.default_rng(1)
     while orch.buffer.depth() < 12:
         lease = orch.lease(wid, LeaseRequest(loaded_policy_version=0, max_prompts=2)).lease
-        orch.submit(wid, encode(make_submission(lease, rng)), None)
+        orch.admission.submit(wid, encode(make_submission(lease, rng)), None)
         while orch.verification.verify_pending():
             pass
     return orch, tmp_path / "test"

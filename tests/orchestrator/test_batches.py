@@ -18,7 +18,7 @@ def fill(orch, groups: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     while orch.buffer.depth() < groups * 4:
         lease = orch.lease(wid, LeaseRequest(loaded_policy_version=0, max_prompts=2)).lease
-        orch.submit(wid, encode(make_submission(lease, rng)), None)
+        orch.admission.submit(wid, encode(make_submission(lease, rng)), None)
         while orch.verification.verify_pending():
             pass
     return wid
@@ -97,13 +97,13 @@ def test_a_superseded_version_is_refused_without_a_strike(tmp_path):
     orch.commit_batches({}, {1: HASH1})  # version 1 trained again, durable, announced
     lease = orch.lease(wid, LeaseRequest(loaded_policy_version=1, max_prompts=2)).lease
     with pytest.raises(ApiError) as e:
-        orch.submit(wid, encode(make_submission(lease, np.random.default_rng(9), policy_version=1, model_hash=old)), None)
+        orch.admission.submit(wid, encode(make_submission(lease, np.random.default_rng(9), policy_version=1, model_hash=old)), None)
     assert e.value.code == ErrorCode.version_too_old and e.value.min_policy_version == 2
     assert orch.workers.get(wid).strikes == 0
     # The current hash of version 1 is accepted as usual, and a re-publication also supersedes.
-    r = orch.submit(wid, encode(make_submission(lease, np.random.default_rng(9), policy_version=1, model_hash=HASH1)), None)
+    r = orch.admission.submit(wid, encode(make_submission(lease, np.random.default_rng(9), policy_version=1, model_hash=HASH1)), None)
     assert r.submission_id
-    orch.publish_version(1, "b" * 64)
+    orch.versions.announce({1: "b" * 64})
     assert orch.verification.versions.is_superseded(1, HASH1) and not orch.verification.versions.is_superseded(1, "b" * 64)
     orch.db.close()
 
@@ -133,3 +133,23 @@ def test_a_batch_counts_as_untrained_until_it_is_committed(tmp_path):
     orch.reconcile_trainer([[1, 1]], {}, {})  # b was not in the checkpoint: back in the buffer
     assert untrained() == start - 4
     orch.db.close()
+
+
+def test_the_trainer_side_is_exactly_batch_source_and_the_actor_adds_no_forwarders():
+    """The Ray actor is the orchestrator made remote: its trainer side is `BatchSource`, method for
+    method; it adds only what an actor needs (no forwarder to the orchestrator), and no async method
+    (Ray would then run every method on one event loop, and a trainer waiting in take_batch would hold
+    up status)."""
+    import inspect
+
+    from orchestrator.service import Orchestrator
+    from swarmrl.actors import OrchestratorActor
+    from trainer.batch_loop import BatchSource
+
+    trainer_side = {n for n in vars(BatchSource) if not n.startswith("_")}
+    assert trainer_side == {"take_batch", "give_back_batch", "mark_trained", "commit_batches", "reconcile_trainer"}
+    for name in trainer_side:
+        assert inspect.signature(getattr(Orchestrator, name)) == inspect.signature(getattr(BatchSource, name)), name
+    assert issubclass(OrchestratorActor, Orchestrator)
+    assert {n for n in vars(OrchestratorActor) if not n.startswith("_")} == {"url", "ping", "set_verifiers", "shutdown"}
+    assert not inspect.getmembers(OrchestratorActor, inspect.iscoroutinefunction)

@@ -11,7 +11,8 @@ import pytest
 
 from orch_fakes import encode, make_orchestrator, make_submission, run_config
 from orchestrator.errors import ApiError
-from protocol.models import BanScope, ErrorCode, JoinTokenRequest, LeaseRequest, WorkerRegistration
+from protocol.models import ErrorCode, LeaseRequest, WorkerRegistration
+from protocol.operator_models import BanScope, JoinTokenRequest
 
 
 def small_bound(tmp_path, **orch):
@@ -22,7 +23,7 @@ def small_bound(tmp_path, **orch):
 
 def volunteer(orch, name: str, token: str | None = None) -> tuple[str, str, str]:
     """(worker id, secret, join token) of a new volunteer with its own minted token."""
-    token = token or orch.mint_token(JoinTokenRequest(label=name)).token
+    token = token or orch.operators.mint_token(JoinTokenRequest(label=name)).token
     reg = orch.register(WorkerRegistration(name=name), token)
     return orch.authenticate(reg.secret), reg.secret, token
 
@@ -81,7 +82,7 @@ def test_a_token_that_delivers_gets_the_shares_that_hoarders_do_not(tmp_path):
     hoarder, _, _ = volunteer(orch, "hoarder")
     honest_token = orch.workers.token_of(honest)
     first = ask(orch, honest).lease
-    orch.submit(honest, encode(make_submission(first, rng)), None)
+    orch.admission.submit(honest, encode(make_submission(first, rng)), None)
     while orch.verification.verify_pending():
         pass
     hoarded = sum(len(lease.prompts) for lease in (ask(orch, hoarder).lease for _ in range(6)) if lease is not None)
@@ -107,7 +108,7 @@ def test_new_identities_share_the_probation_pool_and_a_new_volunteer_still_gets_
     rng = np.random.default_rng(1)
     honest, _, _ = volunteer(orch, "honest")
     first = ask(orch, honest).lease
-    orch.submit(honest, encode(make_submission(first, rng)), None)
+    orch.admission.submit(honest, encode(make_submission(first, rng)), None)
     while orch.verification.verify_pending():
         pass
     crowd = [volunteer(orch, f"sybil{i}")[0] for i in range(6)]
@@ -174,7 +175,7 @@ def test_a_crashed_worker_loses_only_its_lease(tmp_path):
     lease = ask(orch, restarted).lease
     assert lease is not None and orch.workers.get(w).strikes == 0
     rng = np.random.default_rng(0)
-    orch.submit(restarted, encode(make_submission(lease, rng)), None)
+    orch.admission.submit(restarted, encode(make_submission(lease, rng)), None)
     while orch.verification.verify_pending():
         pass
     assert orch.tokens.get(orch.workers.token_of(restarted)).lease_debt == pytest.approx(0.5, abs=0.05)  # halved by the acceptance
@@ -197,16 +198,16 @@ def test_a_released_lease_costs_in_proportion_to_the_time_held(tmp_path):
 
 def test_identities_per_token_are_capped_and_registrations_rate_limited(tmp_path):
     orch = make_orchestrator(run_config(tmp_path, max_identities_per_token=2, registrations_per_min_per_token=6.0))
-    token = orch.mint_token(JoinTokenRequest(label="sybil")).token
+    token = orch.operators.mint_token(JoinTokenRequest(label="sybil")).token
     for i in range(2):
         orch.register(WorkerRegistration(name=f"s{i}"), token)
     with pytest.raises(ApiError) as e:
         orch.register(WorkerRegistration(name="s2"), token)
     assert e.value.code == ErrorCode.too_many_identities and e.value.status == 429
-    listed = {t.token_id: t for t in orch.token_list().tokens}[orch.tokens.authenticate(token).token_id]
+    listed = {t.token_id: t for t in orch.operators.token_list().tokens}[orch.tokens.authenticate(token).token_id]
     assert listed.live_identities == 2 and listed.registrations == 2
     # A token registers its quota at once, then at its per-minute rate: a flood of re-registrations is refused.
-    other = orch.mint_token(JoinTokenRequest(label="churn", max_identities=100)).token
+    other = orch.operators.mint_token(JoinTokenRequest(label="churn", max_identities=100)).token
     codes = []
     for i in range(8):
         try:
@@ -222,14 +223,14 @@ def test_an_identity_ban_leaves_the_token_and_a_token_ban_does_not(tmp_path):
     orch = make_orchestrator(run_config(tmp_path))
     a, _, token = volunteer(orch, "a")
     b, _, _ = volunteer(orch, "b", token)
-    orch.set_ban(a, True, "operator", BanScope.identity)
+    orch.operators.set_ban(a, True, "operator", BanScope.identity)
     assert orch.workers.get(a).banned and not orch.workers.get(b).banned
     volunteer(orch, "c", token)  # the token may still register
-    orch.set_ban(b, True, "operator", BanScope.token)
+    orch.operators.set_ban(b, True, "operator", BanScope.token)
     with pytest.raises(ApiError) as e:
         orch.register(WorkerRegistration(name="d"), token)
     assert e.value.code == ErrorCode.banned
-    orch.set_ban(b, False, "appeal")  # unbanning the worker lifts its token's ban
+    orch.operators.set_ban(b, False, "appeal")  # unbanning the worker lifts its token's ban
     volunteer(orch, "e", token)
     orch.db.close()
 
@@ -238,7 +239,7 @@ def test_a_revoked_token_registers_nothing_and_its_workers_are_banned(tmp_path):
     orch = make_orchestrator(run_config(tmp_path))
     w, secret, token = volunteer(orch, "leaver")
     lease = ask(orch, w).lease
-    rec = orch.revoke_token(orch.workers.token_of(w), "left the project")
+    rec = orch.operators.revoke_token(orch.workers.token_of(w), "left the project")
     assert rec.revoked
     with pytest.raises(ApiError) as e:
         orch.register(WorkerRegistration(name="back"), token)
@@ -264,7 +265,7 @@ def test_worker_names_outside_the_safe_set_are_refused(name):
 def submit_at_once(orch, wid: str, rng) -> None:
     """Lease, generate (the fake is instant) and submit: an accepted lease that shows prompts are fast."""
     lease = ask(orch, wid).lease
-    orch.submit(wid, encode(make_submission(lease, rng)), None)
+    orch.admission.submit(wid, encode(make_submission(lease, rng)), None)
     while orch.verification.verify_pending():
         pass
     assert orch.leases.get(lease.lease_id).status == "done"
@@ -311,7 +312,7 @@ def test_a_token_that_gives_back_scored_leases_is_seen_and_bounded(tmp_path):
         time.sleep(0.3)
         orch.release(picky, lease.lease_id)
     picky_token = orch.workers.token_of(picky)
-    records = {r.worker_id: r for r in orch.worker_list().workers}
+    records = {r.worker_id: r for r in orch.operators.worker_list().workers}
     assert (records[picky].leases_released, records[picky].releases_charged) == (3, 3)
     assert records[picky].token_release_ratio == pytest.approx(0.75)  # 3 of its 4 ended leases
     assert (records[honest].leases_released, records[honest].token_release_ratio) == (0, 0.0)

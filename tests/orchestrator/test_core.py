@@ -23,12 +23,12 @@ from protocol.batches import ReconcileFirst
 from protocol.models import (
     ErrorCode,
     Heartbeat,
-    JoinTokenRequest,
     LeaseRequest,
-    VerdictStatus,
     WorkerRegistration,
     WorkerState,
 )
+from protocol.operator_models import JoinTokenRequest
+from protocol.verdicts import VerdictStatus
 from swarmrl.config import RunConfig
 from trainer.samples import samples_from_groups
 
@@ -36,7 +36,7 @@ from trainer.samples import samples_from_groups
 def register(orch, name="w", token=None):
     """A worker; a volunteer of its own (a freshly minted join token) when `token` is "new"."""
     if token == "new":
-        token = orch.mint_token(JoinTokenRequest(label=f"v-{name}")).token
+        token = orch.operators.mint_token(JoinTokenRequest(label=f"v-{name}")).token
     reg = orch.register(WorkerRegistration(name=name), token or orch.cfg.join_tokens[0].get_secret_value())
     return orch.authenticate(reg.secret), reg.secret
 
@@ -46,7 +46,7 @@ def lease(orch, wid, version=0, max_prompts=64):
 
 
 def submit(orch, wid, sub):
-    return orch.submit(wid, encode(sub), None)
+    return orch.admission.submit(wid, encode(sub), None)
 
 
 def drain(orch):
@@ -89,9 +89,9 @@ def test_accepted_submission_reaches_buffer_with_advantages(orch):
     l = lease(orch, wid)
     rng = np.random.default_rng(0)
     receipt = submit(orch, wid, make_submission(l, rng))
-    assert orch.verdict(wid, receipt.submission_id).status == VerdictStatus.pending
+    assert orch.verification.verdict(wid, receipt.submission_id).status == VerdictStatus.pending
     drain(orch)
-    v = orch.verdict(wid, receipt.submission_id)
+    v = orch.verification.verdict(wid, receipt.submission_id)
     assert v.status == VerdictStatus.accepted and len(v.rewards) == 8
     kept = int(orch.db.get_int("groups_kept"))
     dropped = int(orch.db.get_int("groups_dropped_zero_signal"))
@@ -106,7 +106,7 @@ def test_accepted_submission_reaches_buffer_with_advantages(orch):
         by_group.setdefault(s.sample_id.rsplit(":", 1)[0], []).append(s.advantage)
     for advs in by_group.values():
         assert abs(sum(advs)) < 1e-4 and max(advs) > 0
-    w = orch.worker_list().workers[0]
+    w = orch.operators.worker_list().workers[0]
     assert w.submissions_accepted == 1 and w.verified_tokens == sum(int(c.token_ids.size) for c in make_submission(l, np.random.default_rng(0)).completions)
 
 
@@ -125,8 +125,8 @@ def test_version_too_old_is_refused_before_verification(tmp_path):
     orch = make_orchestrator(run_config(tmp_path, async_level=1), verifier)
     wid, _ = register(orch)
     l0 = lease(orch, wid)
-    orch.publish_version(1, HASH1)
-    orch.publish_version(2, "2" * 64)
+    orch.versions.announce({1: HASH1})
+    orch.versions.announce({2: "2" * 64})
     # A lease for version 0 generated with version 0: now 0 < 2 - 1.
     with pytest.raises(ApiError) as e:
         submit(orch, wid, make_submission(l0, np.random.default_rng(0), policy_version=0))
@@ -151,7 +151,7 @@ def test_async_level_zero_is_synchronous(tmp_path):
     wid, _ = register(orch)
     l = lease(orch, wid)
     assert l.min_policy_version == l.policy_version == 0
-    orch.publish_version(1, HASH1)
+    orch.versions.announce({1: HASH1})
     with pytest.raises(ApiError) as e:
         submit(orch, wid, make_submission(l, np.random.default_rng(0)))
     assert code_of(e) == ErrorCode.version_too_old and e.value.min_policy_version == 1
@@ -161,7 +161,7 @@ def test_a_lease_is_generated_with_the_version_the_worker_declared(tmp_path):
     """A worker holding two versions may not pick, after seeing the seeds, the one whose draws it likes."""
     orch = make_orchestrator(run_config(tmp_path, async_level=2))
     wid, _ = register(orch)
-    orch.publish_version(1, HASH1)
+    orch.versions.announce({1: HASH1})
     l = lease(orch, wid, version=0)
     assert l.generation_version == 0
     with pytest.raises(ApiError) as e:
@@ -188,7 +188,7 @@ def test_a_rejected_instance_leased_again_may_carry_the_same_rollouts(tmp_path):
     rejected = make_submission(first, np.random.default_rng(3), bad=True)
     submit(orch, wid, rejected)
     drain(orch)
-    assert orch.verdict(wid, orch.db.one("SELECT submission_id FROM submissions")[0]).status == VerdictStatus.rejected
+    assert orch.verification.verdict(wid, orch.db.one("SELECT submission_id FROM submissions")[0]).status == VerdictStatus.rejected
     again = lease(orch, wid, max_prompts=2)
     assert [p.seeds for p in again.prompts] == [p.seeds for p in first.prompts]  # the same instances, the same seeds
     submit(orch, wid, rejected.model_copy(update={"lease_id": again.lease_id}))  # not refused as a replay
@@ -294,13 +294,13 @@ def test_ban_after_strikes_and_unban(tmp_path):
     # A rejected lease's prompts are handed out again (the second lease got the first one's).
     assert [p.prompt_id for p in leases[1].prompts] == [p.prompt_id for p in leases[0].prompts]
     assert orch.leases.reissue_depth() == 2
-    rec = orch.set_ban(wid, False, "appeal")
+    rec = orch.operators.set_ban(wid, False, "appeal")
     assert not rec.banned and rec.strikes == 0
     assert orch.authenticate(secret) == wid
-    rec = orch.set_ban(wid, True, "operator")
+    rec = orch.operators.set_ban(wid, True, "operator")
     assert rec.banned
     with pytest.raises(ApiError):
-        orch.set_ban("w-nope", True, "")
+        orch.operators.set_ban("w-nope", True, "")
 
 
 def test_wrong_model_hash_is_a_strike(orch):
@@ -319,7 +319,7 @@ def test_verifier_failure_keeps_submissions_queued(orch):
     assert orch.verification.verify_pending() == 0
     orch._stop.clear()
     drain(orch)
-    assert orch.verdict(wid, r.submission_id).status == VerdictStatus.accepted
+    assert orch.verification.verdict(wid, r.submission_id).status == VerdictStatus.accepted
 
 
 def test_a_submission_the_verifier_fails_on_never_holds_back_the_others(orch):
@@ -344,8 +344,8 @@ def test_a_submission_the_verifier_fails_on_never_holds_back_the_others(orch):
     while orch.verification.backlog():
         orch.verification.verify_pending()
     assert seen[0] == 2 and seen.count(1) >= 3  # the batch of two, then each alone
-    assert orch.verdict(wid, subs[1].submission_id).status == VerdictStatus.accepted
-    v = orch.verdict(wid, poisoned)
+    assert orch.verification.verdict(wid, subs[1].submission_id).status == VerdictStatus.accepted
+    v = orch.verification.verdict(wid, poisoned)
     assert v.status == VerdictStatus.rejected and v.rejections[0].code.value == "verification_failed"
     assert orch.workers.get(wid).strikes == 0
 
@@ -358,7 +358,7 @@ def test_heartbeat_only_as_itself(orch):
     with pytest.raises(ApiError) as e:
         orch.heartbeat(a, b, Heartbeat(state=WorkerState.idle))
     assert code_of(e) == ErrorCode.forbidden
-    rec = {w.worker_id: w for w in orch.worker_list().workers}[a]
+    rec = {w.worker_id: w for w in orch.operators.worker_list().workers}[a]
     assert rec.state == WorkerState.generating and rec.tokens_per_s == 12.5 and rec.online
 
 
@@ -431,9 +431,9 @@ def test_pending_submissions_are_verified_after_restart(tmp_path):
     orch2.start()
     try:
         deadline = time.time() + 10
-        while orch2.verdict(wid, r.submission_id).status == VerdictStatus.pending and time.time() < deadline:
+        while orch2.verification.verdict(wid, r.submission_id).status == VerdictStatus.pending and time.time() < deadline:
             time.sleep(0.05)
-        assert orch2.verdict(wid, r.submission_id).status == VerdictStatus.accepted
+        assert orch2.verification.verdict(wid, r.submission_id).status == VerdictStatus.accepted
     finally:
         orch2.stop()
 
@@ -620,7 +620,7 @@ def test_submissions_not_kept_in_memory_are_read_back(orch, monkeypatch):
     r = submit(orch, wid, make_submission(lease(orch, wid), np.random.default_rng(0)))
     assert not orch.verification._pending
     drain(orch)
-    assert orch.verdict(wid, r.submission_id).status == VerdictStatus.accepted
+    assert orch.verification.verdict(wid, r.submission_id).status == VerdictStatus.accepted
 
 
 def test_generation_never_runs_more_than_async_level_steps_ahead(tmp_path):
@@ -659,7 +659,7 @@ def test_lease_demands_a_version_that_will_not_be_stale_when_trained(tmp_path):
     first = [lease(orch, wid) for _ in range(2)]  # 16 untrained samples: two steps' worth
     assert [l.min_policy_version for l in first] == [0, 0]
     for v in range(1, 6):
-        orch.publish_version(v, f"{v:064x}")
+        orch.versions.announce({v: f"{v:064x}"})
     # Trained 2 steps from now at version >= 5 + 2: a version-3 worker (allowed by async_level) would be stale.
     with pytest.raises(ApiError) as e:
         orch.lease(wid, LeaseRequest(loaded_policy_version=3, max_prompts=2))
@@ -802,9 +802,26 @@ def test_unusable_rewards_are_a_rejection_without_a_strike(orch):
     verifier.verify_many = nan_rewards
     r = submit(orch, wid, make_submission(lease(orch, wid), np.random.default_rng(0)))
     drain(orch)
-    v = orch.verdict(wid, r.submission_id)
+    v = orch.verification.verdict(wid, r.submission_id)
     assert v.status == VerdictStatus.rejected and v.rejections[0].code.value == "reward_error"
     assert "finite" in v.rejections[0].message
     w = orch.workers.get(wid)
     assert w.rejected == 1 and w.strikes == 0 and not w.banned
     assert orch.buffer.depth() == 0 and orch.db.get_int("submissions_rejected") == 1
+
+
+def test_no_lease_before_the_first_policy_version_is_announced(tmp_path):
+    """Version 0 is announced by the trainer's first reconcile; a worker that asks before it is told to come
+    back (a rollout then could not be checked against a model hash, and would cost it a strike)."""
+    from orch_fakes import HASH0, make_prompts
+
+    from orchestrator.service import Orchestrator
+
+    config = run_config(tmp_path)
+    orch = Orchestrator(config.orchestrator, Database(config.orchestrator.db_path), make_prompts(config), FakeVerifier(),
+                        shape=config.step_shape(), task_name=config.data.task, run_name=config.name)
+    wid, _ = register(orch)
+    resp = orch.lease(wid, LeaseRequest(loaded_policy_version=0))
+    assert resp.lease is None and resp.retry_after_s and resp.retry_after_s > 0
+    orch.versions.announce({0: HASH0})
+    assert lease(orch, wid) is not None

@@ -44,7 +44,7 @@ def busy_server(tmp_path):
     for tick in range(12):
         for j, wid in enumerate(workers):
             lease = orch.lease(wid, LeaseRequest(loaded_policy_version=0, max_prompts=2)).lease
-            orch.submit(wid, encode(make_submission(lease, rng, bad=(tick + j) % 7 == 6)), None)
+            orch.admission.submit(wid, encode(make_submission(lease, rng, bad=(tick + j) % 7 == 6)), None)
         while orch.verification.verify_pending():
             pass
         orch.housekeeping(now=time.time() + 2 * tick)

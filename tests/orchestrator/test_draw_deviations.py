@@ -9,7 +9,8 @@ from orch_fakes import FakeVerifier, encode, make_orchestrator, make_submission,
 
 from orchestrator.db import Database
 from orchestrator.draw_deviations import DeviationLedger
-from protocol.models import LeaseRequest, VerdictStatus, WorkerRegistration
+from protocol.models import LeaseRequest, WorkerRegistration
+from protocol.verdicts import VerdictStatus
 
 
 def test_the_ledger_forgives_the_allowed_rate_strikes_past_each_burst_and_bans(tmp_path):
@@ -46,7 +47,7 @@ def run_worker(tmp_path, near_ties: int, submissions: int, decay: int = 0, ban_a
         if orch.workers.get(wid).banned:
             break
         lease = orch.lease(wid, LeaseRequest(loaded_policy_version=0, max_prompts=1)).lease
-        orch.submit(wid, encode(make_submission(lease, np.random.default_rng(i))), None)
+        orch.admission.submit(wid, encode(make_submission(lease, np.random.default_rng(i))), None)
         while orch.verification.verify_pending():
             pass
     return orch, orch.workers.get(wid)
@@ -55,7 +56,7 @@ def run_worker(tmp_path, near_ties: int, submissions: int, decay: int = 0, ban_a
 def test_a_worker_within_the_allowance_is_never_struck(tmp_path):
     orch, w = run_worker(tmp_path, near_ties=1, submissions=30)
     assert w.accepted == 30 and w.strikes == 0 and not w.banned
-    record = orch.worker_list().workers[0]  # what GET /v1/workers shows the operator
+    record = orch.operators.worker_list().workers[0]  # what GET /v1/workers shows the operator
     assert (record.draw_deviations, record.deviation_allowance) == (30, 30.0)
     orch.db.close()
 

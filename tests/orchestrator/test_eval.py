@@ -17,7 +17,8 @@ from orchestrator.evaluation import HeldOutPrompts, held_out_data, hold_out, pas
 from orchestrator.leases import GenerationBoundReached
 from orchestrator.server import OrchestratorServer
 from protocol import api
-from protocol.models import LeaseRequest, LeaseResponse, RunStatus, WorkerRegistered, WorkerRegistration
+from protocol.models import LeaseRequest, LeaseResponse, WorkerRegistered, WorkerRegistration
+from protocol.operator_models import RunStatus
 
 
 def test_pass_at_k_is_the_unbiased_estimator():
@@ -126,8 +127,8 @@ def test_eval_leases_go_first_pinned_to_the_version_and_outside_the_async_bound(
         orch.leases.issue(wid, 2, 0, time.time(), loaded_version=0)
     # Version 2 is announced while generation is at the bound: its eval prompts still go out, but only
     # to a worker that says it holds version 2 (the pin is exactly the version evaluated).
-    orch.publish_version(1, HASH0)
-    orch.publish_version(2, HASH0)
+    orch.versions.announce({1: HASH0})
+    orch.versions.announce({2: HASH0})
     assert orch.status().evals_open == 2
     other = register(orch, "w2")
     assert lease(orch, other, version=1) is None  # version 1 has no round; the bound holds
@@ -147,13 +148,13 @@ def test_eval_results_are_recorded_never_buffered_and_a_released_lease_comes_bac
     assert [p.prompt_id for p in again.prompts] == [p.prompt_id for p in first.prompts]
     assert [p.seeds for p in again.prompts] == [p.seeds for p in first.prompts]  # no re-roll by letting a lease go
     # A rejected eval submission is a strike like any other, and its prompts wait again.
-    orch.submit(wid, encode(make_submission(again, rng, bad=True)), None)
+    orch.admission.submit(wid, encode(make_submission(again, rng, bad=True)), None)
     drain(orch)
     assert orch.workers.get(wid).strikes == 1
     subs = []
     while (ls := lease(orch, wid)) is not None and orch.leases.get(ls.lease_id).eval_version is not None:
         sub = make_submission(ls, rng)
-        orch.submit(wid, encode(sub), None)
+        orch.admission.submit(wid, encode(sub), None)
         subs.append((ls, sub))
         drain(orch)
     assert len(subs) == 2
@@ -183,17 +184,17 @@ def test_a_left_behind_round_closes_partial_and_rounds_survive_a_restart(tmp_pat
     wid = register(orch)
     rng = np.random.default_rng(1)
     ls = lease(orch, wid)  # 2 of the 4 held-out prompts of version 0
-    orch.submit(wid, encode(make_submission(ls, rng)), None)
+    orch.admission.submit(wid, encode(make_submission(ls, rng)), None)
     drain(orch)
     orch.stop()
     orch.db.close()
     orch = make_orchestrator(cfg)  # a restarted orchestrator: the round is still open, half done
     wid = register(orch, "w2")
     assert orch.status().evals_open == 1 and orch.eval_results() == []
-    orch.publish_version(1, HASH0)
+    orch.versions.announce({1: HASH0})
     open_lease = lease(orch, wid, version=0)  # still generatable at version 0 (async level 1)
     assert orch.leases.get(open_lease.lease_id).eval_version == 0
-    orch.publish_version(2, HASH0)  # version 0 is left behind, but an eval lease of it is still open
+    orch.versions.announce({2: HASH0})  # version 0 is left behind, but an eval lease of it is still open
     assert orch.status().evals_open == 2
     orch.release(wid, open_lease.lease_id)
     orch.housekeeping()

@@ -16,7 +16,8 @@ import zstandard
 from orch_fakes import encode, make_orchestrator, make_submission, run_config
 from orchestrator.server import OrchestratorServer
 from protocol import api, limits
-from protocol.models import JoinTokenList, JoinTokenMinted, LeaseResponse, WorkerRegistered
+from protocol.models import LeaseResponse, WorkerRegistered
+from protocol.operator_models import JoinTokenList, JoinTokenMinted
 
 ADMIN, JOIN = "gate-admin", "gate-join"
 
@@ -204,15 +205,15 @@ def test_a_request_head_has_a_deadline(tmp_path):
 
 def test_big_submissions_are_parsed_off_the_event_loop(tmp_path):
     srv = serve(tmp_path, sampling={"max_tokens": 2048, "temperature": 1.0})
-    assert srv.orch.submission_cap > 256 << 10
+    assert srv.orch.admission.cap > 256 << 10
     threads = []
-    real = srv.orch.parse_submission
+    real = srv.orch.admission.parse
 
     def recording(*args):
         threads.append(threading.current_thread().name)
         return real(*args)
 
-    srv.orch.parse_submission = recording
+    srv.orch.admission.parse = recording
     try:
         with httpx.Client(base_url=srv.url, timeout=10) as c:
             w = register(c)
@@ -321,7 +322,7 @@ def test_a_freed_prompt_wakes_one_held_request_not_all_of_them():
     herd of retries); `everyone` wakes them all (the run finished, the server stops)."""
     import asyncio
 
-    from orchestrator.leases import RoomSignal
+    from orchestrator.room import RoomSignal
 
     async def scenario() -> tuple[list[int], list[int]]:
         room, woken = RoomSignal(), []

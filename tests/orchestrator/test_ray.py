@@ -18,9 +18,9 @@ from protocol.models import (
     LeaseResponse,
     RolloutSubmission,
     SubmissionReceipt,
-    Verdict,
     WorkerRegistered,
 )
+from protocol.verdicts import Verdict
 from tools.vllm_rollouts import honest_completions
 from trainer.samples import samples_from_groups
 
@@ -48,7 +48,7 @@ def test_orchestrator_and_verifier_actors(ray_cluster, tiny_model_dir, tmp_path)
     pool = RayVerifierPool.start(VerifierConfig(), lambda v: model_dir, str(tiny_model_dir), num_actors=1)
     actor = start_orchestrator_actor(cfg, pool.actors)
     try:
-        ray.get(actor.publish_version.remote(0, HASH0))
+        ray.get(actor.reconcile_trainer.remote([], {}, {0: HASH0}))  # the trainer's first reconciliation announces version 0
         url = ray.get(actor.url.remote())
         with httpx.Client(base_url=url, timeout=30) as c:
             w = WorkerRegistered.model_validate_json(c.post(api.REGISTER.path, json={"name": "honest"}, headers={"Authorization": "Bearer join"}).content)
@@ -101,6 +101,6 @@ def test_orchestrator_and_verifier_actors(ray_cluster, tiny_model_dir, tmp_path)
         st = ray.get(actor.status.remote())
         assert st.step == 1 and st.policy_version == 1 and st.buffer_depth == 0
     finally:
-        ray.get(actor.stop.remote())
+        ray.get(actor.shutdown.remote())
         ray.kill(actor)
         pool.shutdown()

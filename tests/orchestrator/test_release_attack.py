@@ -12,7 +12,8 @@ import numpy as np
 from orch_fakes import HASH0, FakeVerifier, encode, make_orchestrator, run_config
 
 from protocol import limits
-from protocol.models import Completion, FinishReason, JoinTokenRequest, LeaseRequest, RolloutSubmission, WorkerRegistration
+from protocol.models import Completion, FinishReason, LeaseRequest, RolloutSubmission, WorkerRegistration
+from protocol.operator_models import JoinTokenRequest
 
 
 def draws(lease, k: int):
@@ -37,7 +38,7 @@ def test_selective_release_changes_nothing_trained_and_costs_the_selector(tmp_pa
     k = cfg.orchestrator.samples_per_prompt
     workers = {}
     for name in ("picky", "honest"):
-        token = orch.mint_token(JoinTokenRequest(label=name)).token
+        token = orch.operators.mint_token(JoinTokenRequest(label=name)).token
         workers[name] = orch.authenticate(orch.register(WorkerRegistration(name=name), token).secret)
 
     def group_reward(lease, sub) -> float:  # the worker scores its own draws with the public reward
@@ -66,7 +67,7 @@ def test_selective_release_changes_nothing_trained_and_costs_the_selector(tmp_pa
             if name == "picky":
                 picky_seen.append(r)
                 picky_kept.append(r)
-            orch.submit(wid, encode(sub), None)
+            orch.admission.submit(wid, encode(sub), None)
             while orch.verification.verify_pending():
                 pass
             trained.setdefault(instance, []).append(r)
@@ -78,7 +79,7 @@ def test_selective_release_changes_nothing_trained_and_costs_the_selector(tmp_pa
     # Every instance was trained exactly once, with its own draws: the trainer's data is an honest swarm's.
     assert sorted(trained) == sorted(drawn) and all(len(rs) == 1 for rs in trained.values())
     assert trained_mean == honest_mean
-    picky = {r.worker_id: r for r in orch.worker_list().workers}[workers["picky"]]
+    picky = {r.worker_id: r for r in orch.operators.worker_list().workers}[workers["picky"]]
     assert picky.releases_charged == released and picky.token_release_ratio > orch.cfg.max_release_ratio
     assert orch.status().releases_charged == released and orch.status().max_token_release_ratio == picky.token_release_ratio
     orch.db.close()

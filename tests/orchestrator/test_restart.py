@@ -17,7 +17,8 @@ import numpy as np
 from orch_fakes import encode, make_submission
 
 from protocol import api
-from protocol.models import LeaseResponse, SubmissionReceipt, Verdict, WorkerRegistered
+from protocol.models import LeaseResponse, SubmissionReceipt, WorkerRegistered
+from protocol.verdicts import Verdict
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent

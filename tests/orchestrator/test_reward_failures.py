@@ -16,7 +16,8 @@ from prometheus_client import generate_latest
 from orchestrator.db import Database
 from orchestrator.service import Orchestrator
 from orchestrator.verification import default_make_job
-from protocol.models import LeaseRequest, RewardStatus, VerdictStatus, WorkerRegistration
+from protocol.models import LeaseRequest, WorkerRegistration
+from protocol.verdicts import RewardStatus, VerdictStatus
 
 
 def register(orch):
@@ -29,10 +30,10 @@ def lease(orch, wid):
 
 
 def submit_and_drain(orch, wid, sub):
-    sid = orch.submit(wid, encode(sub), None).submission_id
+    sid = orch.admission.submit(wid, encode(sub), None).submission_id
     while orch.verification.verify_pending():
         pass
-    return orch.verdict(wid, sid)
+    return orch.verification.verdict(wid, sid)
 
 
 def kept_prompts(orch, submission_id):
@@ -164,7 +165,7 @@ def test_strikes_decay_with_accepted_work_never_below_zero(tmp_path):
         accept(orch, wid, rng)
         strikes.append(orch.workers.get(wid).strikes)
     assert strikes == [2, 2, 1, 1, 1, 0, 0, 0, 0]
-    assert orch.worker_list().workers[0].strikes == 0 and orch.workers.get(wid).decay_progress == 0  # clean work banks nothing
+    assert orch.operators.worker_list().workers[0].strikes == 0 and orch.workers.get(wid).decay_progress == 0  # clean work banks nothing
     reject(orch, wid, rng)
     assert orch.workers.get(wid).strikes == 1 and not orch.workers.get(wid).banned
     orch.db.close()
@@ -255,7 +256,7 @@ def test_a_reward_that_times_out_in_the_real_pool_drops_its_group_without_a_stri
         verifier.checked = checked
         orch = Orchestrator(cfg.orchestrator, Database(cfg.orchestrator.db_path), make_prompts(cfg), verifier, shape=cfg.step_shape(),
                             task_name=SLOW_REWARD, run_name=cfg.name, make_job=default_make_job, verify_batch=8)
-        orch.publish_version(0, "0" * 64)
+        orch.versions.announce({0: "0" * 64})
         wid = register(orch)
         l = lease(orch, wid)
         items = [orch.prompts.prompts[i].item for i in orch.leases.get(l.lease_id).prompt_indices]

@@ -175,6 +175,6 @@ def test_the_driver_tick_resizes_the_pool_and_tells_the_orchestrator(ray_cluster
         assert [n for n in run.supervisor.components if n.startswith("verifier-")] == ["verifier-2"]
     finally:
         if orch is not None:
-            ray.get(orch.stop.remote(), timeout=60)
+            ray.get(orch.shutdown.remote(), timeout=60)
             ray.kill(orch)
         run.pool.shutdown()

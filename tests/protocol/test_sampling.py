@@ -1,4 +1,4 @@
-"""The seeded-sampling PRF and draw shared by worker and verifier (protocol/sampling.py)."""
+"""The seeded-sampling PRF and draw shared by worker and verifier (protocol/prf.py, protocol/sampling.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from protocol import prf
 from protocol import sampling as S
 from protocol.models import SamplingParams
 
@@ -62,10 +63,10 @@ EDGE_TOKENS = [0, 1, 2, 63, 151935, 2**31 - 1, 2**31, 2**32 - 1]
 
 def test_prf_is_murmur3_of_the_message_in_torch_and_numpy():
     want = np.array([[murmur3_32(struct.pack("<QII", s, p, t)) for t in EDGE_TOKENS] for s, p in zip(EDGE_SEEDS, EDGE_POSITIONS)], dtype=np.uint32)
-    got_t = S.prf_bits(torch.tensor(EDGE_SEEDS), torch.tensor(EDGE_POSITIONS), torch.tensor(EDGE_TOKENS))
+    got_t = prf.prf_bits(torch.tensor(EDGE_SEEDS), torch.tensor(EDGE_POSITIONS), torch.tensor(EDGE_TOKENS))
     assert got_t.dtype == torch.int64 and int(got_t.min()) >= 0 and int(got_t.max()) <= M32
     np.testing.assert_array_equal(got_t.numpy().astype(np.uint32), want)
-    np.testing.assert_array_equal(S.prf_bits_np(EDGE_SEEDS, EDGE_POSITIONS, EDGE_TOKENS), want)
+    np.testing.assert_array_equal(prf.prf_bits_np(EDGE_SEEDS, EDGE_POSITIONS, EDGE_TOKENS), want)
 
 
 def _random_inputs(n: int, v: int, seed: int = 0):
@@ -78,16 +79,16 @@ def _random_inputs(n: int, v: int, seed: int = 0):
 
 def test_numpy_and_torch_agree_bit_for_bit():
     seeds, positions, tokens = _random_inputs(300, 1000)
-    bits_t = S.prf_bits(torch.from_numpy(seeds), torch.from_numpy(positions), torch.from_numpy(tokens))
-    bits_n = S.prf_bits_np(seeds.astype(np.uint64), positions, tokens)
+    bits_t = prf.prf_bits(torch.from_numpy(seeds), torch.from_numpy(positions), torch.from_numpy(tokens))
+    bits_n = prf.prf_bits_np(seeds.astype(np.uint64), positions, tokens)
     np.testing.assert_array_equal(bits_t.numpy().astype(np.uint32), bits_n)
     # The row states alone (the worker computes them on the host with numpy).
-    rows_t = S.row_state(S.seed_state(torch.from_numpy(seeds)), torch.from_numpy(positions))
-    rows_n = S.row_state_np(S.seed_state_np(seeds.astype(np.uint64)), positions)
+    rows_t = prf.row_state(prf.seed_state(torch.from_numpy(seeds)), torch.from_numpy(positions))
+    rows_n = prf.row_state_np(prf.seed_state_np(seeds.astype(np.uint64)), positions)
     assert rows_n.dtype == np.uint32
     np.testing.assert_array_equal(rows_t.numpy().astype(np.uint32), rows_n)
-    u_t = S.prf_uniform(torch.from_numpy(seeds), torch.from_numpy(positions), torch.from_numpy(tokens))
-    u_n = S.prf_uniform_np(seeds.astype(np.uint64), positions, tokens)
+    u_t = prf.prf_uniform(torch.from_numpy(seeds), torch.from_numpy(positions), torch.from_numpy(tokens))
+    u_n = prf.prf_uniform_np(seeds.astype(np.uint64), positions, tokens)
     assert u_t.dtype == torch.float32 and u_n.dtype == np.float32
     np.testing.assert_array_equal(u_t.numpy().view(np.int32), u_n.view(np.int32))
 
@@ -97,14 +98,14 @@ def test_same_bits_with_one_and_two_threads():
     seeds, positions, _ = _random_inputs(64, 0, seed=1)
     logits = torch.randn(64, 40000, generator=torch.Generator().manual_seed(0)) * 3
     params = S.DrawParams.build([0.8] * 64, [-1] * 64, [0.95] * 64, 40000)
-    words = S.token_words(torch.arange(40000))
+    words = prf.token_words(torch.arange(40000))
     old = torch.get_num_threads()
     results = []
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            states = S.row_state(S.seed_state(torch.from_numpy(seeds)), torch.from_numpy(positions))
-            results.append((S.bits_from_states(states, words), S.log_exponentials(states, words), S.draw(logits, states, words, params)))
+            states = prf.row_state(prf.seed_state(torch.from_numpy(seeds)), torch.from_numpy(positions))
+            results.append((prf.bits_from_states(states, words), S.log_exponentials(states, words), S.draw(logits, states, words, params)))
     finally:
         torch.set_num_threads(old)
     (b1, e1, w1), (b2, e2, w2) = results
@@ -115,7 +116,7 @@ def test_same_bits_with_one_and_two_threads():
 
 def test_strided_and_other_dtype_inputs_give_the_same_bits():
     seeds, positions, tokens = _random_inputs(40, 300, seed=2)
-    want = S.prf_bits(torch.from_numpy(seeds), torch.from_numpy(positions), torch.from_numpy(tokens))
+    want = prf.prf_bits(torch.from_numpy(seeds), torch.from_numpy(positions), torch.from_numpy(tokens))
     # Every other element of a longer buffer, a column of a matrix.
     seed_buf = torch.zeros(80, dtype=torch.int64)
     seed_buf[::2] = torch.from_numpy(seeds)
@@ -123,26 +124,26 @@ def test_strided_and_other_dtype_inputs_give_the_same_bits():
     pos_mat[:, 1] = torch.from_numpy(positions)
     tok_strided = torch.from_numpy(np.repeat(tokens, 2))[::2]
     assert not seed_buf[::2].is_contiguous() and not pos_mat[:, 1].is_contiguous() and not tok_strided.is_contiguous()
-    got = S.prf_bits(seed_buf[::2], pos_mat[:, 1], tok_strided)
+    got = prf.prf_bits(seed_buf[::2], pos_mat[:, 1], tok_strided)
     assert torch.equal(got, want)
     # Tokens given per row ([N, V], broadcast or a strided expansion) and positions as int32.
     tok_rows = torch.from_numpy(tokens).expand(40, -1)
-    assert torch.equal(S.prf_bits(torch.from_numpy(seeds), torch.from_numpy(positions).int(), tok_rows), want)
+    assert torch.equal(prf.prf_bits(torch.from_numpy(seeds), torch.from_numpy(positions).int(), tok_rows), want)
     # A non-contiguous [N, V] slice of the result of a transpose.
     tok_t = torch.from_numpy(tokens).repeat(40, 1).t().contiguous().t()
-    assert torch.equal(S.prf_bits(torch.from_numpy(seeds), torch.from_numpy(positions), tok_t), want)
+    assert torch.equal(prf.prf_bits(torch.from_numpy(seeds), torch.from_numpy(positions), tok_t), want)
 
 
 def test_rows_do_not_depend_on_the_batch():
     seeds, positions, tokens = _random_inputs(17, 200, seed=3)
     t = torch.from_numpy(tokens)
-    batched = S.prf_bits(torch.from_numpy(seeds), torch.from_numpy(positions), t)
+    batched = prf.prf_bits(torch.from_numpy(seeds), torch.from_numpy(positions), t)
     for i in range(17):
-        alone = S.prf_bits(torch.from_numpy(seeds[i : i + 1]), torch.from_numpy(positions[i : i + 1]), t)
+        alone = prf.prf_bits(torch.from_numpy(seeds[i : i + 1]), torch.from_numpy(positions[i : i + 1]), t)
         assert alone.shape == (1, 200)
         assert torch.equal(alone[0], batched[i])
     # A token's value does not depend on which other tokens are asked for.
-    assert torch.equal(S.prf_bits(torch.from_numpy(seeds), torch.from_numpy(positions), t[50:60]), batched[:, 50:60])
+    assert torch.equal(prf.prf_bits(torch.from_numpy(seeds), torch.from_numpy(positions), t[50:60]), batched[:, 50:60])
 
 
 def _chi2_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
@@ -154,8 +155,8 @@ def _chi2_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
 def test_uniforms_are_uniform_and_bits_balanced():
     seeds = torch.arange(200, dtype=torch.int64) * 7919 + 5  # a fixed, structured set of seeds
     positions = torch.arange(200) % 64
-    bits = S.prf_bits(seeds, positions, torch.arange(8192))  # 1.6M values, neighbours in every input
-    u = S.uniform_from_bits(bits)
+    bits = prf.prf_bits(seeds, positions, torch.arange(8192))  # 1.6M values, neighbours in every input
+    u = prf.uniform_from_bits(bits)
     assert float(u.min()) > 0.0 and float(u.max()) < 1.0
     counts = np.bincount((u.numpy() * 256).astype(np.int64).ravel(), minlength=256)
     assert _chi2_pvalue(counts, np.full(256, u.numel() / 256)) > 1e-4
@@ -194,8 +195,8 @@ def test_draw_frequencies_follow_the_tempered_distribution(temperature, top_k, t
     seeds = torch.arange(n, dtype=torch.int64) * 1_000_003 + 17  # fixed seed set: the test is deterministic
     positions = torch.arange(n) % 97
     params = S.DrawParams.build([temperature] * n, [top_k] * n, [top_p] * n, 12)
-    states = S.row_state(S.seed_state(seeds), positions)
-    got = S.draw(logits.expand(n, -1), states, S.token_words(torch.arange(12)), params)
+    states = prf.row_state(prf.seed_state(seeds), positions)
+    got = S.draw(logits.expand(n, -1), states, prf.token_words(torch.arange(12)), params)
     counts = np.bincount(got.numpy(), minlength=12)
     assert (counts[want == 0] == 0).all(), "a token outside the support was drawn"
     inside = want > 0
@@ -223,8 +224,8 @@ def test_support_matches_the_definition_with_ties():
 
 def test_greedy_rows_take_the_argmax_with_the_lowest_id_on_ties():
     logits = torch.tensor([[0.0, 3.0, 1.0, 3.0], [5.0, 5.0, 1.0, 0.0], [1.0, 2.0, 3.0, 4.0]])
-    states = S.row_state(S.seed_state(torch.tensor([1, 2, 3])), torch.tensor([0, 0, 0]))
-    words = S.token_words(torch.arange(4))
+    states = prf.row_state(prf.seed_state(torch.tensor([1, 2, 3])), torch.tensor([0, 0, 0]))
+    words = prf.token_words(torch.arange(4))
     greedy = S.DrawParams.build([0.0] * 3, [-1] * 3, [1.0] * 3, 4)
     assert S.draw(logits, states, words, greedy).tolist() == [1, 0, 3]
     # Mixed with sampled rows: the greedy row ignores its noise, top-k / top-p do not change its argmax.
@@ -244,8 +245,8 @@ def test_mixed_rows_equal_rows_drawn_alone():
         (float(rng.choice([0.0, 0.5, 1.0, 1.5])), int(rng.choice([-1, 1, 3, 8, 12, 49, 50])), float(rng.choice([1.0, 0.3, 0.6, 0.9])))
         for _ in range(n)
     ]
-    states = S.row_state(S.seed_state(torch.arange(n) * 31 + 1), torch.arange(n) + 5)
-    words = S.token_words(torch.arange(v))
+    states = prf.row_state(prf.seed_state(torch.arange(n) * 31 + 1), torch.arange(n) + 5)
+    words = prf.token_words(torch.arange(v))
     params = S.DrawParams.build(*zip(*settings), v)
     together = S.draw(logits, states, words, params)
     z = S.tempered(logits, params)
@@ -265,9 +266,9 @@ def test_replay_winner_margin_and_support():
     logits = torch.randn(t_len, v, generator=gen) * 2
     sampling = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
     seed = 2**62 + 99
-    states = S.row_state(S.seed_state(torch.full((t_len,), seed)), torch.arange(t_len))
+    states = prf.row_state(prf.seed_state(torch.full((t_len,), seed)), torch.arange(t_len))
     params = S.DrawParams.build([0.8] * t_len, [20] * t_len, [0.9] * t_len, v)
-    drawn = S.draw(logits, states, S.token_words(torch.arange(v)), params)
+    drawn = S.draw(logits, states, prf.token_words(torch.arange(v)), params)
 
     honest = S.replay(logits, seed, torch.arange(t_len), drawn, sampling)
     assert torch.equal(honest.winner, drawn)
@@ -309,8 +310,8 @@ def test_replay_slack_tells_a_support_boundary_flip_from_another_draw():
     drawn_side, replay_side = logits_with(1e-5), logits_with(-1e-5)
     sampling = SamplingParams(temperature=1.0, top_p=0.9)
     params = S.DrawParams.build([1.0], [-1], [0.9], 6)
-    words = S.token_words(torch.arange(6))
-    seed = next(s for s in range(1000) if int(S.draw(drawn_side[None], S.row_state(S.seed_state(torch.tensor([s])), torch.tensor([0])), words, params)[0]) == 3)
+    words = prf.token_words(torch.arange(6))
+    seed = next(s for s in range(1000) if int(S.draw(drawn_side[None], prf.row_state(prf.seed_state(torch.tensor([s])), torch.tensor([0])), words, params)[0]) == 3)
     claimed = torch.tensor([3])
     strict = S.replay(replay_side[None], seed, torch.tensor([0]), claimed, sampling)
     assert not bool(strict.inside[0]) and int(strict.winner[0]) != 3
@@ -346,10 +347,10 @@ def test_replay_logit_slack_covers_near_tied_tokens_swapping_at_the_top_p_bounda
     drawn_side, replay_side = logits_with(1e-6), logits_with(-1e-6)
     sampling = SamplingParams(temperature=1.0, top_p=0.85)
     params = S.DrawParams.build([1.0], [-1], [0.85], 4)
-    words = S.token_words(torch.arange(4))
+    words = prf.token_words(torch.arange(4))
 
     def state(seed):
-        return S.row_state(S.seed_state(torch.tensor([seed])), torch.tensor([0]))
+        return prf.row_state(prf.seed_state(torch.tensor([seed])), torch.tensor([0]))
 
     def score(seed, token):
         return float(S.log_exponentials(state(seed), words)[0, token].neg() + replay_side[token])

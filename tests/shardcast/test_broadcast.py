@@ -20,11 +20,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from protocol import api
 from shardcast.client import ShardcastClient, ShardcastError
+from shardcast.file_fetch import FileJob
 from shardcast.keys import public_key_b64
 from shardcast.origin import Origin
 from shardcast.relay import Relay
 from shardcast.server import REQUESTS, SHARD_BYTES_SERVED, ShardServer, serve_origin, serve_relay
-from shardcast.transfer import FileJob, ServerPool
+from shardcast.transfer import ServerPool
 from shardcast.store import MANIFEST_FILE, DiskFullError, FolderInUse, VersionStore, lock_folder
 from shardcast.weights import load_version_dir, model_hash
 from shardcast_helpers import REPO, RUN, start_cli, state_dict, stop_proc, tmpfs

@@ -49,7 +49,7 @@ class PacedServer:
 def splice_body(resp, path, deadline) -> list[int]:
     """The body into `path` by splice_into; returns the bytes each call moved."""
     pipe = os.pipe()
-    fcntl.fcntl(pipe[1], 1031, 1 << 20)  # F_SETPIPE_SZ, as transfer.py's pipes
+    fcntl.fcntl(pipe[1], 1031, 1 << 20)  # F_SETPIPE_SZ, as file_fetch.py's pipes
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     moved, got = [], 0
     try:

@@ -113,12 +113,13 @@ def test_the_trainer_takes_trains_and_commits_its_own_batches(tiny_model_dir, tm
     orch = make_orchestrator(tmp_path, shape)
     publish = Publisher()
     trainer = make_trainer(tiny_model_dir, tmp_path / "run", publish, mini_batches=mini_batches)
-    orch.publish_version(0, publish.hashes[0])
     source = Checked(orch, tmp_path / "run")
     loop = BatchLoop(trainer, source, samples_per_step=2 * K, wait_s=0.05, versions=lambda: dict(publish.hashes))
 
     add_group(orch, seed=1)
+    assert orch.versions.model_hash(0) == ""  # nobody announces version 0 but the trainer's first reconciliation
     assert loop.step() is None  # half a batch: nothing trained, the group goes back
+    assert orch.versions.model_hash(0) == publish.hashes[0] and orch.versions.current == 0
     assert orch.buffer.depth() == K and trainer.version == 0
     assert list(batch_status(orch).values()) == ["returned"]
 
@@ -161,7 +162,7 @@ def test_a_trainer_restart_commits_what_its_checkpoint_holds_and_gives_back_the_
         return trainer, BatchLoop(trainer, source, samples_per_step=2 * K, wait_s=0.05, versions=lambda: dict(publish.hashes)), source
 
     trainer, loop, source = new_loop()
-    orch.publish_version(0, publish.hashes[0])
+    orch.versions.announce({0: publish.hashes[0]})
     for seed in range(8):
         add_group(orch, seed)
     a = loop.step()
@@ -210,7 +211,7 @@ def test_an_orchestrator_restart_is_reconciled_by_the_live_trainer(tiny_model_di
     publish = Publisher()
     run = tmp_path / "run"
     trainer = make_trainer(tiny_model_dir, run, publish, checkpoint_every=2, max_staleness=4)
-    orch.publish_version(0, publish.hashes[0])
+    orch.versions.announce({0: publish.hashes[0]})
     loop = BatchLoop(trainer, Checked(orch, run), samples_per_step=2 * K, wait_s=0.05, versions=lambda: dict(publish.hashes))
     for seed in range(6):
         add_group(orch, seed)

@@ -13,7 +13,8 @@ import pytest
 import torch
 from trainer_helpers import random_samples
 
-from protocol.models import SamplingParams, TaskLease, TaskPrompt, VerdictStatus
+from protocol.models import SamplingParams, TaskLease, TaskPrompt
+from protocol.verdicts import VerdictStatus
 from shardcast.adapter import BASE_HASH_KEY, base_model_hash, is_adapter, pack_adapter, unpack_adapter
 from shardcast.keys import generate_signing_key
 from shardcast.origin import Origin

@@ -36,7 +36,8 @@ def test_made_model_loads_everywhere_and_honest_rollouts_verify(arch, untied, tm
     from environments.tasks import get_task
     from inference_worker.config import EngineConfig
     from inference_worker.engine import RolloutEngine
-    from protocol.models import RolloutSubmission, SamplingParams, TaskLease, TaskPrompt, VerdictStatus
+    from protocol.models import RolloutSubmission, SamplingParams, TaskLease, TaskPrompt
+    from protocol.verdicts import VerdictStatus
     from verifier.config import VerifierConfig
     from verifier.reference import eos_token_ids, load_reference_model
     from verifier.service import Verifier, VerifyJob

@@ -9,8 +9,8 @@ from protocol.arrays import le_bytes
 from trainer.config import LossConfig
 from trainer.loss import ppo_loss, sequence_weights
 from trainer.packing import make_micro_batches
+from trainer.policy_model import forward_logprobs, load_model
 from trainer.samples import TrainSample, samples_from_groups
-from trainer.train import forward_logprobs, load_model
 
 torch.set_num_threads(1)
 

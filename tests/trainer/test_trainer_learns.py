@@ -7,8 +7,9 @@ import torch
 
 from trainer.advantages import group_advantages
 from trainer.config import TrainerConfig
+from trainer.policy_model import load_model
 from trainer.samples import TrainSample
-from trainer.train import Trainer, load_model
+from trainer.train import Trainer
 
 TARGET = 10  # a digit in the tiny char vocab
 

@@ -10,8 +10,8 @@ from trainer_helpers import random_samples
 from trainer.config import LossConfig
 from trainer.loss import ppo_loss, sequence_weights
 from trainer.packing import first_fit_decreasing, make_micro_batches, pad_groups
+from trainer.policy_model import forward_logprobs, load_model
 from trainer.samples import TrainSample
-from trainer.train import forward_logprobs, load_model
 
 torch.set_num_threads(1)
 

@@ -5,7 +5,8 @@ import torch
 from trainer_helpers import random_samples
 
 from trainer.config import TrainerConfig
-from trainer.train import Trainer, load_model
+from trainer.policy_model import load_model
+from trainer.train import Trainer
 
 RUN = "test-run"  # the run id signed into the test origin's manifests
 

@@ -8,8 +8,11 @@ import torch
 from trainer_helpers import SafetensorsPublisher, plain_logprobs, random_samples, with_behaviour
 
 from trainer.config import LossConfig, TrainerConfig
+from trainer.optimizer import lr_lambda
+from trainer.packing import plan_micro_batches
+from trainer.policy_model import load_model
 from trainer.samples import TrainSample
-from trainer.train import Trainer, load_model, lr_lambda
+from trainer.train import Trainer
 
 torch.set_num_threads(1)
 
@@ -21,7 +24,7 @@ def grads(model) -> dict[str, torch.Tensor]:
 def accumulate_gradients(trainer: Trainer, samples) -> None:
     """Forward/backward over `samples` as one optimizer step, leaving the gradients in `.grad` (proximal
     policy = the current weights): the first half of `Trainer.step`, without the optimizer."""
-    plan = trainer._plan(list(samples))
+    plan = plan_micro_batches(list(samples), trainer.config, trainer.env, trainer.device)
     reference = [trainer._logprobs_no_grad(trainer.reference, mb) for mb in plan] if trainer.reference is not None else None
     trainer._backward(plan, None, reference)
 
@@ -213,10 +216,10 @@ def test_bad_samples_are_rejected():
 def test_single_step_proximal_shortcut_equals_a_no_grad_pass(tiny_model_dir, tmp_path):
     """With one optimizer step per batch the trainer reuses the training forward's detached logprobs as the
     proximal logprobs; they are bit-identical to a separate no-grad pass with the same weights."""
-    from trainer.train import forward_logprobs
+    from trainer.policy_model import forward_logprobs
 
     trainer = Trainer(TrainerConfig(micro_batch_tokens=64), tiny_model_dir, tmp_path)
-    for mb in trainer._plan(random_samples(6, seed=70)):
+    for mb in plan_micro_batches(random_samples(6, seed=70), trainer.config, trainer.env, trainer.device):
         with torch.no_grad():
             separate = forward_logprobs(trainer.model, mb, bf16=False)[0]
         assert torch.equal(forward_logprobs(trainer.model, mb, bf16=False)[0].detach(), separate)
@@ -225,12 +228,12 @@ def test_single_step_proximal_shortcut_equals_a_no_grad_pass(tiny_model_dir, tmp
 def test_every_logprob_is_of_the_sampling_temperature(tiny_model_dir, tmp_path):
     """Workers sample from logits / T and the verifier reports mu at T: the trainer's pi_theta (and so
     pi_prox and the reference) must be of the same distribution, or the importance weights are wrong."""
-    from trainer.train import forward_logprobs
+    from trainer.policy_model import forward_logprobs
 
     samples = random_samples(4, seed=90)
     trainer = Trainer(TrainerConfig(micro_batch_tokens=4096), tiny_model_dir, tmp_path, sampling_temperature=0.7)
     with torch.no_grad():
-        got = torch.cat([forward_logprobs(trainer.model, mb, bf16=False, temperature=trainer.temperature)[0] for s in samples for mb in trainer._plan([s])])
+        got = torch.cat([forward_logprobs(trainer.model, mb, bf16=False, temperature=trainer.temperature)[0] for s in samples for mb in plan_micro_batches([s], trainer.config, trainer.env, trainer.device)])
         want = torch.cat([plain_logprobs(trainer.model, s, temperature=0.7) for s in samples])
         at_one = torch.cat([plain_logprobs(trainer.model, s) for s in samples])
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from environments.tasks import TaskItem, get_task
-from verifier.reward_pool import RewardPool, RewardPoolConfig, RewardRequest, RewardStatus
+from verifier.reward_pool import RewardPool, RewardPoolConfig
+from verifier.reward_requests import RewardRequest, RewardStatus
 
 LIMIT_S = 2.0
 BOMB = r"\boxed{9^{9^{9^{9}}}}"
@@ -339,7 +340,8 @@ def test_children_die_with_their_parent(plugin_dir, tmp_path):
     script.write_text(textwrap.dedent(f'''
         from environments.tasks import TaskItem
         import os, signal, sys, threading, time
-        from verifier.reward_pool import RewardPool, RewardPoolConfig, RewardRequest
+        from verifier.reward_pool import RewardPool, RewardPoolConfig
+        from verifier.reward_requests import RewardRequest
         if __name__ == "__main__":
             pool = RewardPool(RewardPoolConfig(processes=2, time_limit_s=600, import_paths=[{str(plugin_dir)!r}]))
             req = RewardRequest("{MOD}:sleepy", TaskItem("x", "p", "1"), "t")

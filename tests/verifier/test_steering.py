@@ -7,7 +7,8 @@ from __future__ import annotations
 import random
 
 from environments.tasks import get_task
-from protocol.models import SamplingParams, VerdictStatus
+from protocol.models import SamplingParams
+from protocol.verdicts import VerdictStatus
 from tools.steering_attacks import Attacker, _job
 from tools.verifier_calibration import encode_prompts, lease_for
 from verifier.config import VerifierConfig

@@ -14,7 +14,8 @@ import pytest
 from environments.base import model_turns
 from environments.registry import item_to_wire
 from environments.tasks import get_task, safe_arithmetic
-from protocol.models import Completion, RolloutSubmission, SamplingParams, TaskLease, TaskPrompt, VerdictStatus
+from protocol.models import Completion, RolloutSubmission, SamplingParams, TaskLease, TaskPrompt
+from protocol.verdicts import VerdictStatus
 from tests.bpe_tokenizer import make_bpe_tokenizer, multi_char, pieces
 from trainer.tiny_model import EOS_ID, make_tokenizer
 from verifier.config import VerifierConfig

@@ -11,7 +11,8 @@ import pytest
 
 from environments.registry import item_to_wire
 from environments.tasks import get_task
-from protocol.models import RejectionCode, RolloutSubmission, SamplingParams, TaskLease, TaskPrompt, VerdictStatus
+from protocol.models import RolloutSubmission, SamplingParams, TaskLease, TaskPrompt
+from protocol.verdicts import RejectionCode, VerdictStatus
 from tools import episode_attacks
 from verifier.config import VerifierConfig
 from verifier.service import Verifier, VerifyJob
@@ -164,7 +165,7 @@ def test_a_tool_that_hangs_on_the_trusted_side_is_cut_off_by_the_pool(episodes, 
     """The environment's tool runs in the sandboxed pool, not in the verifier: a tool that never returns
     costs one time limit per call up to the submission's failure budget, the verdict says tool_failed (no
     strike: not the worker's doing), and the same verifier goes on to accept honest episodes."""
-    from protocol.models import NO_STRIKE
+    from protocol.verdicts import NO_STRIKE
     from verifier.reward_config import RewardPoolConfig
 
     (tmp_path / "swarmrl_test_envs.py").write_text(SPINNING_ENV)

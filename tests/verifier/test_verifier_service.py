@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from environments.tasks import get_task
-from protocol.models import FinishReason, RejectionCode, RewardStatus, RolloutSubmission, SamplingParams, TaskLease, TaskPrompt, VerdictStatus
+from protocol.models import FinishReason, RolloutSubmission, SamplingParams, TaskLease, TaskPrompt
+from protocol.verdicts import RejectionCode, RewardStatus, VerdictStatus
 from tools.vllm_rollouts import honest_completions
 from verifier.config import VerifierConfig
 from verifier.reference import load_reference_model, prefill
@@ -247,3 +248,19 @@ def test_rewards_run_sandboxed_and_their_failures_are_reported_per_completion(ve
         assert all(r == 1.0 and st == RewardStatus.ok for i, (r, st) in enumerate(zip(slow.rewards, slow.reward_status)) if i != timed_out)
     finally:
         v.close()
+
+
+def test_the_bf16_reference_model_keeps_the_rotary_frequencies_in_float32(tiny_model_dir):
+    """vLLM computes its rotary cos/sin from float32 frequencies; a float32 model cast to bf16 would round
+    them (a position error growing with the position)."""
+    import torch
+
+    from verifier.reference import load_reference_model
+
+    model = load_reference_model(tiny_model_dir, tiny_model_dir, "bfloat16")
+    freqs = {n: b for n, b in model.named_buffers() if n.endswith("inv_freq")}
+    assert freqs and all(b.dtype == torch.float32 for b in freqs.values())
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    cast = load_reference_model(tiny_model_dir, tiny_model_dir, "float32")
+    want = dict(cast.named_buffers())
+    assert all(torch.equal(b, want[n]) for n, b in freqs.items())  # not rounded
