@@ -74,6 +74,9 @@ def write_folder(state: dict, manifest: PolicyManifest, temp: Path, final: Path,
 
     tensors, aliases = split_aliases(state)
     plan = plan_shards(tensors, shard_bytes)
+    # A temp folder of this version left by a process killed mid-write (at 0.6B a write takes seconds, and
+    # a run's end stops its workers): only this writer writes this version now.
+    shutil.rmtree(temp, ignore_errors=True)
     temp.mkdir(parents=True)
     try:
         for i, names in enumerate(plan):

@@ -169,3 +169,18 @@ def test_published_version_loads_in_transformers(request, tmp_path, key, fixture
     with torch.no_grad():
         assert torch.equal(model(ids).logits, trained(ids).logits)
     assert model_hash(model.state_dict()) == manifest.model_hash
+
+
+def test_a_version_folder_is_written_over_a_temp_folder_left_by_a_killed_writer(tmp_path):
+    """A worker stopped while writing a version leaves `.tmp-v<N>`; the next write of that version must not
+    fail on it (it did, at 0.6B, and took the worker down at the start of a resumed run)."""
+    from shardcast.assemble import write_folder
+
+    state = state_dict()
+    temp, final = tmp_path / ".tmp-v0000000003", tmp_path / "v0000000003"
+    temp.mkdir()
+    (temp / "model-00001-of-00002.safetensors").write_bytes(b"half written")
+    write_folder(state, _manifest(), temp, final, shard_bytes=1 << 20, durable=False)
+    assert not temp.exists() and (final / "manifest.json").is_file()
+    loaded = load_version_dir(final)
+    assert set(loaded) >= {k for k in state if k in loaded} and all(torch.equal(loaded[k], state[k]) for k in loaded)
