@@ -14,7 +14,8 @@ noise behind the tolerances:
   more than one token (a second token within `draw_margin` of the winner, or one of the boundary band
   the slacks admit that beats it), i.e. where a dishonest worker could choose and still pass.
 
-Used by `swarmrl verifier calibrate --part draws`; writes bench/results/verifier_draw_calibration.{md,json}.
+Used by `python -m tools.calibrate --part draws` (bench/results/verifier_draw_calibration.{md,json}) and by
+bench/realsize_draws.py on any model folder (bench/results/realsize_draws.{md,json}).
 """
 
 from __future__ import annotations
