@@ -55,7 +55,8 @@ def task_quality(model, items, samples: int, max_tokens: int, seed: int) -> tupl
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
-    ap.add_argument("--steps", type=int, default=None, help="fixed pretraining steps (default: the demo's init_pretrain_steps)")
+    ap.add_argument("--steps", type=int, default=None,
+        help="fixed pretraining steps (default: the demo's init_pretrain_steps)")
     ap.add_argument("--samples", type=int, default=4, help="completions per task prompt (100 prompts)")
     ap.add_argument("--rules", nargs="+", choices=["fixed", "bar"], default=["fixed", "bar"],
                     help="fixed: --steps steps; bar: the demo's quality bar (init_pretrain_target)")
@@ -74,14 +75,17 @@ def main() -> None:
                 if rule not in args.rules:
                     continue
                 t0 = time.time()
-                path = init_model(Path(tmp) / f"{seed}-{rule}", m.init_size, seed, m.tie_embeddings, steps, target, m.init_pretrain_max_steps)
+                path = init_model(Path(tmp) / f"{seed}-{rule}", m.init_size, seed, m.tie_embeddings, steps, target,
+                    m.init_pretrain_max_steps)
                 made_s = time.time() - t0
                 info = json.loads((path / "swarmrl_model.json").read_text())
                 model = AutoModelForCausalLM.from_pretrained(path).eval()
-                echo = echo_accuracy(model, pretrain_corpus(256, random.Random(f"quality-{seed}")))  # other lines than the rule's
+                # other lines than the rule's
+                echo = echo_accuracy(model, pretrain_corpus(256, random.Random(f"quality-{seed}")))
                 exact, reward = task_quality(model, items, args.samples, cfg.orchestrator.sampling.max_tokens, seed)
-                rows.append({"seed": seed, "rule": rule, "pretrain_steps": info["pretrain_steps"], "echo_accuracy": round(echo, 3),
-                             "task_exact": round(exact, 4), "task_reward": round(reward, 3), "make_s": round(made_s, 1)})
+                rows.append({"seed": seed, "rule": rule, "pretrain_steps": info["pretrain_steps"],
+                             "echo_accuracy": round(echo, 3), "task_exact": round(exact, 4),
+                             "task_reward": round(reward, 3), "make_s": round(made_s, 1)})
                 load.append(os.getloadavg()[0])
                 print(json.dumps(rows[-1]), flush=True)
     meta = {"command": "python bench/base_model_quality.py " + " ".join(sys.argv[1:]), "fixed_steps": steps,
@@ -91,12 +95,16 @@ def main() -> None:
     (RESULTS / "base_model_quality.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     lines = [
         "# The demo's base model per seed: `bench/base_model_quality.py`", "",
-        f"{meta['when']}, `{meta['command']}`; load average (1 min) {meta['load_avg_1min']['mean']} mean, {meta['load_avg_1min']['max']} max",
-        "(2 cores, shared: `make s` is not comparable between rows). Echo accuracy: greedy, whole answer and EOS, on 256",
-        f"fresh echo lines. Task (`copy:<2 digits>=`, never in pretraining): {meta['samples']} samples at temperature 1.", "",
+        f"{meta['when']}, `{meta['command']}`; load average (1 min) {meta['load_avg_1min']['mean']} mean, "
+        f"{meta['load_avg_1min']['max']} max",
+        "(2 cores, shared: `make s` is not comparable between rows). Echo accuracy: greedy, whole answer and EOS, on "
+        "256",
+        f"fresh echo lines. Task (`copy:<2 digits>=`, never in pretraining): {meta['samples']} samples at temperature "
+        f"1.", "",
         "| seed | rule | pretrain steps | echo accuracy | task exact copies | task mean reward | make s |",
         "|---|---|---|---|---|---|---|",
-        *(f"| {r['seed']} | {r['rule']} | {r['pretrain_steps']} | {r['echo_accuracy']:.3f} | {r['task_exact']:.3f} | {r['task_reward']:.3f} | {r['make_s']} |" for r in rows),
+        *(f"| {r['seed']} | {r['rule']} | {r['pretrain_steps']} | {r['echo_accuracy']:.3f} | {r['task_exact']:.3f} | "
+        f"{r['task_reward']:.3f} | {r['make_s']} |" for r in rows),
     ]
     (RESULTS / "base_model_quality.md").write_text("\n".join(lines) + "\n")
 

@@ -59,7 +59,8 @@ def full_bytes(state) -> bytes:
 
 def bits_equal(a: dict, b: dict) -> bool:
     return list(a) == list(b) and all(
-        a[k].dtype == b[k].dtype and torch.equal(a[k].contiguous().view(-1).view(torch.uint8), b[k].contiguous().view(-1).view(torch.uint8)) for k in a
+        a[k].dtype == b[k].dtype and torch.equal(a[k].contiguous().view(-1).view(torch.uint8),
+        b[k].contiguous().view(-1).view(torch.uint8)) for k in a
     )
 
 
@@ -95,7 +96,8 @@ def train_versions(lr: float, steps: int) -> list[dict[str, torch.Tensor]]:
         ids = torch.full((len(rows), max(map(len, rows))), PAD_ID)
         for i, r in enumerate(rows):
             ids[i, : len(r)] = torch.tensor(r)
-        loss = model(input_ids=ids, attention_mask=(ids != PAD_ID).long(), labels=ids.masked_fill(ids == PAD_ID, -100)).loss
+        loss = model(input_ids=ids, attention_mask=(ids != PAD_ID).long(), labels=ids.masked_fill(ids == PAD_ID,
+            -100)).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -171,7 +173,8 @@ def bench_model(versions: int, repeats: int) -> dict:
             levels = {}
             for level in (1, 3, 9):
                 for _ in range(repeats):
-                    sizes, w, c = timed(lambda: [len(encode_delta(states[i], states[i + 1], level=level, **pairs[i])) for i in range(versions)])
+                    sizes, w, c = timed(lambda: [len(encode_delta(states[i], states[i + 1], level=level, **pairs[i]))
+                        for i in range(versions)])
                     record(runs, f"encode, level {level}", sum(full[1:]), w, c)
                 levels[level] = sum(sizes) / sum(full[1:])
             changed = []
@@ -179,7 +182,8 @@ def bench_model(versions: int, repeats: int) -> dict:
                 a, _ = split_aliases(states[i])
                 b, _ = split_aliases(states[i + 1])
                 n = sum(t.numel() for t in a.values())
-                changed.append(sum(int((codec._bytes(a[k]) != codec._bytes(b[k])).reshape(-1, a[k].element_size()).any(1).sum()) for k in a) / n)
+                changed.append(sum(int((codec._bytes(a[k]) != codec._bytes(b[k])).reshape(-1,
+                    a[k].element_size()).any(1).sum()) for k in a) / n)
             whatif: dict[str, list[float]] = {"int-diff": [], "new values": []}
             for i, d in enumerate(deltas):
                 frames = sum(t.length for t in read_header(d).tensors)
@@ -192,7 +196,8 @@ def bench_model(versions: int, repeats: int) -> dict:
                 "delta_ratio": [len(d) / full[i + 1] for i, d in enumerate(deltas)],
                 "whatif_ratio": whatif,
                 "changed_fraction": changed,
-                "encodings": [{k: v for k, v in delta_stats(d).items() if k in ("same", "xor", "sparse")} for d in deltas],
+                "encodings": [{k: v for k, v in delta_stats(d).items() if k in ("same", "xor", "sparse")}
+                for d in deltas],
                 "chain_bit_exact": True,
                 "level_ratio": levels,
                 "runs": runs,
@@ -217,7 +222,8 @@ def bench_synthetic(mb: int, repeats: int) -> dict:
     ]
     out = {}
     for lr in (1e-6, 1e-5):
-        stepped = {k: v + lr * torch.sign(torch.randn(v.shape, generator=g)) * (torch.rand(v.shape, generator=g) + 0.5) for k, v in master.items()}
+        stepped = {k: v + lr * torch.sign(torch.randn(v.shape, generator=g)) * (torch.rand(v.shape, generator=g) + 0.5)
+            for k, v in master.items()}
         for pub in ("bfloat16", "float32"):
             a, b = cast_for_publishing(master, getattr(torch, pub)), cast_for_publishing(stepped, getattr(torch, pub))
             ha, hb = model_hash(a), model_hash(b)
@@ -227,7 +233,8 @@ def bench_synthetic(mb: int, repeats: int) -> dict:
             for _ in range(repeats):  # configs interleaved, so load from other jobs hits all alike
                 for label, kw in configs:
                     kw = dict(kw)
-                    codec.CHOICE_SAMPLE_ELEMENTS = 1 << 62 if kw.pop("exact", False) else SAMPLE  # both encodings, whole
+                    # both encodings, whole
+                    codec.CHOICE_SAMPLE_ELEMENTS = 1 << 62 if kw.pop("exact", False) else SAMPLE
                     d, w, c = timed(encode_delta, a, b, base_hash=ha, new_hash=hb, **kw)
                     codec.CHOICE_SAMPLE_ELEMENTS = SAMPLE
                     record(runs, f"encode, {label}", nbytes, w, c)
@@ -258,7 +265,8 @@ def report(res: dict) -> str:
         "# Delta codec benchmark",
         "",
         f"`{res['command']}` — {res['when']}, torch {torch.__version__}, zstandard {zstandard.__version__}, "
-        f"{os.cpu_count()} cores shared with other jobs (load average before {res['load_before']}, after {res['load_after']}).",
+        f"{os.cpu_count()} cores shared with other jobs (load average before {res['load_before']}, after "
+        f"{res['load_after']}).",
         "Cells are median [min–max] over every run; every run is listed in `delta_codec.json`. Speeds are MB of the",
         "full version per second: *wall* (what a caller waits) and *CPU* (per CPU-second of this process, all threads:",
         "less sensitive to the other jobs on this box).",
@@ -269,7 +277,8 @@ def report(res: dict) -> str:
         "What-ifs, not implemented, same planes and choice: *int-diff* = (new − base) mod 2^bits (zigzag) in place of",
         "XOR; *new values* = sparse sections holding the new values at the changed positions instead of the XOR.",
         "",
-        "| run | full MB | full + zstd-3 | delta / full | what-if int-diff | what-if new values | elements changed | tensors same/xor/sparse (v0→v1) | chain == full |",
+        "| run | full MB | full + zstd-3 | delta / full | what-if int-diff | what-if new values | elements changed | "
+        "tensors same/xor/sparse (v0→v1) | chain == full |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for key, r in m.items():
@@ -282,8 +291,10 @@ def report(res: dict) -> str:
     lines += ["", "Per version, delta / full:", ""]
     for key, r in m.items():
         lines.append(f"- {key}: " + ", ".join(f"{x:.4f}" for x in r["delta_ratio"]))
-    lines += ["", "Speed and zstd level on the small model (encode/apply: every version × repeat; level rows: all versions at once):", "",
-              "| run | measure | delta / full | wall MB/s | CPU MB/s |", "|---|---|---|---|---|"]
+    lines += ["",
+              "Speed and zstd level on the small model (encode/apply: every version × repeat; level rows: all "
+              "versions at once):", "", "| run | measure | delta / full | wall MB/s | CPU MB/s |",
+              "|---|---|---|---|---|"]
     for key, r in m.items():
         for label, v in r["runs"].items():
             level = int(label.rsplit(" ", 1)[1]) if "level" in label else None
@@ -295,7 +306,8 @@ def report(res: dict) -> str:
         for label, v in r["runs"].items():
             cfg = label.split(", ", 1)[1] if label.startswith("encode") else ""
             ratio = f"{r['ratio'][cfg]:.4f}" if cfg in r["ratio"] else ""
-            lines.append(f"| {key} | {r['MB']:.0f} | {label} | {ratio} | {spread(v['wall_MBps'])} | {spread(v['cpu_MBps'])} |")
+            lines.append(f"| {key} | {r['MB']:.0f} | {label} | {ratio} | {spread(v['wall_MBps'])} | "
+                f"{spread(v['cpu_MBps'])} |")
     lines += ["", "Every run, wall MB/s:", ""]
     for key, r in s.items():
         for label, v in r["runs"].items():

@@ -37,21 +37,24 @@ DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 def make_base_model(work: Path) -> Path:
     """The demo's base model (small, tied, 60 echo-pretraining steps), made once: every setting starts from it."""
     out = work / "base_model"
-    subprocess.run([sys.executable, "-m", "swarmrl", "init-model", "--out", str(out), "--size", "small", "--pretrain-steps", "60"],
+    subprocess.run([sys.executable, "-m", "swarmrl", "init-model", "--out", str(out), "--size", "small",
+        "--pretrain-steps", "60"],
                    cwd=REPO, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)})
     return out
 
 
 def run_loop(work: Path, base: Path, tag: str, dtype: str, lr: str, steps: int, minutes: float) -> tuple[Path, float]:
     cmd = [
-        sys.executable, "-m", "swarmrl", "run", "--config", "configs/demo.toml", "--output_dir", str(work), "--name", tag, "--model.path", str(base),
-        "--trainer.lr", lr, "--trainer.publish_dtype", DTYPES[dtype], "--trainer.max_steps", str(steps),
-        "--shardcast.keep_versions", "1000", "--shardcast.delete_grace_s", "100000", "--max_minutes", str(minutes),
+        sys.executable, "-m", "swarmrl", "run", "--config", "configs/demo.toml", "--output_dir", str(work), "--name",
+        tag, "--model.path", str(base), "--trainer.lr", lr, "--trainer.publish_dtype", DTYPES[dtype],
+        "--trainer.max_steps", str(steps), "--shardcast.keep_versions", "1000", "--shardcast.delete_grace_s", "100000",
+        "--max_minutes", str(minutes),
         "--stop_reward", "2",  # never reached: the run goes on for every step
     ]
     t = time.time()
     with open(work / f"{tag}.log", "wb") as log:
-        subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+        subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True, env={**os.environ,
+            "PYTHONPATH": str(REPO)})
     return work / tag, time.time() - t
 
 
@@ -73,7 +76,8 @@ def worker_pulls(run_dir: Path) -> list[dict]:
         for line in log.read_text(errors="replace").splitlines():
             m = pat.search(line)
             if m:
-                pulls.append({"version": int(m.group(1)), "path": m.group(2), "wire_MB": float(m.group(3)), "full_MB": float(m.group(4))})
+                pulls.append({"version": int(m.group(1)), "path": m.group(2), "wire_MB": float(m.group(3)),
+                    "full_MB": float(m.group(4))})
     return pulls
 
 
@@ -91,7 +95,8 @@ def replay(versions: dict[int, dict], repeats: int) -> dict:
         ref = next(d for d in m.deltas if d.base_version == v - 1)
         blob = (versions[v]["folder"] / ref.file).read_bytes()
         t = time.perf_counter()
-        state = apply_delta(states[v - 1], blob, base_hash=versions[v - 1]["manifest"].model_hash, expected_hash=m.model_hash)
+        state = apply_delta(states[v - 1], blob, base_hash=versions[v - 1]["manifest"].model_hash,
+            expected_hash=m.model_hash)
         apply_s.append(time.perf_counter() - t)
         states[v] = state
     encode_s: list[float] = []
@@ -101,7 +106,8 @@ def replay(versions: dict[int, dict], repeats: int) -> dict:
             m = versions[v]["manifest"]
             ref = next(d for d in m.deltas if d.base_version == v - 1)
             t = time.perf_counter()
-            blob = encode_delta(states[v - 1], states[v], base_hash=versions[v - 1]["manifest"].model_hash, new_hash=m.model_hash)
+            blob = encode_delta(states[v - 1], states[v], base_hash=versions[v - 1]["manifest"].model_hash,
+                new_hash=m.model_hash)
             encode_s.append(time.perf_counter() - t)
             same_bytes &= blob == (versions[v]["folder"] / ref.file).read_bytes()
     full = versions[first]["manifest"].full_bytes
@@ -128,8 +134,9 @@ def main() -> None:
     a = p.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="delta-trajectory-", dir=WORK))
-    meta = {"command": "python " + " ".join(["bench/delta_trajectory_bench.py"] + sys.argv[1:]), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "loadavg_before": [round(x, 2) for x in os.getloadavg()]}
+    meta = {"command": "python " + " ".join(["bench/delta_trajectory_bench.py"] + sys.argv[1:]),
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "loadavg_before": [round(x, 2)
+            for x in os.getloadavg()]}
     rows = []
     try:
         base = make_base_model(work)
@@ -145,8 +152,9 @@ def main() -> None:
                 if ref is not None:
                     deltas[v] = m.file(ref.file).size / m.full_bytes
             row = {
-                "setting": tag, "run_seconds": round(seconds, 1), "versions": len(versions), "full_bytes": versions[min(versions)]["manifest"].full_bytes,
-                "anchors": [v for v, d in versions.items() if d["manifest"].anchor_version == v],
+                "setting": tag, "run_seconds": round(seconds, 1), "versions": len(versions),
+                "full_bytes": versions[min(versions)]["manifest"].full_bytes, "anchors": [v for v,
+                d in versions.items() if d["manifest"].anchor_version == v],
                 "delta_over_full": {v: round(f, 5) for v, f in deltas.items()},
                 "worker_pulls": worker_pulls(run_dir),
                 **replay(versions, a.repeats),
@@ -166,26 +174,35 @@ def write(out: str, rows: list[dict], meta: dict) -> None:
     lines = [
         "# Delta broadcast on a real trajectory",
         "",
-        f"`{meta['command']}` — {meta['when']}, 2 cores shared with other jobs (load before {meta['loadavg_before']}, after {meta.get('loadavg_after')}).",
-        "Each setting is one `swarmrl run --config configs/demo.toml` (the `small` model, 3.95M parameters; real rollouts from the",
-        "vLLM worker, verified, trained) with the origin keeping every version. *delta / full* = the bytes of version v's delta",
-        "from v-1 over the bytes of v's full safetensors shards, one value per version 1..N. Speeds are MB of the full version",
-        "per second of one thread: *apply* rebuilds each version from the previous one (checked against its signed hash),",
+        f"`{meta['command']}` — {meta['when']}, 2 cores shared with other jobs (load before {meta['loadavg_before']}, "
+        f"after {meta.get('loadavg_after')}).",
+        "Each setting is one `swarmrl run --config configs/demo.toml` (the `small` model, 3.95M parameters; real "
+        "rollouts from the",
+        "vLLM worker, verified, trained) with the origin keeping every version. *delta / full* = the bytes of version "
+        "v's delta",
+        "from v-1 over the bytes of v's full safetensors shards, one value per version 1..N. Speeds are MB of the "
+        "full version",
+        "per second of one thread: *apply* rebuilds each version from the previous one (checked against its signed "
+        "hash),",
         "*encode* makes each delta again (the same bytes as published).",
         "",
-        "| setting | full MB | delta / full, median [min–max] | mean | anchors | encode MB/s | apply MB/s | re-encoded = published | run s |",
+        "| setting | full MB | delta / full, median [min–max] | mean | anchors | encode MB/s | apply MB/s | "
+        "re-encoded = published | run s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         fr = list(r["delta_over_full"].values())
         lines.append(
-            f"| {r['setting']} | {r['full_bytes'] / 1e6:.2f} | {spread(fr)} | {statistics.mean(fr):.4g} | {r['anchors']} | {spread(r['encode_MBps'])} | "
+            f"| {r['setting']} | {r['full_bytes'] / 1e6:.2f} | {spread(fr)} | {statistics.mean(fr):.4g} | "
+            f"{r['anchors']} | {spread(r['encode_MBps'])} | "
             f"{spread(r['apply_MBps'])} | {r['reencoded_bytes_identical']} | {r['run_seconds']} |"
         )
     lines += ["", "Per version, delta / full:", ""]
     for r in rows:
         lines.append(f"- {r['setting']}: " + ", ".join(f"{v}: {f:.4f}" for v, f in r["delta_over_full"].items()))
-    lines += ["", "What the run's worker actually pulled (it pulls the newest version it is told of, so it may skip versions):", ""]
+    lines += ["",
+        "What the run's worker actually pulled (it pulls the newest version it is told of, so it may skip versions):",
+        ""]
     for r in rows:
         pulls = r["worker_pulls"]
         cells = [f"v{q['version']} {q['wire_MB']:.3f}/{q['full_MB']:.2f} MB ({q['path']})" for q in pulls]

@@ -5,7 +5,8 @@ the trainer, as in an async run with one worker. It answers "does this config le
 steps", cheaply; the wall-clock answer is the real demo (`swarmrl run`).
 
     python bench/demo_learning_sweep.py --steps 150 --variant base --variant lr1e-3
-    python bench/demo_learning_sweep.py --steps 60 --seed 0 1 2 --variant '{"lr":5e-4,"pretrain":60,"pretrain_target":0.5}'
+    python bench/demo_learning_sweep.py --steps 60 --seed 0 1 2 --variant
+    '{"lr":5e-4,"pretrain":60,"pretrain_target":0.5}'
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def run(variant: dict, steps: int, model_dir: Path, seed: int) -> dict:
     cfg = TrainerConfig(lr=variant.get("lr", 2e-3), loss=loss, max_staleness=2, checkpoint_every=10**6, max_steps=10**6)
     published = {}
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = Trainer(cfg, model_dir, Path(tmp), publish=lambda v, s: published.__setitem__(v, {k: t.clone() for k, t in s.items()}))
+        trainer = Trainer(cfg, model_dir, Path(tmp), publish=lambda v, s: published.__setitem__(v, {k: t.clone() for k,
+            t in s.items()}))
         actor = load_model(model_dir, torch.device("cpu"), attention="sdpa")
         gen = torch.Generator().manual_seed(seed)
         lag, group, per_step = variant.get("lag", 2), variant.get("group", 16), variant.get("samples_per_step", 64)
@@ -121,7 +123,8 @@ def run(variant: dict, steps: int, model_dir: Path, seed: int) -> dict:
                 comps = sample(actor, prompts, group, 8, temperature, gen)
                 for g, item in enumerate(chosen):
                     grp = comps[g * group : (g + 1) * group]
-                    r = [task.reward(item, tok.decode([t for t in c if t != EOS_ID and t < len(tok)], skip_special_tokens=True)) for _, c, _ in grp]
+                    r = [task.reward(item, tok.decode([t for t in c if t != EOS_ID and t < len(tok)],
+                        skip_special_tokens=True)) for _, c, _ in grp]
                     rewards += r
                     adv = group_advantages(r)
                     if not has_signal(adv):
@@ -130,14 +133,16 @@ def run(variant: dict, steps: int, model_dir: Path, seed: int) -> dict:
                     batch += [TrainSample(p, c, lp, float(a), rr, v) for (p, c, lp), a, rr in zip(grp, adv, r)]
             m = trainer.step(batch) if batch else {}
             texts = [tok.decode([t for t in c if t < len(tok)]) for _, c, _ in comps[:: max(1, len(comps) // 8)]]
-            history.append(dict(step=step, reward=float(np.mean(rewards)), dropped=dropped, entropy=m.get("entropy", float("nan")), seen=texts))
+            history.append(dict(step=step, reward=float(np.mean(rewards)), dropped=dropped, entropy=m.get("entropy",
+                float("nan")), seen=texts))
             if step % 10 == 0:
                 print(json.dumps(history[-1]), flush=True)
             if variant.get("stop_reached") and len(history) >= 5 and min(h["reward"] for h in history[-5:]) >= 0.9:
                 break  # the demo's stop rule: reward >= 0.9 for 5 steps
     rew = [h["reward"] for h in history]
     reach = next((i for i in range(len(rew)) if np.mean(rew[i : i + 5]) >= 0.9 and i + 5 <= len(rew)), None)
-    return dict(final=float(np.mean(rew[-10:])), steps_to_0_9=reach, steps=len(rew), dropped=dropped, seconds=time.time() - t0, history=rew)
+    return dict(final=float(np.mean(rew[-10:])), steps_to_0_9=reach, steps=len(rew), dropped=dropped,
+        seconds=time.time() - t0, history=rew)
 
 
 def main() -> None:
@@ -145,7 +150,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--variant", action="append", help="JSON dict of overrides, or a name in VARIANTS")
     ap.add_argument("--size", default="small")
-    ap.add_argument("--seed", type=int, nargs="+", default=[0], help="one run per seed; the seed also makes the base model")
+    ap.add_argument("--seed", type=int, nargs="+", default=[0],
+        help="one run per seed; the seed also makes the base model")
     args = ap.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -153,14 +159,18 @@ def main() -> None:
             variant = VARIANTS[v] if v in VARIANTS else json.loads(v)
             for seed in args.seed:
                 t0 = time.time()
-                model_dir = init_model(Path(tmp) / f"model-{seed}", size=args.size, seed=seed, pretrain_steps=variant.get("pretrain", 0),
-                                       pretrain_target=variant.get("pretrain_target"), pretrain_max_steps=variant.get("pretrain_max", 0))
+                model_dir = init_model(Path(tmp) / f"model-{seed}", size=args.size, seed=seed,
+                                       pretrain_steps=variant.get("pretrain", 0),
+                                       pretrain_target=variant.get("pretrain_target"),
+                                       pretrain_max_steps=variant.get("pretrain_max", 0))
                 base = json.loads((model_dir / "swarmrl_model.json").read_text())
                 made_s = time.time() - t0
                 res = run(variant, args.steps, model_dir, seed)
-                print("RESULT", json.dumps({"variant": v, "seed": seed, "pretrain_steps": base["pretrain_steps"], "echo_accuracy": base.get("pretrain_echo_accuracy"),
-                                            "base_model_s": round(made_s, 1), **{k: res[k] for k in ("final", "steps_to_0_9", "steps", "dropped", "seconds")},
-                                            "first5": [round(r, 3) for r in res["history"][:5]]}), flush=True)
+                print("RESULT", json.dumps({"variant": v, "seed": seed, "pretrain_steps": base["pretrain_steps"],
+                                            "echo_accuracy": base.get("pretrain_echo_accuracy"),
+                                            "base_model_s": round(made_s, 1), **{k: res[k] for k in ("final",
+                                            "steps_to_0_9", "steps", "dropped", "seconds")}, "first5": [round(r, 3)
+                                            for r in res["history"][:5]]}), flush=True)
 
 
 if __name__ == "__main__":

@@ -123,7 +123,8 @@ def summarize(seed: int, run_dir: Path, log_path: Path, t0: float, wall: float, 
         "reward_final": rewards[-1] if rewards else None,
         "reward_final_5": sum(rewards[-WINDOW:]) / len(rewards[-WINDOW:]) if rewards else None,
         "reward_peak": max(rewards) if rewards else None,
-        "startup_model_s": round(marks["run_started"] - marks["model_start"], 1) if {"run_started", "model_start"} <= marks.keys() else None,
+        "startup_model_s": round(marks["run_started"] - marks["model_start"], 1) if {"run_started",
+        "model_start"} <= marks.keys() else None,
         "startup_s": since(marks.get("run_started")),
         "first_step_s": since(first_step_t),
         "pretrain_steps": model_info.get("pretrain_steps"),
@@ -140,8 +141,10 @@ def summarize(seed: int, run_dir: Path, log_path: Path, t0: float, wall: float, 
 def git_rev() -> str:
     """The commit the runs used; `+changes` when tracked files differ from it."""
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+            text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
+            text=True).stdout.strip()
     except OSError:
         return "?"
     return rev + ("+changes" if dirty else "")
@@ -153,29 +156,36 @@ def table(runs: list[dict]) -> str:
         "# Demo seed sweep: `bench/demo_seed_sweep.py`",
         "",
         "The real `swarmrl run --config configs/demo.toml --seed S --model.init_seed S --trainer.seed S`, one run per",
-        f"seed, ended by the demo's own rule (reward >= {TARGET} for {WINDOW} steps) or at the limit, start-up included.",
+        f"seed, ended by the demo's own rule (reward >= {TARGET} for {WINDOW} steps) or at the limit, start-up "
+        f"included.",
         "Times are seconds from launch (and from the end of the first training step). Load: the 1-minute load",
         "average of the machine while the run ran (2 cores: above 2, the run shared them).",
         "",
-        "| when | rev | seed | reached | first >= 0.9 s (after 1st step) | held 5 steps s (after 1st step) | steps | reward first / final / peak | start-up s (base model) | pretrain steps (echo acc) | wall s | load mean / max | flags |",
+        "| when | rev | seed | reached | first >= 0.9 s (after 1st step) | held 5 steps s (after 1st step) | steps | "
+        "reward first / final / peak | start-up s (base model) | pretrain steps (echo acc) | wall s | load mean / max "
+        "| flags |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         lines.append(
             f"| {r['when']} | {r['rev']} | {r['seed']} | {'yes' if r['reached'] else 'no'} "
-            f"| {fmt(r['first_0_9_s'])} ({fmt(r['first_0_9_after_first_step_s'])}) | {fmt(r['held_0_9_s'])} ({fmt(r['held_0_9_after_first_step_s'])}) "
+            f"| {fmt(r['first_0_9_s'])} ({fmt(r['first_0_9_after_first_step_s'])}) | {fmt(r['held_0_9_s'])} "
+            f"({fmt(r['held_0_9_after_first_step_s'])}) "
             f"| {r['steps']} | {fmt(r['reward_first'])} / {fmt(r['reward_final'])} / {fmt(r['reward_peak'])} "
-            f"| {fmt(r['startup_s'])} ({fmt(r['startup_model_s'])}) | {fmt(r['pretrain_steps'])} ({fmt(r['pretrain_echo_accuracy'])}) "
+            f"| {fmt(r['startup_s'])} ({fmt(r['startup_model_s'])}) | {fmt(r['pretrain_steps'])} "
+            f"({fmt(r['pretrain_echo_accuracy'])}) "
             f"| {fmt(r['wall_s'])} | {fmt((r['load_avg_1min'] or {}).get('mean'))} / {fmt((r['load_avg_1min'] or {}).get('max'))} "
             f"| {' '.join([*(f'{k}={v}' for k, v in r.get('env', {}).items()), *r.get('extra', [])]) or '—'} |"
         )
-    lines += [f"- {r['when']}, seed {r['seed']}: {r['note']}" for r in runs if r.get("note")]  # added by hand to the JSON
+    # added by hand to the JSON
+    lines += [f"- {r['when']}, seed {r['seed']}: {r['note']}" for r in runs if r.get("note")]
     by_rev: dict[str, list[dict]] = {}
     for r in runs:
         by_rev.setdefault(r["rev"], []).append(r)
     lines.append("")
     for rev, rs in by_rev.items():
-        lines.append(f"- rev {rev}: reached in {sum(r['reached'] for r in rs)} of {len(rs)} runs (seeds {sorted({r['seed'] for r in rs})})")
+        lines.append(f"- rev {rev}: reached in {sum(r['reached'] for r in rs)} of {len(rs)} runs (seeds "
+            f"{sorted({r['seed'] for r in rs})})")
     return "\n".join(lines) + "\n"
 
 
@@ -187,7 +197,8 @@ def main() -> None:
     ap.add_argument("--fresh", action="store_true", help="start the results file over instead of adding to it")
     ap.add_argument("--results", default="demo_seed_sweep", help="bench/results/<name>.{json,md}")
     ap.add_argument("--one-thread", action="store_true",
-                    help="OMP_NUM_THREADS=1 for the whole run (the runs before the base model was made on one thread used it "
+                    help="OMP_NUM_THREADS=1 for the whole run (the runs before the base model was made on one thread "
+                    "used it "
                          "to keep start-up short while other jobs held the cores)")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)  # after `--`: more `swarmrl run` flags
@@ -201,7 +212,8 @@ def main() -> None:
         for seed in args.seeds:
             env_extra = {"OMP_NUM_THREADS": "1"} if args.one_thread else {}
             res = run_seed(seed, out, args.minutes, extra, env_extra)
-            res = {"when": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "rev": rev, "extra": extra, "env": env_extra, **res}
+            res = {"when": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "rev": rev, "extra": extra,
+                "env": env_extra, **res}
             print(json.dumps({k: v for k, v in res.items() if k != "curve"}), flush=True)
             runs.append(res)
             json_path.write_text(json.dumps({"runs": runs}, indent=1) + "\n")

@@ -37,10 +37,11 @@ TARGETS = ["orchestrator", "trainer", "verifier-0", "relay-0", "worker-0", "work
 
 def command(out: Path, args) -> list[str]:
     return [
-        sys.executable, "-m", "swarmrl", "run", "--config", str(REPO / "configs" / "demo.toml"), "--output_dir", str(out), "--name", "faults",
-        "--model.init_size", args.size, "--orchestrator.port", "0", "--num_workers", "2", "--trainer.max_steps", "1000000",
-        "--max_minutes", "600", "--stop_reward", "null", "--orchestrator.lease_timeout_s", "10", "--resources.max_restarts", "1000",
-        "--worker.num_threads", "1", "--trainer.num_threads", "1", *args.extra,
+        sys.executable, "-m", "swarmrl", "run", "--config", str(REPO / "configs" / "demo.toml"), "--output_dir",
+        str(out), "--name", "faults", "--model.init_size", args.size, "--orchestrator.port", "0", "--num_workers", "2",
+        "--trainer.max_steps", "1000000", "--max_minutes", "600", "--stop_reward", "null",
+        "--orchestrator.lease_timeout_s", "10", "--resources.max_restarts", "1000", "--worker.num_threads", "1",
+        "--trainer.num_threads", "1", *args.extra,
     ]
 
 
@@ -61,7 +62,8 @@ def main() -> None:
 
     def start() -> subprocess.Popen:
         log = (out / "driver.log").open("ab")
-        return subprocess.Popen(command(out, args), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+        return subprocess.Popen(command(out, args), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+            start_new_session=True)
 
     t0 = time.time()
     chaos = Chaos(out / "faults", start(), start, seed=args.seed, log=lambda line: print(line, flush=True))
@@ -86,7 +88,8 @@ def report(args, chaos: Chaos, audit, recorded: dict, wall: float) -> None:
         rec = [k.recovery_s for k in kills if k.target == t]
         if rec:
             by_target[t] = {"kills": len(rec), "recovery_s_mean": mean(rec), "recovery_s_max": max(rec),
-                            "recorded_restarts": recorded.get(t, (0, 0.0))[0], "recorded_seconds_lost": recorded.get(t, (0, 0.0))[1]}
+                            "recorded_restarts": recorded.get(t, (0, 0.0))[0], "recorded_seconds_lost": recorded.get(t,
+                            (0, 0.0))[1]}
     recovering = sum(k.recovery_s for k in kills)
     summary = {
         "command": "python bench/fault_bench.py " + " ".join(sys.argv[1:]),
@@ -101,12 +104,15 @@ def report(args, chaos: Chaos, audit, recorded: dict, wall: float) -> None:
         "",
         f"Command: `{summary['command']}`",
         "",
-        f"{len(kills)} kills in {wall / 60:.1f} min of run ({args.rounds} rounds of {', '.join(TARGETS)}, random order, seed {args.seed}).",
-        f"Time from a kill to the run's next committed step, summed: **{recovering:.0f} s** ({recovering / wall:.0%} of the run).",
+        f"{len(kills)} kills in {wall / 60:.1f} min of run ({args.rounds} rounds of {', '.join(TARGETS)}, random "
+        f"order, seed {args.seed}).",
+        f"Time from a kill to the run's next committed step, summed: **{recovering:.0f} s** ({recovering / wall:.0%} "
+        f"of the run).",
         "",
         "| component | kills | recovery: mean / max (s) | restarts the run recorded | seconds lost it recorded |",
         "|---|---|---|---|---|",
-        *(f"| {t} | {v['kills']} | {v['recovery_s_mean']:.1f} / {v['recovery_s_max']:.1f} | {v['recorded_restarts']} | {v['recorded_seconds_lost']:.1f} |"
+        *(f"| {t} | {v['kills']} | {v['recovery_s_mean']:.1f} / {v['recovery_s_max']:.1f} | {v['recorded_restarts']} "
+        f"| {v['recorded_seconds_lost']:.1f} |"
           for t, v in by_target.items()),
         "",
         "| audit (samples, from the run's files) | |",

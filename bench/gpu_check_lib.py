@@ -16,7 +16,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 WHEELS_TXT, WHEELS = REPO / "bench" / "gpu_wheels.txt", REPO / "bench" / "gpu_wheels"
-PROJECT = {"__main__", "__mp_main__", "gpu_check_lib", *(d.name for d in REPO.iterdir() if (d / "__init__.py").is_file())}
+PROJECT = {"__main__", "__mp_main__", "gpu_check_lib", *(d.name for d in REPO.iterdir()
+    if (d / "__init__.py").is_file())}
 IMPORTS: set[str] = set()  # top-level modules that an import statement of the project's code named
 
 
@@ -44,11 +45,13 @@ def ensure_wheels() -> str:
         pass
     site = Path(tempfile.gettempdir()) / "gpu_check_site"
     if not any(WHEELS.glob("*.whl")):
-        sys.exit(f"pydantic is missing and {WHEELS} holds no wheels: fetch them with the command at the top of {WHEELS_TXT}")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--upgrade", "--find-links",
-                    str(WHEELS), "--target", str(site), "-r", str(WHEELS_TXT)], check=True)
+        sys.exit(f"pydantic is missing and {WHEELS} holds no wheels: fetch them with the command at the top of "
+            f"{WHEELS_TXT}")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--upgrade", "--find-links", str(WHEELS), "--target", str(site), "-r", str(WHEELS_TXT)], check=True)
     sys.path.insert(0, str(site))
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO), os.environ.get("PYTHONPATH", "")])  # the reward pool's children
+    # the reward pool's children
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO), os.environ.get("PYTHONPATH", "")])
     return f"installed into {site}"
 
 
@@ -62,8 +65,9 @@ def train_samples(n: int, lo: int, hi: int, vocab: int, version: int, seed: int)
     out = []
     for i in range(n):
         c = int(rng.integers(lo, hi))
-        out.append(TrainSample(rng.integers(0, vocab, int(rng.integers(lo, hi))), rng.integers(0, vocab, c), -rng.uniform(11.0, 12.5, c),
-                               float(rng.normal()), float(rng.uniform()), version, f"s{seed}-{i}"))
+        out.append(TrainSample(rng.integers(0, vocab, int(rng.integers(lo, hi))), rng.integers(0, vocab, c),
+                               -rng.uniform(11.0, 12.5, c), float(rng.normal()), float(rng.uniform()), version,
+                               f"s{seed}-{i}"))
     return out
 
 
@@ -89,7 +93,8 @@ def generate(model, prompts, seeds, temperature: float, top_p: float, max_tokens
     for t in range(max_tokens):
         h = out.last_hidden_state[:, -1]
         logits = model.lm_head(h).float()
-        states = torch.from_numpy(prf.row_state_np(seed_states, np.full(n, t, dtype=np.uint32)).astype(np.int64)).to(dev)
+        states = torch.from_numpy(prf.row_state_np(seed_states, np.full(n, t,
+            dtype=np.uint32)).astype(np.int64)).to(dev)
         tok = ps.draw(logits, states, words, params)
         tokens.append(tok)
         logprobs.append(torch.log_softmax(logits, -1).gather(1, tok[:, None])[:, 0])
@@ -118,10 +123,12 @@ def recording_verifier(config, model_dir: Path):
             ratio = np.where(lost, d.margin / (tol.draw_margin + tol.draw_margin_rel * d.scale), 0.0)
             chunks = proofs.check_proofs(c.proofs, ref.hidden, tol.proof)
             nan = float("nan")
-            self.rows.append({"tokens": int(c.token_ids.size), "max_diff": float(diff.max()) if diff is not None else nan,
-                              "diff_sum": float(diff.sum()) if diff is not None else nan, "choices": int(d.choice.sum()),
-                              "near_ties": drawn.near_ties, "margin_ratio": float(ratio.max()), "margin": float(d.margin[lost].max()) if lost.any() else 0.0,
-                              "exp_mismatch": max(x.exponent_mismatches for x in chunks), "mantissa_mean": max(x.mantissa_mean for x in chunks)})
+            self.rows.append({"tokens": int(c.token_ids.size), "max_diff": float(diff.max()) if diff is not None
+                              else nan, "diff_sum": float(diff.sum()) if diff is not None else nan,
+                              "choices": int(d.choice.sum()), "near_ties": drawn.near_ties,
+                              "margin_ratio": float(ratio.max()), "margin": float(d.margin[lost].max()) if lost.any()
+                              else 0.0, "exp_mismatch": max(x.exponent_mismatches for x in chunks),
+                              "mantissa_mean": max(x.mantissa_mean for x in chunks)})
             self.extra_s += time.perf_counter() - started
             return found, diff, drawn
 
@@ -131,8 +138,9 @@ def recording_verifier(config, model_dir: Path):
 
 
 def limits(tol) -> dict:
-    return {"logprob_max_abs_diff": tol.logprob_max_abs_diff, "logprob_max_mean_diff": tol.logprob_max_mean_diff, "draw_margin": tol.draw_margin,
-            "draw_margin_rel": tol.draw_margin_rel, "deviation_rate": tol.deviation_rate, "max_exponent_mismatches": tol.proof.max_exponent_mismatches,
+    return {"logprob_max_abs_diff": tol.logprob_max_abs_diff, "logprob_max_mean_diff": tol.logprob_max_mean_diff,
+            "draw_margin": tol.draw_margin, "draw_margin_rel": tol.draw_margin_rel,
+            "deviation_rate": tol.deviation_rate, "max_exponent_mismatches": tol.proof.max_exponent_mismatches,
             "max_mantissa_mean": tol.proof.max_mantissa_mean}
 
 
@@ -140,19 +148,24 @@ def summary(rows: list[dict], verdicts: list, seconds: float) -> dict:
     """One setting's verification: every submission is honest, so every rejection is a false one."""
     from protocol.verdicts import VerdictStatus
 
-    tokens, choices, near = sum(x["tokens"] for x in rows), sum(x["choices"] for x in rows), sum(x["near_ties"] for x in rows)
+    tokens, choices, near = sum(x["tokens"] for x in rows), sum(x["choices"] for x in rows), sum(x["near_ties"]
+        for x in rows)
     worst = max(rows, key=lambda x: x["margin_ratio"])
     rejections = [(vd.submission_id, x) for vd in verdicts for x in vd.rejections]
     return {
         "submissions": len(verdicts), "completions": len(rows), "tokens": tokens,
         "false_rejections": sum(vd.status == VerdictStatus.rejected for vd in verdicts),  # submissions
         "rejected_completions": len({(sid, x.completion_index) for sid, x in rejections}),
-        "rejection_codes": dict(Counter(x.code.value for _, x in rejections)), "rejection_examples": [x.message for _, x in rejections][:3],
+        "rejection_codes": dict(Counter(x.code.value for _, x in rejections)), "rejection_examples": [x.message for _,
+        x in rejections][:3],
         "near_ties": near, "near_tie_allowance": round(sum(vd.near_tie_allowance for vd in verdicts), 2),
-        "near_tie_share_of_choices": round(near / choices, 4) if choices else 0.0, "choice_share": round(choices / max(tokens, 1), 4),
-        "max_draw_margin": max((vd.max_draw_margin for vd in verdicts), default=0.0),
+        "near_tie_share_of_choices": round(near / choices, 4) if choices else 0.0,
+        "choice_share": round(choices / max(tokens, 1), 4), "max_draw_margin": max((vd.max_draw_margin
+        for vd in verdicts), default=0.0),
         "worst_margin_over_tolerance": round(worst["margin_ratio"], 4), "worst_margin": worst["margin"],
-        "max_logprob_diff": max(x["max_diff"] for x in rows), "mean_logprob_diff": sum(x["diff_sum"] for x in rows) / max(tokens, 1),
-        "max_exponent_mismatches": max(x["exp_mismatch"] for x in rows), "max_mantissa_mean": max(x["mantissa_mean"] for x in rows),
+        "max_logprob_diff": max(x["max_diff"] for x in rows), "mean_logprob_diff": sum(x["diff_sum"]
+        for x in rows) / max(tokens, 1),
+        "max_exponent_mismatches": max(x["exp_mismatch"] for x in rows), "max_mantissa_mean": max(x["mantissa_mean"]
+        for x in rows),
         "verify_s": round(seconds, 2), "tokens_per_s": round(tokens / max(seconds, 1e-9)),
     }

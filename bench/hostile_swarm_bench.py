@@ -35,13 +35,14 @@ ADMIN = "demo-admin-token"
 
 def start(out: Path, port: int) -> subprocess.Popen:
     args = [
-        sys.executable, "-m", "swarmrl", "run", "--config", str(REPO / "configs" / "demo.toml"), "--output_dir", str(out), "--name", "bench",
-        "--stop_reward", "null", "--max_minutes", "0", "--trainer.max_steps", "100000", "--orchestrator.port", str(port),
-        "--data.reward", "soak_reward:reward", "--verifier.rewards.import_paths", json.dumps([str(REPO / "tests" / "e2e")]),
-        "--verifier.spot_check_rate", '{"new": 0.0, "trusted": 1.0}',
+        sys.executable, "-m", "swarmrl", "run", "--config", str(REPO / "configs" / "demo.toml"), "--output_dir",
+        str(out), "--name", "bench", "--stop_reward", "null", "--max_minutes", "0", "--trainer.max_steps", "100000",
+        "--orchestrator.port", str(port), "--data.reward", "soak_reward:reward", "--verifier.rewards.import_paths",
+        json.dumps([str(REPO / "tests" / "e2e")]), "--verifier.spot_check_rate", '{"new": 0.0, "trusted": 1.0}',
     ]
     log = (out / "driver.log").open("ab")
-    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 
 def steps(run_dir: Path) -> list[dict]:
@@ -89,8 +90,9 @@ class CpuBurner(threading.Thread):
             time.sleep(period * (1.0 - self.cores))
 
 
-WATCHED = ("swarmrl_leases_issued_total", "swarmrl_leases_refused_async_bound_total", "swarmrl_leases_refused_budget_total",
-           "swarmrl_groups_dropped_zero_signal_total", "swarmrl_verify_seconds_sum", "swarmrl_verify_seconds_count")
+WATCHED = ("swarmrl_leases_issued_total", "swarmrl_leases_refused_async_bound_total",
+           "swarmrl_leases_refused_budget_total", "swarmrl_groups_dropped_zero_signal_total",
+           "swarmrl_verify_seconds_sum", "swarmrl_verify_seconds_count")
 
 
 def counters(http) -> dict[str, float]:
@@ -101,13 +103,14 @@ def counters(http) -> dict[str, float]:
     return {s.name: s.value for fam in text_string_to_metric_families(r.text) for s in fam.samples if s.name in WATCHED}
 
 
-def one_run(mode: str, warmup_steps: int, window_s: float, port: int, attacker_nice: int = 0, burn_cores: float = 0.6, keep: bool = False) -> dict:
+def one_run(mode: str, warmup_steps: int, window_s: float, port: int, attacker_nice: int = 0, burn_cores: float = 0.6,
+    keep: bool = False) -> dict:
     import httpx
     import psutil
 
-    from tools.adversaries import Adversary, Cheater, Flooder, Hoarder, SlowReward, db
     from protocol import limits
     from swarmrl.config import load_run_config
+    from tools.adversaries import Adversary, Cheater, Flooder, Hoarder, SlowReward, db
 
     out = Path(tempfile.mkdtemp(prefix=f"swarmrl-hostile-{mode}-"))
     proc = start(out, port)
@@ -119,16 +122,20 @@ def one_run(mode: str, warmup_steps: int, window_s: float, port: int, attacker_n
         deadline = time.time() + 600
         while len(steps(run_dir)) < warmup_steps:
             if proc.poll() is not None or time.time() > deadline:
-                log = (out / "driver.log").read_text(errors="replace")[-3000:] if (out / "driver.log").exists() else "(no driver.log)"
-                raise RuntimeError(f"{mode}: the run did not warm up (exit code {proc.poll()}); the end of its driver.log:\n{log}")
+                log = (out / "driver.log").read_text(errors="replace")[-3000:] if (
+                    out / "driver.log").exists() else "(no driver.log)"
+                raise RuntimeError(f"{mode}: the run did not warm up (exit code {proc.poll()}); the end of its "
+                    f"driver.log:\n{log}")
             time.sleep(1)
         pid = listener_pid(port)
         cfg = load_run_config(REPO / "configs" / "demo.toml", environ={}).orchestrator
-        Flooder.cap = limits.submission_bytes_cap(cfg.prompts_per_lease * cfg.samples_per_prompt, cfg.sampling.max_tokens)
+        Flooder.cap = limits.submission_bytes_cap(cfg.prompts_per_lease * cfg.samples_per_prompt,
+            cfg.sampling.max_tokens)
         kinds = {"hoarder": Hoarder, "flooder": Flooder, "slow": SlowReward, "cheater": Cheater}
         if mode == "attacked" or mode in kinds:  # all four, or the one named (what each costs alone)
             Adversary.nice = attacker_nice
-            adversaries = [kind(name, url, run_dir, stop, ADMIN) for name, kind in kinds.items() if mode in ("attacked", name)]
+            adversaries = [kind(name, url, run_dir, stop, ADMIN) for name, kind in kinds.items()
+                if mode in ("attacked", name)]
         elif mode == "cpu_only":
             adversaries = [CpuBurner(burn_cores, stop)]
         with db(run_dir) as con:
@@ -154,7 +161,8 @@ def one_run(mode: str, warmup_steps: int, window_s: float, port: int, attacker_n
             time.sleep(1)
         t1, steps1 = time.time(), len(steps(run_dir))
         metrics1 = counters(watch)
-        delta = {k.removeprefix("swarmrl_").removesuffix("_total"): round(metrics1.get(k, 0) - metrics0.get(k, 0), 2) for k in WATCHED}
+        delta = {k.removeprefix("swarmrl_").removesuffix("_total"): round(metrics1.get(k, 0) - metrics0.get(k, 0), 2)
+            for k in WATCHED}
         batches = delta.pop("verify_seconds_count")
         delta["verify_batch_mean_s"] = round(delta.pop("verify_seconds_sum") / batches, 3) if batches else None
         attacker_cpu, orch_cpu = time.process_time() - cpu0, cpu_seconds(pid) - orch_cpu0
@@ -162,11 +170,14 @@ def one_run(mode: str, warmup_steps: int, window_s: float, port: int, attacker_n
         for a in adversaries:  # their statuses are complete once they have stopped
             a.join(timeout=30)
         with db(run_dir) as con:
-            accepted, tokens = con.execute("SELECT COUNT(*), COALESCE(SUM(num_tokens), 0) FROM submissions WHERE worker_id=? AND status='accepted' "
+            accepted, tokens = con.execute("SELECT COUNT(*), COALESCE(SUM(num_tokens), 0) FROM submissions WHERE "
+                "worker_id=? AND status='accepted' "
                                            "AND received_at BETWEEN ? AND ?", (honest, t0, t1)).fetchone()
             # Where the honest worker's time goes: lease -> submission (generation), submission -> next lease.
-            leases = con.execute("SELECT l.issued_at, s.received_at, json_array_length(l.prompt_indices) FROM leases l JOIN submissions s "
-                                 "ON s.lease_id = l.lease_id WHERE l.worker_id=? AND l.issued_at BETWEEN ? AND ? ORDER BY l.issued_at",
+            leases = con.execute("SELECT l.issued_at, s.received_at, json_array_length(l.prompt_indices) FROM leases "
+                "l JOIN submissions s "
+                                 "ON s.lease_id = l.lease_id WHERE l.worker_id=? AND l.issued_at BETWEEN ? AND ? "
+                                 "ORDER BY l.issued_at",
                                  (honest, t0, t1)).fetchall()
         gen_s = [r - i for i, r, _ in leases]
         wait_s = [b[0] - a[1] for a, b in zip(leases, leases[1:]) if b[0] >= a[1]]
@@ -174,16 +185,18 @@ def one_run(mode: str, warmup_steps: int, window_s: float, port: int, attacker_n
         minutes = (t1 - t0) / 60
         return {
             "mode": mode, "load_avg_1m_before_after": [load0, round(os.getloadavg()[0], 2)],
-            "bench_process_cpu_per_s": round(attacker_cpu / (t1 - t0), 3), "orchestrator_cpu_per_s": round(orch_cpu / (t1 - t0), 3), "window_s": round(t1 - t0, 1), "honest_accepted_per_min": round(accepted / minutes, 1),
-            "honest_tokens_per_min": round(tokens / minutes),
-            "trainer_steps_per_min": round((steps1 - steps0) / minutes, 1), "orchestrator_peak_rss_mib": round(peak_rss / 2**20, 1),
-            "status_p50_ms": round(statistics.median(status_ms), 1), "status_max_ms": round(max(status_ms), 1), "adversary_5xx": five_xx,
-            "honest_prompts_per_lease": round(statistics.mean(n for *_, n in leases), 2) if leases else None,
-            "honest_lease_to_submit_p50_s": round(statistics.median(gen_s), 3) if gen_s else None,
+            "bench_process_cpu_per_s": round(attacker_cpu / (t1 - t0), 3),
+            "orchestrator_cpu_per_s": round(orch_cpu / (t1 - t0), 3), "window_s": round(t1 - t0, 1),
+            "honest_accepted_per_min": round(accepted / minutes, 1), "honest_tokens_per_min": round(tokens / minutes),
+            "trainer_steps_per_min": round((steps1 - steps0) / minutes, 1),
+            "orchestrator_peak_rss_mib": round(peak_rss / 2**20, 1),
+            "status_p50_ms": round(statistics.median(status_ms), 1), "status_max_ms": round(max(status_ms), 1),
+            "adversary_5xx": five_xx, "honest_prompts_per_lease": round(statistics.mean(n for *_, n in leases), 2)
+            if leases else None, "honest_lease_to_submit_p50_s": round(statistics.median(gen_s), 3) if gen_s else None,
             "honest_submit_to_next_lease_p50_s": round(statistics.median(wait_s), 3) if wait_s else None,
             "honest_overlapping_leases": len(leases) - 1 - len(wait_s) if leases else 0,
-            "orchestrator_counters": delta,
-            "adversary_requests": {a.name: sum(a.statuses.values()) for a in adversaries},
+            "orchestrator_counters": delta, "adversary_requests": {a.name: sum(a.statuses.values())
+            for a in adversaries},
         }
     finally:
         stop.set()
@@ -208,13 +221,16 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=3)
     ap.add_argument("--port", type=int, default=0, help="the orchestrator's port (0: a free one for each run)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
-    ap.add_argument("--attacker-nice", type=int, default=0, help="the adversaries' threads' nice value (19: they run on what the run leaves idle, "
+    ap.add_argument("--attacker-nice", type=int, default=0,
+        help="the adversaries' threads' nice value (19: they run on what the run leaves idle, "
                     "standing in for an attacker's own machine)")
     ap.add_argument("--tag", default="", help="results go to hostile_swarm_bench<_tag>.{json,md}")
-    ap.add_argument("--modes", default="clean,attacked", help="per repeat, in order; the first is the baseline of the ratios. "
+    ap.add_argument("--modes", default="clean,attacked",
+        help="per repeat, in order; the first is the baseline of the ratios. "
                     "attacked: all four adversaries; hoarder, flooder, slow or cheater: that one alone; "
                     "cpu_only: no adversary, a thread spinning --burn-cores (the control for the attackers' own CPU)")
-    ap.add_argument("--burn-cores", type=float, default=0.6, help="cpu_only: the CPU to spin (the attacked runs' bench_process_cpu_per_s)")
+    ap.add_argument("--burn-cores", type=float, default=0.6,
+        help="cpu_only: the CPU to spin (the attacked runs' bench_process_cpu_per_s)")
     ap.add_argument("--keep", action="store_true", help="keep each run's folder (logs, SQLite) and print where")
     args = ap.parse_args()
     modes = args.modes.split(",")
@@ -223,41 +239,56 @@ def main() -> None:
         for mode in modes:
             from swarmrl.processes import free_port
 
-            result = one_run(mode, args.warmup_steps, args.window_s, args.port or free_port("127.0.0.1"), args.attacker_nice, args.burn_cores, args.keep)
+            result = one_run(mode, args.warmup_steps, args.window_s, args.port or free_port("127.0.0.1"),
+                args.attacker_nice, args.burn_cores, args.keep)
             result["attacker_nice"] = args.attacker_nice if mode not in ("clean", "cpu_only") else None
             result["repeat"] = r
             print(json.dumps(result), flush=True)
             runs.append(result)
     metrics = ("honest_accepted_per_min", "honest_tokens_per_min", "trainer_steps_per_min")
     by = {(x["repeat"], x["mode"]): x for x in runs}
-    ratio = {m: {k: [round(by[r, m][k] / by[r, modes[0]][k], 3) if by[r, modes[0]][k] else None for r in range(args.repeats)] for k in metrics}
+    ratio = {m: {k: [round(by[r, m][k] / by[r, modes[0]][k], 3) if by[r, modes[0]][k] else None
+        for r in range(args.repeats)] for k in metrics}
              for m in modes[1:]}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"hostile_swarm_bench{'_' + args.tag if args.tag else ''}.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs, "ratio": ratio}, indent=1))
+    (args.out / f"hostile_swarm_bench{'_' + args.tag if args.tag else ''}.json").write_text(json.dumps({"args": {
+        k: str(v) for k, v in vars(args).items()}, "runs": runs, "ratio": ratio}, indent=1))
     print(json.dumps({"ratio_attacked_over_clean": ratio}, indent=1))
     write_markdown(args, runs, ratio)
 
 
 def write_markdown(args, runs: list[dict], ratio: dict) -> None:
-    cols = ("repeat", "mode", "window_s", "honest_accepted_per_min", "honest_tokens_per_min", "trainer_steps_per_min", "honest_prompts_per_lease",
-            "honest_lease_to_submit_p50_s", "honest_submit_to_next_lease_p50_s", "honest_overlapping_leases", "orchestrator_peak_rss_mib", "status_p50_ms",
-            "status_max_ms", "adversary_5xx", "bench_process_cpu_per_s", "orchestrator_cpu_per_s", "attacker_nice", "load_avg_1m_before_after")
+    cols = ("repeat", "mode", "window_s", "honest_accepted_per_min", "honest_tokens_per_min", "trainer_steps_per_min",
+            "honest_prompts_per_lease", "honest_lease_to_submit_p50_s", "honest_submit_to_next_lease_p50_s",
+            "honest_overlapping_leases", "orchestrator_peak_rss_mib", "status_p50_ms", "status_max_ms",
+            "adversary_5xx", "bench_process_cpu_per_s", "orchestrator_cpu_per_s", "attacker_nice",
+            "load_avg_1m_before_after")
     lines = [
         "# Honest throughput with and without a hostile swarm", "",
-        f"Command: `python bench/hostile_swarm_bench.py --repeats {args.repeats} --window-s {args.window_s:g} --modes {args.modes}"
+        f"Command: `python bench/hostile_swarm_bench.py --repeats {args.repeats} --window-s {args.window_s:g} --modes "
+        f"{args.modes}"
         + (f" --burn-cores {args.burn_cores:g}" if "cpu_only" in args.modes else "")
-        + (f" --attacker-nice {args.attacker_nice}" if args.attacker_nice else "") + (f" --tag {args.tag}" if args.tag else "") + "` "
-        f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}). The demo loop (small model, one honest local vLLM worker, real "
-        "verifier and trainer) on this 2-core machine; runs alternate clean / attacked; 'attacked' adds a hoarder, a flooder, a "
-        "slow-reward worker and a banned cheater coming back (tools/adversaries.py) for the whole window. Every run is listed. "
-        "bench_process_cpu_per_s: cores used by this benchmark's process, i.e. by the adversaries' threads, taken from the same two "
-        "cores the run has (an attacker's own machine in a real swarm); orchestrator_cpu_per_s: cores the orchestrator's process used. "
-        "cpu_only (when in --modes): no adversary, one thread of this process spinning about --burn-cores, the control for that "
+        + (f" --attacker-nice {args.attacker_nice}" if args.attacker_nice else "") + (f" --tag {args.tag}" if args.tag
+        else "") + "` "
+        f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}). The demo loop (small model, one honest local vLLM "
+        f"worker, real "
+        "verifier and trainer) on this 2-core machine; runs alternate clean / attacked; 'attacked' adds a hoarder, a "
+        "flooder, a "
+        "slow-reward worker and a banned cheater coming back (tools/adversaries.py) for the whole window. Every run "
+        "is listed. "
+        "bench_process_cpu_per_s: cores used by this benchmark's process, i.e. by the adversaries' threads, taken "
+        "from the same two "
+        "cores the run has (an attacker's own machine in a real swarm); orchestrator_cpu_per_s: cores the "
+        "orchestrator's process used. "
+        "cpu_only (when in --modes): no adversary, one thread of this process spinning about --burn-cores, the "
+        "control for that "
         "share of the attacked runs' loss.", "",
         "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols),
         *("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in runs), "",
-        *(f"{m} / {args.modes.split(',')[0]}, per repeat: honest accepted submissions/min {q['honest_accepted_per_min']}; "
-          f"honest accepted tokens/min {q['honest_tokens_per_min']}; trainer steps/min {q['trainer_steps_per_min']} (goal >= 0.8 for attacked)."
+        *(f"{m} / {args.modes.split(',')[0]}, per repeat: honest accepted submissions/min "
+        f"{q['honest_accepted_per_min']}; "
+          f"honest accepted tokens/min {q['honest_tokens_per_min']}; trainer steps/min {q['trainer_steps_per_min']} "
+          f"(goal >= 0.8 for attacked)."
           for m, q in ratio.items()), "",
     ]
     (args.out / f"hostile_swarm_bench{'_' + args.tag if args.tag else ''}.md").write_text("\n".join(lines))

@@ -43,7 +43,8 @@ def make_lease(n_prompts: int, n_samples: int, max_tokens: int, seed: int) -> Ta
     rng = np.random.default_rng(seed)
     return TaskLease(
         lease_id=f"bench-{seed}",
-        prompts=[TaskPrompt(prompt_id=f"p{i}", token_ids=rng.integers(3, 60, size=16).astype(np.int32), seeds=[int(s) for s in rng.integers(0, 2**31, size=n_samples)]) for i in range(n_prompts)],
+        prompts=[TaskPrompt(prompt_id=f"p{i}", token_ids=rng.integers(3, 60, size=16).astype(np.int32), seeds=[int(s)
+        for s in rng.integers(0, 2**31, size=n_samples)]) for i in range(n_prompts)],
         samples_per_prompt=n_samples,
         sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens),
         policy_version=0,
@@ -112,9 +113,11 @@ def bench_handover(engine, model_dir: Path, versions: int, heartbeat_s: float) -
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     origin.publish(0, model.state_dict())
     shard_server = serve_origin(origin, "127.0.0.1", 0)
-    knobs = Knobs(relay_urls=[shard_server.url], public_key=origin.public_key_b64, heartbeat_interval_s=heartbeat_s, prompts=4, samples=4, max_tokens=64, async_level=1)
+    knobs = Knobs(relay_urls=[shard_server.url], public_key=origin.public_key_b64, heartbeat_interval_s=heartbeat_s,
+        prompts=4, samples=4, max_tokens=64, async_level=1)
     server = ContractServer(knobs).start()
-    cfg = WorkerConfig(orchestrator_url=server.url, join_token=JOIN_TOKEN, name="bench", model=str(model_dir), work_dir=str(work / "worker"), display=False, max_prompts_per_lease=4)
+    cfg = WorkerConfig(orchestrator_url=server.url, join_token=JOIN_TOKEN, name="bench", model=str(model_dir),
+        work_dir=str(work / "worker"), display=False, max_prompts_per_lease=4)
     worker = Worker(cfg, engine_factory=lambda m, c: engine)
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
@@ -156,18 +159,26 @@ def write_markdown(results: dict, args, out: Path) -> None:
     lines = [
         "# inference_worker bench",
         "",
-        f"`python bench/inference_worker_bench.py --sizes {args.sizes} --rounds {args.rounds} --prompts {args.prompts} --samples {args.samples} --max-tokens {args.max_tokens} --versions {args.versions} --heartbeat-s {args.heartbeat_s}`",
-        f"(in-process vLLM CPU, {os.cpu_count()} cores shared with other jobs; load average {results['machine']['load_avg_start'][0]:.1f} at start)",
+        f"`python bench/inference_worker_bench.py --sizes {args.sizes} --rounds {args.rounds} --prompts "
+        f"{args.prompts} --samples {args.samples} --max-tokens {args.max_tokens} --versions {args.versions} "
+        f"--heartbeat-s {args.heartbeat_s}`",
+        f"(in-process vLLM CPU, {os.cpu_count()} cores shared with other jobs; load average "
+        f"{results['machine']['load_avg_start'][0]:.1f} at start)",
         "",
-        "| model | tok/s proofs off | tok/s proofs on | wall-time ratio on/off (goal <= 1.03) | median per-round ratio | CPU-time ratio | critical-path overhead | proof thread s / generation s | publish -> generating (median / max) | publish -> first submission (median) |",
+        "| model | tok/s proofs off | tok/s proofs on | wall-time ratio on/off (goal <= 1.03) | median per-round "
+        "ratio | CPU-time ratio | critical-path overhead | proof thread s / generation s | publish -> generating "
+        "(median / max) | publish -> first submission (median) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for size, e in results["sizes"].items():
         p, h = e["proofs"], e["handover"]
         lines.append(
-            f"| {size} | {p['tokens_per_s_proofs_off']:,.0f} | {p['tokens_per_s_proofs_on']:,.0f} | {p['overhead_ratio']:.3f} | {p['overhead_ratio_median_round']:.3f} | "
-            f"{p['cpu_time_ratio']:.3f} | {p['critical_path_overhead']:.3f} | {p['proof_thread_s']:.2f} / {p['seconds_off_total']:.2f} | "
-            f"{h['publish_to_generating_s_median']:.2f} s / {h['publish_to_generating_s_max']:.2f} s | {h['publish_to_first_submission_s_median']:.2f} s |"
+            f"| {size} | {p['tokens_per_s_proofs_off']:,.0f} | {p['tokens_per_s_proofs_on']:,.0f} | "
+            f"{p['overhead_ratio']:.3f} | {p['overhead_ratio_median_round']:.3f} | "
+            f"{p['cpu_time_ratio']:.3f} | {p['critical_path_overhead']:.3f} | {p['proof_thread_s']:.2f} / "
+            f"{p['seconds_off_total']:.2f} | "
+            f"{h['publish_to_generating_s_median']:.2f} s / {h['publish_to_generating_s_max']:.2f} s | "
+            f"{h['publish_to_first_submission_s_median']:.2f} s |"
         )
     lines += [
         "",
@@ -179,7 +190,7 @@ def write_markdown(results: dict, args, out: Path) -> None:
         "  chunks) / generation time without proofs. Full 32-token chunks are proven by a background thread while",
         "  vLLM generates (its seconds are the 'proof thread' column), so they are off the critical path when a",
         "  core is free.",
-        f"- publish -> generating: origin.publish(v) until the worker's engine has reloaded v. The worker learns of",
+        "- publish -> generating: origin.publish(v) until the worker's engine has reloaded v. The worker learns of",
         f"  versions from heartbeat acks (interval {args.heartbeat_s} s) and swaps between two tasks, so the max",
         "  includes finishing the task in hand.",
     ]
@@ -209,7 +220,8 @@ def main() -> None:
     from trainer.tiny_model import init_model
 
     tmp = Path(tempfile.mkdtemp(prefix="iw-bench-models-"))
-    results: dict = {"machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "load_avg_start": os.getloadavg()}, "sizes": {}}
+    results: dict = {"machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "load_avg_start": os.getloadavg()}, "sizes": {}}
     for size in args.sizes.split(","):
         model_dir = init_model(tmp / size, size, seed=0, tie_embeddings=True)
         engine = RolloutEngine(model_dir, EngineConfig(max_model_len=512, kv_cache_bytes=256 << 20))

@@ -37,8 +37,9 @@ def samples(n: int, seed: int, version: int):
     out = []
     for i in range(n):
         c = int(rng.integers(2, 9))  # the demo's max_tokens is 8
-        out.append(TrainSample(rng.integers(3, 53, size=int(rng.integers(4, 10))), rng.integers(3, 53, size=c), -rng.uniform(3.5, 4.5, size=c),
-                               float(rng.normal()), float(rng.uniform()), version, f"s{seed}-{i}"))
+        out.append(TrainSample(rng.integers(3, 53, size=int(rng.integers(4, 10))), rng.integers(3, 53, size=c),
+                               -rng.uniform(3.5, 4.5, size=c), float(rng.normal()), float(rng.uniform()), version,
+                               f"s{seed}-{i}"))
     return out
 
 
@@ -51,11 +52,14 @@ def run(mode: str, cfg, model_dir: Path, work: Path, versions: int, rank: int) -
 
     trainer_cfg, shardcast_cfg = cfg.trainer, cfg.shardcast
     if mode == "lora":
-        trainer_cfg = trainer_cfg.model_copy(update={"lora": trainer_cfg.lora.model_copy(update={"enabled": True, "rank": rank})})
+        trainer_cfg = trainer_cfg.model_copy(update={"lora": trainer_cfg.lora.model_copy(update={"enabled": True,
+            "rank": rank})})
         shardcast_cfg = shardcast_cfg.model_copy(update={"deltas": False})  # as swarmrl/trainer_actor.py
-    origin = Origin.from_config(work / f"{mode}-origin", generate_signing_key(work / f"{mode}.pem"), shardcast_cfg.model_copy(update={"keep_versions": versions + 1, "run_id": f"lora-bytes-{mode}"}))
+    origin = Origin.from_config(work / f"{mode}-origin", generate_signing_key(work / f"{mode}.pem"),
+        shardcast_cfg.model_copy(update={"keep_versions": versions + 1, "run_id": f"lora-bytes-{mode}"}))
     torch.manual_seed(0)
-    trainer = Trainer(trainer_cfg, model_dir, work / f"{mode}-run", publish=lambda v, s: origin.publish(v, s).model_hash)
+    trainer = Trainer(trainer_cfg, model_dir, work / f"{mode}-run", publish=lambda v, s: origin.publish(v,
+        s).model_hash)
     for step in range(versions - 1):
         trainer.step(samples(trainer_cfg.samples_per_step, seed=step, version=trainer.version))
     rows = []
@@ -63,9 +67,9 @@ def run(mode: str, cfg, model_dir: Path, work: Path, versions: int, rank: int) -
         m = origin.manifest(v)
         full = sum(s.size for s in m.full_shards)
         # A worker that holds the previous version downloads the delta when there is one, else the shards.
-        rows.append({"version": v, "bytes_on_origin": m.total_bytes, "full_shard_bytes": full, "delta_bytes": m.total_bytes - full,
-                     "follower_download_bytes": (m.total_bytes - full) if m.deltas else full, "anchor": m.anchor_version == v,
-                     "files": [s.name for s in m.shards]})
+        rows.append({"version": v, "bytes_on_origin": m.total_bytes, "full_shard_bytes": full,
+                     "delta_bytes": m.total_bytes - full, "follower_download_bytes": (m.total_bytes - full) if m.deltas
+                     else full, "anchor": m.anchor_version == v, "files": [s.name for s in m.shards]})
     return rows
 
 
@@ -85,18 +89,21 @@ def main() -> None:
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="lora-bytes-") as tmp:
         work = Path(tmp)
-        model_dir = init_model(work / "base", cfg.model.init_size, cfg.model.init_seed, cfg.model.tie_embeddings, cfg.model.init_pretrain_steps,
-                               cfg.model.init_pretrain_target, cfg.model.init_pretrain_max_steps)
+        model_dir = init_model(work / "base", cfg.model.init_size, cfg.model.init_seed, cfg.model.tie_embeddings,
+                               cfg.model.init_pretrain_steps, cfg.model.init_pretrain_target,
+                               cfg.model.init_pretrain_max_steps)
         model_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
         result = {mode: run(mode, cfg, model_dir, work, args.versions, args.rank) for mode in ("full", "lora")}
-    result.update(model=cfg.model.init_size, model_bytes=model_bytes, rank=args.rank, target_modules=cfg.trainer.lora.target_modules,
-                  publish_dtype=cfg.trainer.publish_dtype, load_avg_before=load_before, load_avg_after=os.getloadavg(), seconds=time.time() - started,
+    result.update(model=cfg.model.init_size, model_bytes=model_bytes, rank=args.rank,
+                  target_modules=cfg.trainer.lora.target_modules, publish_dtype=cfg.trainer.publish_dtype,
+                  load_avg_before=load_before, load_avg_after=os.getloadavg(), seconds=time.time() - started,
                   command=f"python bench/lora_bytes_bench.py --versions {args.versions} --rank {args.rank}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "lora.json").write_text(json.dumps(result, indent=2))
     for mode in ("full", "lora"):
         for r in result[mode]:
-            print(mode, r["version"], r["bytes_on_origin"], r["full_shard_bytes"], r["delta_bytes"], "anchor" if r["anchor"] else "delta")
+            print(mode, r["version"], r["bytes_on_origin"], r["full_shard_bytes"], r["delta_bytes"], "anchor"
+                if r["anchor"] else "delta")
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ of postponing them (no coordinated omission).
 Reported per point: accepted submissions/s, submit / lease latency p50, p99 and max, the server's
 CPU-seconds per accepted submission (from the kernel's accounting of the server process: independent
 of other load on the machine, unlike wall-clock throughput) and the implied capacity of one core, RSS.
-`--compare-head` also runs the code of git HEAD's `orchestrator/`, `protocol/` and `trainer/` side by side (the "before");
-`--compare-ref REF` the code of any commit.
+`--compare-head` also runs the code of git HEAD's `orchestrator/`, `protocol/` and `trainer/` side by side (the
+"before"); `--compare-ref REF` the code of any commit.
 Then, unless `--no-steps`: the server's CPU per step of a cycle measured in-process (no HTTP, no
 threads; thread CPU time), to show where the time goes.
 
@@ -82,7 +82,8 @@ class StubVerifier:
 
         return [
             Verdict(submission_id=j.submission_id, status=VerdictStatus.accepted,
-                    rewards=self.rng.random(len(j.submission.completions)).tolist(), verified_tokens=j.submission.num_tokens)
+                    rewards=self.rng.random(len(j.submission.completions)).tolist(),
+                    verified_tokens=j.submission.num_tokens)
             for j in jobs
         ]
 
@@ -140,16 +141,18 @@ def bench_config(run_dir: Path, port: int, args):
 
     orch_fields = RunConfig.model_fields["orchestrator"].annotation.model_fields
     # 64-256 simulated workers under one join token (newer configs cap identities per token).
-    many = {"max_identities_per_token": 100_000, "registrations_per_min_per_token": 1e9} if "max_identities_per_token" in orch_fields else {}
+    many = {"max_identities_per_token": 100_000,
+        "registrations_per_min_per_token": 1e9} if "max_identities_per_token" in orch_fields else {}
     return RunConfig.model_validate({
         "name": "bench", "output_dir": str(run_dir), "seed": 0,
         "data": {"task": "toy", "num_prompts": 4096},
         # Big steps: the async bound ((async_level + 1) * samples_per_step) leaves room for every worker's lease.
         "trainer": {"samples_per_step": args.samples_per_step},
-        "orchestrator": {"port": port, "samples_per_prompt": args.samples_per_prompt, "prompts_per_lease": args.prompts_per_lease,
-                         "sampling": {"max_tokens": args.max_tokens}, "max_open_leases_per_worker": 2,
-                         "rate_limit_per_s": 1000.0, "lease_timeout_s": 120.0, "admin_token": ADMIN, "join_tokens": [JOIN],
-                         "db_path": str(run_dir / "orchestrator.sqlite"), **many},
+        "orchestrator": {"port": port, "samples_per_prompt": args.samples_per_prompt,
+                         "prompts_per_lease": args.prompts_per_lease, "sampling": {"max_tokens": args.max_tokens},
+                         "max_open_leases_per_worker": 2, "rate_limit_per_s": 1000.0, "lease_timeout_s": 120.0,
+                         "admin_token": ADMIN, "join_tokens": [JOIN], "db_path": str(run_dir / "orchestrator.sqlite"),
+                         **many},
     })
 
 
@@ -202,7 +205,8 @@ def serve_main(args) -> None:
     server = OrchestratorServer(orch).start()
     stop, events = threading.Event(), []
     record_gc(events)
-    trainer = threading.Thread(target=stub_trainer, args=(orch, args.samples_per_step, stop, events), name="stub-trainer", daemon=True)
+    trainer = threading.Thread(target=stub_trainer, args=(orch, args.samples_per_step, stop, events),
+        name="stub-trainer", daemon=True)
     trainer.start()
     # Native thread ids -> names, so the harness can split the server's CPU by thread from /proc.
     (Path(args.dir) / "threads.json").write_text(json.dumps({t.native_id: t.name for t in threading.enumerate()}))
@@ -253,7 +257,8 @@ def steps_main(args) -> None:
         resp = orch.lease(wid, LeaseRequest(loaded_policy_version=0, max_prompts=64))
         resp.model_dump_json()
         t1 = clock()
-        body = cctx.compress(tmpl.replace(LEASE_MARK, resp.lease.lease_id).replace(PROOF_MARK, base64.b64encode(rng.bytes(258)).decode()).encode())
+        body = cctx.compress(tmpl.replace(LEASE_MARK, resp.lease.lease_id).replace(PROOF_MARK,
+            base64.b64encode(rng.bytes(258)).decode()).encode())
         t2 = clock()
         (orch.admission.submit if hasattr(orch, "admission") else orch.submit)(wid, body, "zstd").model_dump_json()
         t3 = clock()
@@ -272,7 +277,8 @@ def steps_main(args) -> None:
     for i in range(200):  # warm-up
         cycle(i)
     gc.collect()
-    gc.freeze()  # as the server now does at start; HEAD's server did not: its full-collection stalls show in the wall-clock points
+    # as the server now does at start; HEAD's server did not: its full-collection stalls show in the wall-clock points
+    gc.freeze()
     spent = dict.fromkeys(STEPS, 0.0)
     process0 = time.process_time()
     for i in range(args.steps_cycles):
@@ -288,10 +294,12 @@ def steps_main(args) -> None:
 
 
 def run_steps(args, src: str = "") -> dict:
-    cmd = [sys.executable, __file__, "--steps-worker", "--steps-cycles", str(args.steps_cycles), "--src", src, "--cpus", args.server_cpus,
-           "--samples-per-prompt", str(args.samples_per_prompt), "--prompts-per-lease", str(args.prompts_per_lease),
-           "--max-tokens", str(args.max_tokens), "--samples-per-step", str(args.samples_per_step)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=dict(os.environ, PYTHONPATH=str(REPO))).stdout
+    cmd = [sys.executable, __file__, "--steps-worker", "--steps-cycles", str(args.steps_cycles), "--src", src,
+           "--cpus", args.server_cpus, "--samples-per-prompt", str(args.samples_per_prompt), "--prompts-per-lease",
+           str(args.prompts_per_lease), "--max-tokens", str(args.max_tokens), "--samples-per-step",
+           str(args.samples_per_step)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=dict(os.environ,
+        PYTHONPATH=str(REPO))).stdout
     return {"code": BEFORE_LABEL if src else "working tree (after)", **json.loads(out.strip().splitlines()[-1])}
 
 
@@ -310,8 +318,9 @@ def template(args) -> str:
         for s in range(args.samples_per_prompt):
             n = int(rng.integers(args.max_tokens // 2, args.max_tokens + 1))
             k = -(-n // limits.PROOF_CHUNK_TOKENS)
-            comps.append(Completion(prompt_index=p, sample_index=s, token_ids=rng.integers(3, 50, n), logprobs=-rng.random(n).astype(np.float32),
-                                    finish_reason=FinishReason.length, proofs=[rng.bytes(limits.MAX_PROOF_BYTES) for _ in range(k)]))
+            comps.append(Completion(prompt_index=p, sample_index=s, token_ids=rng.integers(3, 50, n),
+                                    logprobs=-rng.random(n).astype(np.float32), finish_reason=FinishReason.length,
+                                    proofs=[rng.bytes(limits.MAX_PROOF_BYTES) for _ in range(k)]))
     sub = RolloutSubmission(lease_id="L0", policy_version=0, model_hash="0" * 64, completions=comps)
     doc = json.loads(sub.model_dump_json())
     doc["lease_id"] = LEASE_MARK
@@ -433,9 +442,10 @@ def poisson_schedule(rng, rate: float, start: float, stop_at: float) -> list[flo
         t += gaps[-1]
 
 
-async def paced_loop(conn: Conn, tmpl: str, schedule: list[float], stop_at: float, measure_from: float, out: dict, rng) -> None:
-    """Open loop: one cycle (lease, then submit) at each scheduled time; a cycle that starts late (its predecessor ran past
-    its time) starts at once, never skipped. Latencies of the cycles SCHEDULED in the window, whenever they end."""
+async def paced_loop(conn: Conn, tmpl: str, schedule: list[float], stop_at: float, measure_from: float, out: dict,
+    rng) -> None:
+    """Open loop: one cycle (lease, then submit) at each scheduled time; a cycle that starts late (its predecessor ran
+    past its time) starts at once, never skipped. Latencies of the cycles SCHEDULED in the window, whenever they end."""
     w = await SimWorker(conn, tmpl, rng).register()
     errors = out["errors"]
     i, prev_end = 0, 0.0
@@ -444,7 +454,8 @@ async def paced_loop(conn: Conn, tmpl: str, schedule: list[float], stop_at: floa
             now = time.perf_counter()
             if t_sched > now:
                 await asyncio.sleep(t_sched - now)
-            # Client lag: how much later than it could have, the cycle starts (the sleep's overshoot or a busy client loop).
+            # Client lag: how much later than it could have, the cycle starts (the sleep's overshoot or a busy client
+            # loop).
             lag = time.perf_counter() - max(t_sched, prev_end)
             while True:  # lease until granted: a refused lease makes this cycle, and the schedule behind it, late
                 status, resp, t0, t1 = await w.lease()
@@ -458,7 +469,8 @@ async def paced_loop(conn: Conn, tmpl: str, schedule: list[float], stop_at: floa
                     break
             status, t2, t3 = await w.submit(resp["lease"]["lease_id"])
             prev_end = t3
-            if measure_from <= t3 <= stop_at and status == 200:  # throughput: counted by completion time, as the closed loop
+            # throughput: counted by completion time, as the closed loop
+            if measure_from <= t3 <= stop_at and status == 200:
                 out["accepted"] += 1
             if measure_from <= t_sched < stop_at:  # latencies: counted by scheduled time
                 out["client_lag_ms"].append(lag * 1e3)
@@ -478,8 +490,8 @@ async def paced_loop(conn: Conn, tmpl: str, schedule: list[float], stop_at: floa
                 count(errors, "unfinished at drain end (latency so far counted)")
 
 
-def client_proc(url: str, n_workers: int, start_at: float, seconds: float, warmup: float, tmpl: str, seed: int, q, ceiling: bool, cpus: str,
-                worker_rate: float = 0.0, drain: float = 10.0) -> None:
+def client_proc(url: str, n_workers: int, start_at: float, seconds: float, warmup: float, tmpl: str, seed: int, q,
+                ceiling: bool, cpus: str, worker_rate: float = 0.0, drain: float = 10.0) -> None:
     """`worker_rate` > 0: paced mode, each worker on its own Poisson schedule of that rate (cycles/s)."""
     if cpus:
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
@@ -487,7 +499,8 @@ def client_proc(url: str, n_workers: int, start_at: float, seconds: float, warmu
 
     async def main():
         conns = [await Conn(host, int(port)).open() for _ in range(n_workers)]
-        out = {"lease_ms": [], "submit_ms": [], "sched_ms": [], "sched_at": [], "client_lag_ms": [], "accepted": 0, "errors": {}, "scheduled": 0}
+        out = {"lease_ms": [], "submit_ms": [], "sched_ms": [], "sched_at": [], "client_lag_ms": [], "accepted": 0,
+            "errors": {}, "scheduled": 0}
         await asyncio.sleep(max(0.0, start_at - time.time()))  # all client processes start together
         now = time.perf_counter()
         measure_from, stop_at = now + warmup, now + warmup + seconds
@@ -497,9 +510,11 @@ def client_proc(url: str, n_workers: int, start_at: float, seconds: float, warmu
             loop_fn = ceiling_loop if ceiling else worker_loop
             await asyncio.gather(*(loop_fn(c, tmpl, stop_at, measure_from, out, rng) for c, rng in zip(conns, rngs)))
             return out
-        schedules = [poisson_schedule(np.random.default_rng([seed, i, 1]), worker_rate, now, stop_at) for i in range(n_workers)]
+        schedules = [poisson_schedule(np.random.default_rng([seed, i, 1]), worker_rate, now, stop_at)
+            for i in range(n_workers)]
         out["scheduled"] = sum(measure_from <= t < stop_at for s in schedules for t in s)
-        tasks = [asyncio.create_task(paced_loop(c, tmpl, s, stop_at, measure_from, out, rng)) for c, s, rng in zip(conns, schedules, rngs)]
+        tasks = [asyncio.create_task(paced_loop(c, tmpl, s, stop_at, measure_from, out, rng)) for c, s,
+            rng in zip(conns, schedules, rngs)]
         _, pending = await asyncio.wait(tasks, timeout=stop_at + drain - time.perf_counter())
         for t in pending:
             t.cancel()
@@ -561,9 +576,10 @@ def run_point(args, n_workers: int, tmpl: str, ceiling: bool = False, src: str =
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     run_dir = Path(tempfile.mkdtemp(prefix="swarmrl-orch-bench-"))
-    cmd = [sys.executable, __file__, "--serve", "--dir", str(run_dir), "--port", str(port), "--samples-per-prompt", str(args.samples_per_prompt),
-           "--prompts-per-lease", str(args.prompts_per_lease), "--max-tokens", str(args.max_tokens), "--samples-per-step", str(args.samples_per_step),
-           "--cpus", args.server_cpus, "--src", src]
+    cmd = [sys.executable, __file__, "--serve", "--dir", str(run_dir), "--port", str(port), "--samples-per-prompt",
+           str(args.samples_per_prompt), "--prompts-per-lease", str(args.prompts_per_lease), "--max-tokens",
+           str(args.max_tokens), "--samples-per-step", str(args.samples_per_step), "--cpus", args.server_cpus, "--src",
+           src]
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
     try:
         url = server.stdout.readline().strip()
@@ -573,8 +589,8 @@ def run_point(args, n_workers: int, tmpl: str, ceiling: bool = False, src: str =
         q = ctx.Queue()
         per = [n_workers // args.client_procs + (i < n_workers % args.client_procs) for i in range(args.client_procs)]
         start_at = time.time() + 3.0
-        procs = [ctx.Process(target=client_proc, args=(url, k, start_at, args.seconds, args.warmup, tmpl, i, q, ceiling, args.client_cpus,
-                                                       rate / n_workers, args.drain))
+        procs = [ctx.Process(target=client_proc, args=(url, k, start_at, args.seconds, args.warmup, tmpl, i, q,
+                                                       ceiling, args.client_cpus, rate / n_workers, args.drain))
                  for i, k in enumerate(per)]
         for p in procs:
             p.start()
@@ -612,7 +628,8 @@ def run_point(args, n_workers: int, tmpl: str, ceiling: bool = False, src: str =
         events_file = run_dir / "server_events.json"
         events = json.loads(events_file.read_text()) if events_file.exists() else []
         shutil.rmtree(run_dir, ignore_errors=True)
-    submit, lease, sched, lag = (np.array(sum((r[k] for r in results), [])) for k in ("submit_ms", "lease_ms", "sched_ms", "client_lag_ms"))
+    submit, lease, sched, lag = (np.array(sum((r[k] for r in results), [])) for k in ("submit_ms", "lease_ms",
+        "sched_ms", "client_lag_ms"))
     errors: dict[str, int] = {}
     for r in results:
         for k, v in r["errors"].items():
@@ -624,8 +641,8 @@ def run_point(args, n_workers: int, tmpl: str, ceiling: bool = False, src: str =
     pct = lambda a, q: round(float(np.percentile(a, q)), 2) if a.size else None  # noqa: E731
     return {
         "code": BEFORE_LABEL if src else "working tree (after)",
-        "mode": "ceiling: 2x GET /healthz per cycle" if ceiling else "paced: lease + submit" if rate else "closed loop: lease + submit",
-        "workers": n_workers,
+        "mode": "ceiling: 2x GET /healthz per cycle" if ceiling else "paced: lease + submit" if rate
+        else "closed loop: lease + submit", "workers": n_workers,
         "offered_submissions_per_s": rate or None,
         "scheduled_per_s": round(sum(r["scheduled"] for r in results) / args.seconds, 1) if rate else None,
         "seconds": args.seconds,
@@ -641,15 +658,17 @@ def run_point(args, n_workers: int, tmpl: str, ceiling: bool = False, src: str =
         "one_core_capacity_per_s": round(1e3 / cpu_ms, 0),
         "server_cpu_share": round(server_cpu / args.seconds, 3),
         # Share of a core per server thread over the window (the HTTP thread serves every request).
-        "server_cpu_share_by_thread": {names.get(tid, "other"): round((threads1[tid] - threads0.get(tid, 0.0)) / args.seconds, 3)
+        "server_cpu_share_by_thread": {names.get(tid, "other"): round((threads1[tid] - threads0.get(tid,
+        0.0)) / args.seconds, 3)
                                        for tid in sorted(threads1, key=lambda t: threads0.get(t, 0.0) - threads1[t])
                                        if threads1[tid] - threads0.get(tid, 0.0) > 0},
         "client_cpu_share": round(client_cpu / args.seconds, 3),
         "server_events": {kind: {"n": len(ms), "median_ms": round(float(np.median(ms)), 1), "max_ms": round(max(ms), 1)}
-                          for kind in sorted({e[0] for e in events}) for ms in [[e[2] for e in events if e[0] == kind]]},
+                          for kind in sorted({e[0] for e in events}) for ms in [[e[2] for e in events
+                          if e[0] == kind]]},
         "timeline": timeline(results, events, t_from, args.seconds) if rate else None,
-        "others_cpu_share_on_server_cores": round(others_on_server_cores / args.seconds, 3) if args.server_cpus else None,
-        "orchestrator_rss_idle_mb": round(rss_idle, 1), "orchestrator_rss_peak_mb": round(peak, 1),
+        "others_cpu_share_on_server_cores": round(others_on_server_cores / args.seconds, 3) if args.server_cpus
+        else None, "orchestrator_rss_idle_mb": round(rss_idle, 1), "orchestrator_rss_peak_mb": round(peak, 1),
         "load_average_at_start": load0,
         "verified_by_end": st.get("submissions_accepted"),
         "buffer_depth_at_end": st.get("buffer_depth"),
@@ -666,7 +685,8 @@ def timeline(results: list[dict], events: list, t_from: float, seconds: float, s
     rows = []
     for b in range(int(np.ceil(seconds / step))):
         sel = (at >= b * step) & (at < (b + 1) * step)
-        rows.append({"t": round(b * step, 2), "cycles": int(sel.sum()), "scheduled_max_ms": round(float(ms[sel].max()), 1) if sel.any() else None,
+        rows.append({"t": round(b * step, 2), "cycles": int(sel.sum()), "scheduled_max_ms": round(float(ms[sel].max()),
+            1) if sel.any() else None,
                      "events": [f"{kind} {e_ms:.0f} ms" for kind, t, e_ms in events if b * step <= t < (b + 1) * step]})
     return rows
 
@@ -685,20 +705,26 @@ def main() -> None:
     two = (os.cpu_count() or 1) >= 2
     ap.add_argument("--server-cpus", default="0" if two else "", help="pin the server to these cores ('' = no pinning)")
     ap.add_argument("--client-cpus", default="1" if two else "", help="pin the client processes to these cores")
-    ap.add_argument("--compare-head", action="store_true", help="also run git HEAD's orchestrator/, protocol/ and trainer/ (the 'before'), side by side")
-    ap.add_argument("--compare-ref", default="", help="like --compare-head, with the code of this git commit as the 'before'")
+    ap.add_argument("--compare-head", action="store_true",
+        help="also run git HEAD's orchestrator/, protocol/ and trainer/ (the 'before'), side by side")
+    ap.add_argument("--compare-ref", default="",
+        help="like --compare-head, with the code of this git commit as the 'before'")
     ap.add_argument("--no-ceiling", action="store_true", help="skip the GET /healthz ceiling points (closed loop only)")
     ap.add_argument("--rates", type=float, nargs="+", default=[],
-                    help="paced (open-loop) mode: offered submissions/s summed over the workers, one point per rate and worker count")
-    ap.add_argument("--closed-loop", action="store_true", help="with --rates: also run the closed-loop points (and ceiling)")
+                    help="paced (open-loop) mode: offered submissions/s summed over the workers, one point per rate "
+                    "and worker count")
+    ap.add_argument("--closed-loop", action="store_true",
+        help="with --rates: also run the closed-loop points (and ceiling)")
     ap.add_argument("--drain", type=float, default=10.0,
-                    help="paced: seconds after the window for cycles scheduled in it to finish (later: counted with their lateness so far)")
+                    help="paced: seconds after the window for cycles scheduled in it to finish (later: counted with "
+                    "their lateness so far)")
     ap.add_argument("--prompts-per-lease", type=int, default=4)
     ap.add_argument("--samples-per-prompt", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=16, help="16: the demo config")
     ap.add_argument("--samples-per-step", type=int, default=4096)
     ap.add_argument("--steps", action="store_true", help="only the in-process CPU per step (no HTTP points)")
-    ap.add_argument("--no-steps", action="store_true", help="skip the in-process CPU per step (skipped anyway with --rates)")
+    ap.add_argument("--no-steps", action="store_true",
+        help="skip the in-process CPU per step (skipped anyway with --rates)")
     ap.add_argument("--steps-cycles", type=int, default=1500)
     ap.add_argument("--steps-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "orchestrator_bench"))
@@ -721,15 +747,18 @@ def main() -> None:
 
         shutil.rmtree(HEAD_DIR, ignore_errors=True)
         HEAD_DIR.mkdir(parents=True)
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", args.compare_ref, *HEAD_PACKAGES], check=True, capture_output=True).stdout
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", args.compare_ref, *HEAD_PACKAGES], check=True,
+            capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", str(HEAD_DIR)], input=archive, check=True)
-        head_rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.compare_ref], capture_output=True, text=True).stdout.strip()
+        head_rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.compare_ref],
+            capture_output=True, text=True).stdout.strip()
         global BEFORE_LABEL
         BEFORE_LABEL = f"git {head_rev} (before)"
     rows = []
     closed = not args.rates or args.closed_loop
     for n in [] if args.steps else args.workers:  # side by side, interleaved per point: (ceiling,) before, after
-        points = ([dict(ceiling=True)] if closed and not args.no_ceiling else []) + ([{}] if closed else []) + [dict(rate=r) for r in args.rates]
+        points = ([dict(ceiling=True)] if closed and not args.no_ceiling else []) + ([{}] if closed
+            else []) + [dict(rate=r) for r in args.rates]
         for kw in points:
             for src in [str(HEAD_DIR)] if args.compare_head and not kw.get("ceiling") else []:
                 rows.append(run_point(args, n, tmpl, src=src, **kw))
@@ -744,13 +773,16 @@ def main() -> None:
                 r = run_steps(args, src)
                 runs.setdefault(r.pop("code"), []).append(r)
                 print(json.dumps(r), flush=True)
-        steps = [{"code": code, **{k: float(np.median([r[k] for r in rs])) for k in rs[0]}} for code, rs in runs.items()]
+        steps = [{"code": code, **{k: float(np.median([r[k] for r in rs])) for k in rs[0]}} for code,
+            rs in runs.items()]
     result = {
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-        "pinning": {"server_cpus": args.server_cpus, "client_cpus": args.client_cpus, "client_procs": args.client_procs},
+        "pinning": {"server_cpus": args.server_cpus, "client_cpus": args.client_cpus,
+        "client_procs": args.client_procs},
         "head": head_rev,
-        "shape": {"prompts_per_lease": args.prompts_per_lease, "samples_per_prompt": args.samples_per_prompt, "max_tokens": args.max_tokens},
+        "shape": {"prompts_per_lease": args.prompts_per_lease, "samples_per_prompt": args.samples_per_prompt,
+        "max_tokens": args.max_tokens},
         "verification": "stubbed (benchmark only); stub trainer consumes the buffer",
         "rows": rows,
         "steps_ms_per_cycle": steps,
@@ -760,60 +792,90 @@ def main() -> None:
         "# Orchestrator benchmark",
         "",
         f"`{result['command']}` on {os.cpu_count()} shared cores; server pinned to cpu {args.server_cpus or '-'}, "
-        f"{args.client_procs} client processes pinned to cpu {args.client_cpus or '-'} (standing in for separate machines).",
+        f"{args.client_procs} client processes pinned to cpu {args.client_cpus or '-'} (standing in for separate "
+        f"machines).",
         f"Each cycle: lease + one zstd submission of {args.prompts_per_lease}x{args.samples_per_prompt} completions of "
-        f"{args.max_tokens // 2}-{args.max_tokens} tokens with proofs ({len(tmpl) / 1024:.1f} KiB JSON). Verification stubbed (benchmark only).",
-        "Server CPU ms per submission is the server process's user+system CPU over the measured window divided by accepted "
-        "submissions (lease + submit + admission + verdict bookkeeping + buffer + stub trainer pulls): it does not depend on other "
+        f"{args.max_tokens // 2}-{args.max_tokens} tokens with proofs ({len(tmpl) / 1024:.1f} KiB JSON). Verification "
+        f"stubbed (benchmark only).",
+        "Server CPU ms per submission is the server process's user+system CPU over the measured window divided by "
+        "accepted "
+        "submissions (lease + submit + admission + verdict bookkeeping + buffer + stub trainer pulls): it does not "
+        "depend on other "
         "load on the machine the way wall-clock throughput does; 1000 / it = what one dedicated core sustains.",
         "",
-        "Two modes. **Closed loop**: each worker leases again as soon as its submit returns (zero think time), so the server is "
-        "always saturated: it measures saturation throughput and CPU per submission, but its latency is just workers in flight / "
-        "throughput, a property of the client count, not of the server. **Paced** (open loop, `--rates`): each worker starts a "
-        "cycle (lease, then submit) at the times of its own Poisson process of rate offered / workers (the gaps stand in for "
-        "generation), so the offered load does not depend on how fast the server answers: this is the latency measure at a given "
-        "throughput. Its *scheduled* latency runs from a cycle's scheduled start to its submit response: a cycle that starts late "
-        "because its worker's previous one ran long (or the server stalled) counts its wait, instead of being silently postponed "
-        "(no coordinated omission); above capacity it grows with the run's length. Paced latencies are of the cycles scheduled in "
-        f"the {args.seconds:g} s window (after {args.warmup:g} s warm-up), which may finish up to {args.drain:g} s after it; "
+        "Two modes. **Closed loop**: each worker leases again as soon as its submit returns (zero think time), so the "
+        "server is "
+        "always saturated: it measures saturation throughput and CPU per submission, but its latency is just workers "
+        "in flight / "
+        "throughput, a property of the client count, not of the server. **Paced** (open loop, `--rates`): each worker "
+        "starts a "
+        "cycle (lease, then submit) at the times of its own Poisson process of rate offered / workers (the gaps stand "
+        "in for "
+        "generation), so the offered load does not depend on how fast the server answers: this is the latency measure "
+        "at a given "
+        "throughput. Its *scheduled* latency runs from a cycle's scheduled start to its submit response: a cycle that "
+        "starts late "
+        "because its worker's previous one ran long (or the server stalled) counts its wait, instead of being "
+        "silently postponed "
+        "(no coordinated omission); above capacity it grows with the run's length. Paced latencies are of the cycles "
+        "scheduled in "
+        f"the {args.seconds:g} s window (after {args.warmup:g} s warm-up), which may finish up to {args.drain:g} s "
+        f"after it; "
         "accepted/s counts completions inside the window in both modes.",
-        "Server CPU share by thread: CPU of each server thread over the window (`http` serves every request; `verify` applies the "
+        "Server CPU share by thread: CPU of each server thread over the window (`http` serves every request; `verify` "
+        "applies the "
         "verdicts: advantages, buffer rows, ledger; `stub-trainer` pulls batches; `checkpoint` checkpoints the WAL). "
-        "Others' CPU on server core: busy time of the server's pinned core(s) not spent by the server, over the window (other "
-        "people's jobs on a shared machine; +-0.02 from 10 ms clock ticks). Server events: the stub trainer's pulls (CPU ms of take + commit) and garbage "
-        "collections of generation >= 1 (wall ms, they stop every thread); the json has a 250 ms timeline of them next to the "
-        "worst scheduled latency. Client CPU share: CPU of all client processes over the window / window (they share one core when pinned); client lag p99 "
-        "(paced): how much later than it could have a cycle started (sleep overshoot or a busy client loop): the client is not the "
+        "Others' CPU on server core: busy time of the server's pinned core(s) not spent by the server, over the "
+        "window (other "
+        "people's jobs on a shared machine; +-0.02 from 10 ms clock ticks). Server events: the stub trainer's pulls "
+        "(CPU ms of take + commit) and garbage "
+        "collections of generation >= 1 (wall ms, they stop every thread); the json has a 250 ms timeline of them "
+        "next to the "
+        "worst scheduled latency. Client CPU share: CPU of all client processes over the window / window (they share "
+        "one core when pinned); client lag p99 "
+        "(paced): how much later than it could have a cycle started (sleep overshoot or a busy client loop): the "
+        "client is not the "
         "bottleneck while both stay small.",
         "",
-        "| code | mode | workers | offered/s | accepted/s | submit p50 / p99 / max ms | lease p50 / p99 / max ms | scheduled p50 / p99 ms "
-        "| server CPU ms / submission | one-core capacity /s | server CPU share | server CPU share by thread | others' CPU on server core "
-        "| client CPU share | client lag p99 ms | RSS peak MiB | load avg | server events in window: n x median / max ms | errors |",
+        "| code | mode | workers | offered/s | accepted/s | submit p50 / p99 / max ms | lease p50 / p99 / max ms | "
+        "scheduled p50 / p99 ms "
+        "| server CPU ms / submission | one-core capacity /s | server CPU share | server CPU share by thread | "
+        "others' CPU on server core "
+        "| client CPU share | client lag p99 ms | RSS peak MiB | load avg | server events in window: n x median / max "
+        "ms | errors |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in rows:
         paced = p["offered_submissions_per_s"] is not None
         sched = f"{p['scheduled_p50_ms']} / {p['scheduled_p99_ms']}" if paced else "-"
-        events = "; ".join(f"{k}: {v['n']} x {v['median_ms']} / {v['max_ms']}" for k, v in p["server_events"].items()) or "-"
-        by_thread = ", ".join(f"{k.removeprefix('orchestrator-')} {v:.2f}" for k, v in p["server_cpu_share_by_thread"].items() if v >= 0.01) or "-"
+        events = "; ".join(f"{k}: {v['n']} x {v['median_ms']} / {v['max_ms']}" for k,
+            v in p["server_events"].items()) or "-"
+        by_thread = ", ".join(f"{k.removeprefix('orchestrator-')} {v:.2f}" for k,
+            v in p["server_cpu_share_by_thread"].items() if v >= 0.01) or "-"
         lines.append(
-            f"| {'-' if 'ceiling' in p['mode'] else p['code']} | {p['mode']} | {p['workers']} | {p['offered_submissions_per_s'] if paced else '-'} | "
-            f"{p['accepted_submissions_per_s']:.0f} | {p['submit_p50_ms']} / {p['submit_p99_ms']} / {p['submit_max_ms']} | "
+            f"| {'-' if 'ceiling' in p['mode'] else p['code']} | {p['mode']} | {p['workers']} | "
+            f"{p['offered_submissions_per_s'] if paced else '-'} | "
+            f"{p['accepted_submissions_per_s']:.0f} | {p['submit_p50_ms']} / {p['submit_p99_ms']} / "
+            f"{p['submit_max_ms']} | "
             f"{p['lease_p50_ms']} / {p['lease_p99_ms']} / {p['lease_max_ms']} | "
             f"{sched} | {p['server_cpu_ms_per_submission']:.2f} | "
-            f"{p['one_core_capacity_per_s']:.0f} | {p['server_cpu_share']:.2f} | {by_thread} | {p['others_cpu_share_on_server_cores']} | {p['client_cpu_share']:.2f} | "
-            f"{p['client_lag_p99_ms'] if paced else '-'} | {p['orchestrator_rss_peak_mb']:.0f} | {p['load_average_at_start']:.1f} | {events} | {p['errors'] or '-'} |"
+            f"{p['one_core_capacity_per_s']:.0f} | {p['server_cpu_share']:.2f} | {by_thread} | "
+            f"{p['others_cpu_share_on_server_cores']} | {p['client_cpu_share']:.2f} | "
+            f"{p['client_lag_p99_ms'] if paced else '-'} | {p['orchestrator_rss_peak_mb']:.0f} | "
+            f"{p['load_average_at_start']:.1f} | {events} | {p['errors'] or '-'} |"
         )
     if steps:
         lines += [
             "",
-            f"In-process server CPU per step (ms per cycle; no HTTP, no threads; median of 3 runs of {args.steps_cycles} cycles; "
+            f"In-process server CPU per step (ms per cycle; no HTTP, no threads; median of 3 runs of "
+            f"{args.steps_cycles} cycles; "
             "`verify` = stub verification + verdict bookkeeping, `take`/`commit` = the trainer's pulls):",
             "",
             "| code | " + " | ".join(STEPS) + " | total | process CPU (all threads, incl. the harness's zstd) |",
             "|---|" + "---|" * (len(STEPS) + 2),
         ]
-        lines += [f"| {r['code']} | " + " | ".join(f"{r[k]:.3f}" for k in (*STEPS, "total", "process")) + " |" for r in steps]
+        lines += [f"| {r['code']} | " + " | ".join(f"{r[k]:.3f}" for k in (*STEPS, "total", "process")) + " |"
+            for r in steps]
     lines.append("")
     Path(args.out + ".md").write_text("\n".join(lines))
     print("\n".join(lines))

@@ -32,7 +32,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--batch", type=int, default=32, help="completions vLLM generates at once")
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--samplings", default="T=1;T=0.7,top_p=0.9", help="';'-separated names of tools.draw_calibration.SAMPLINGS")
+    ap.add_argument("--samplings", default="T=1;T=0.7,top_p=0.9",
+        help="';'-separated names of tools.draw_calibration.SAMPLINGS")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     a = ap.parse_args()
@@ -56,8 +57,10 @@ def main() -> None:
            "dtypes": a.dtypes, "samplings": a.samplings, "seconds": round(time.perf_counter() - started, 1),
            "load_before": [round(x, 2) for x in load_before], "load_after": [round(x, 2) for x in os.getloadavg()],
            "command": "python bench/realsize_draws.py " + " ".join(sys.argv[1:])}
-    models = {**old_meta.get("models", {}), a.label: {k: info.get(k) for k in ("arch", "parameters", "layers", "hidden", "vocab_size", "tied",
-                                                                               "pretrain_steps", "pretrain_losses") if k in info}}
+    models = {**old_meta.get("models", {}), a.label: {k: info.get(k) for k in ("arch", "parameters", "layers",
+                                                                               "hidden", "vocab_size", "tied",
+                                                                               "pretrain_steps", "pretrain_losses")
+                                                                               if k in info}}
     path = write_results(merge_rows(old_rows, rows), a.out, {"models": models, "runs": [*runs, run]}, STEM)
     print(table_markdown(merge_rows(old_rows, rows)))
     print(f"wrote {path}")

@@ -31,7 +31,8 @@ sys.path.insert(0, str(REPO))
 WORK = REPO / "bench" / ".work"
 RESULTS = REPO / "bench" / "results"
 RUN_ID = "reload-latency-bench"
-MEDIUM = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4)
+MEDIUM = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+    num_key_value_heads=4)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -47,15 +48,17 @@ def worker_main(argv: list[str]) -> None:
     p.add_argument("--dest")
     a = p.parse_args(argv)
     os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(a.dest) / "vllm-cache"))
+    import numpy as np
+
     from inference_worker.config import EngineConfig
     from inference_worker.engine import RolloutEngine
     from protocol.models import SamplingParams, TaskLease, TaskPrompt
     from shardcast.client import ShardcastClient
 
-    import numpy as np
-
     engine = RolloutEngine(a.model, EngineConfig(max_model_len=128, kv_cache_bytes=64 << 20))
-    client = ShardcastClient([a.relay], a.pub, Path(a.dest), run_id=RUN_ID, fallback_urls=[a.origin], keep_versions=2, write_behind=True)  # as the worker's keeper
+    # as the worker's keeper
+    client = ShardcastClient([a.relay], a.pub, Path(a.dest), run_id=RUN_ID, fallback_urls=[a.origin], keep_versions=2,
+        write_behind=True)
     held = -1
     print("@@ready", flush=True)
     while True:
@@ -69,14 +72,17 @@ def worker_main(argv: list[str]) -> None:
         engine.reload(pulled.path, pulled.version, pulled.manifest.model_hash, state=pulled.state)
         t_reloaded = time.time()
         lease = TaskLease(
-            lease_id="l", prompts=[TaskPrompt(prompt_id="p0", token_ids=np.array([1, 10, 11, 12], dtype=np.int32), seeds=[0])], samples_per_prompt=1,
-            sampling=SamplingParams(temperature=0.0, max_tokens=1), policy_version=pulled.version, min_policy_version=0, deadline=time.time() + 60,
+            lease_id="l", prompts=[TaskPrompt(prompt_id="p0", token_ids=np.array([1, 10, 11, 12], dtype=np.int32),
+            seeds=[0])], samples_per_prompt=1,
+            sampling=SamplingParams(temperature=0.0, max_tokens=1), policy_version=pulled.version,
+            min_policy_version=0, deadline=time.time() + 60,
         )
         engine.generate(lease)
         held = pulled.version
         print("@@" + json.dumps({
-            "version": held, "t_seen": t_seen, "t_pulled": t_pulled, "t_reloaded": t_reloaded, "t_generated": time.time(),
-            "wire_bytes": pulled.wire_bytes, "steps": pulled.steps, "from_memory": pulled.state is not None,
+            "version": held, "t_seen": t_seen, "t_pulled": t_pulled, "t_reloaded": t_reloaded,
+            "t_generated": time.time(), "wire_bytes": pulled.wire_bytes, "steps": pulled.steps,
+            "from_memory": pulled.state is not None,
         }), flush=True)
 
 
@@ -106,8 +112,9 @@ def make_model(work: Path, size: str) -> Path:
 
 
 def start(args: list[str], env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
-    return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=open(log, "wb") if log else subprocess.DEVNULL, text=True,
-                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+    return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=open(log, "wb") if log
+                            else subprocess.DEVNULL, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO),
+                            **(env or {})})
 
 
 def report(proc: subprocess.Popen) -> str:
@@ -130,22 +137,26 @@ def bench_model(work: Path, size: str, versions: int, lr: float) -> dict:
     from shardcast.server import serve_origin
 
     model_dir = make_model(work, size)
-    master = {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict().items() if k != "lm_head.weight"}
+    master = {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(model_dir,
+        dtype=torch.float32).state_dict().items() if k != "lm_head.weight"}
     key = generate_signing_key(work / f"{size}-key.pem")
     pub = public_key_b64(key)
     modes = {"full": dict(deltas=False), "delta": dict(deltas=True, anchor_every=10)}
     origins, servers, procs, workers = {}, {}, [], {}
     try:
         for mode, kw in modes.items():
-            origins[mode] = Origin(work / f"{size}-{mode}-origin", key, run_id=RUN_ID, keep_versions=3, shard_bytes=64 << 20, grace_s=0, **kw)
+            origins[mode] = Origin(work / f"{size}-{mode}-origin", key, run_id=RUN_ID, keep_versions=3,
+                shard_bytes=64 << 20, grace_s=0, **kw)
             origins[mode].publish(0, cast_for_publishing(master))
             servers[mode] = serve_origin(origins[mode])
-            relay = start([sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", "relay", "--upstream", servers[mode].url, "--root",
-                           str(work / f"{size}-{mode}-relay"), "--public-key", pub, "--run-id", RUN_ID, "--poll-interval-s", "0.02", "--log-level", "ERROR"])
+            relay = start([sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", "relay", "--upstream",
+                           servers[mode].url, "--root", str(work / f"{size}-{mode}-relay"), "--public-key", pub,
+                           "--run-id", RUN_ID, "--poll-interval-s", "0.02", "--log-level", "ERROR"])
             procs.append(relay)
             relay_url = json.loads(relay.stdout.readline())["url"]
-            w = start([sys.executable, __file__, "_worker", "--relay", relay_url, "--origin", servers[mode].url, "--pub", pub, "--model", str(model_dir),
-                       "--dest", str(work / f"{size}-{mode}-worker")], env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, log=work / f"{size}-{mode}-worker.log")
+            w = start([sys.executable, __file__, "_worker", "--relay", relay_url, "--origin", servers[mode].url,
+                       "--pub", pub, "--model", str(model_dir), "--dest", str(work / f"{size}-{mode}-worker")],
+                       env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, log=work / f"{size}-{mode}-worker.log")
             procs.append(w)
             assert report(w) == "ready", f"{mode} worker did not start"
             workers[mode] = w
@@ -173,10 +184,11 @@ def bench_model(work: Path, size: str, versions: int, lr: float) -> dict:
                 r = json.loads(report(workers[mode]))
                 assert r["version"] == v, r
                 rows.append({
-                    "model": size, "mode": mode, "version": v, "publish_s": round(visible[0] - t0, 3), "latency_s": round(r["t_generated"] - t0, 3),
-                    "seen_s": round(r["t_seen"] - visible[0], 3), "pull_s": round(r["t_pulled"] - r["t_seen"], 3), "reload_s": round(r["t_reloaded"] - r["t_pulled"], 3),
-                    "generate_s": round(r["t_generated"] - r["t_reloaded"], 3), "wire_bytes": r["wire_bytes"], "full_bytes": m.full_bytes,
-                    "steps": r["steps"], "from_memory": r["from_memory"],
+                    "model": size, "mode": mode, "version": v, "publish_s": round(visible[0] - t0, 3),
+                    "latency_s": round(r["t_generated"] - t0, 3), "seen_s": round(r["t_seen"] - visible[0], 3),
+                    "pull_s": round(r["t_pulled"] - r["t_seen"], 3), "reload_s": round(r["t_reloaded"] - r["t_pulled"],
+                    3), "generate_s": round(r["t_generated"] - r["t_reloaded"], 3), "wire_bytes": r["wire_bytes"],
+                    "full_bytes": m.full_bytes, "steps": r["steps"], "from_memory": r["from_memory"],
                 })
                 print(json.dumps(rows[-1]), flush=True)
         return {"model": size, "params": sum(t.numel() for t in master.values()), "rows": rows}
@@ -201,13 +213,19 @@ def write(out: str, results: list[dict], meta: dict) -> None:
     lines = [
         "# Publish -> worker generating with the new version: full versions and deltas",
         "",
-        f"`{meta['command']}` — {meta['when']}, loopback, 2 cores shared with other jobs (load before {meta['loadavg_before']}, after {meta.get('loadavg_after')}).",
-        f"bfloat16 versions of a float32 master taking Adam-like steps of {meta['lr']} per weight; full and delta published alternately, version by",
-        "version. latency = the trainer calls the origin's publish -> the worker generated a token with the new version; its parts: publish",
-        "(encode the delta or serialize the shards, hash, fsync, sign, until listed), seen (relay mirrored it + the worker's 20 ms listing poll),",
-        "pull (download, verify, apply deltas, write the folder), reload (vLLM), generate (1 token). Cells: median [min–max].",
+        f"`{meta['command']}` — {meta['when']}, loopback, 2 cores shared with other jobs (load before "
+        f"{meta['loadavg_before']}, after {meta.get('loadavg_after')}).",
+        f"bfloat16 versions of a float32 master taking Adam-like steps of {meta['lr']} per weight; full and delta "
+        f"published alternately, version by",
+        "version. latency = the trainer calls the origin's publish -> the worker generated a token with the new "
+        "version; its parts: publish",
+        "(encode the delta or serialize the shards, hash, fsync, sign, until listed), seen (relay mirrored it + the "
+        "worker's 20 ms listing poll),",
+        "pull (download, verify, apply deltas, write the folder), reload (vLLM), generate (1 token). Cells: median "
+        "[min–max].",
         "",
-        "| model | params | mode | latency s, median | max | publish | seen | pull | reload | generate | MB on the wire | reload from memory |",
+        "| model | params | mode | latency s, median | max | publish | seen | pull | reload | generate | MB on the "
+        "wire | reload from memory |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for res in results:
@@ -215,15 +233,18 @@ def write(out: str, results: list[dict], meta: dict) -> None:
             rs = [r for r in res["rows"] if r["mode"] == mode]
             lat = [r["latency_s"] for r in rs]
             lines.append(
-                f"| {res['model']} | {res['params'] / 1e6:.1f}M | {mode} | {statistics.median(lat):.3f} | {max(lat):.3f} | {spread([r['publish_s'] for r in rs])} | {spread([r['seen_s'] for r in rs])} | "
-                f"{spread([r['pull_s'] for r in rs])} | {spread([r['reload_s'] for r in rs])} | {spread([r['generate_s'] for r in rs])} | "
+                f"| {res['model']} | {res['params'] / 1e6:.1f}M | {mode} | {statistics.median(lat):.3f} | "
+                f"{max(lat):.3f} | {spread([r['publish_s'] for r in rs])} | {spread([r['seen_s'] for r in rs])} | "
+                f"{spread([r['pull_s'] for r in rs])} | {spread([r['reload_s'] for r in rs])} | "
+                f"{spread([r['generate_s'] for r in rs])} | "
                 f"{spread([r['wire_bytes'] / 1e6 for r in rs])} | {sum(r['from_memory'] for r in rs)}/{len(rs)} |"
             )
     lines += ["", "Every version (latency s, full / delta):", ""]
     for res in results:
         full = [r for r in res["rows"] if r["mode"] == "full"]
         delta = [r for r in res["rows"] if r["mode"] == "delta"]
-        lines.append(f"- {res['model']}: " + "; ".join(f"v{f['version']} {f['latency_s']} / {d['latency_s']}" for f, d in zip(full, delta)))
+        lines.append(f"- {res['model']}: " + "; ".join(f"v{f['version']} {f['latency_s']} / {d['latency_s']}" for f,
+            d in zip(full, delta)))
     Path(out + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -232,13 +253,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--versions", type=int, default=12)
     p.add_argument("--models", default="small,medium")
-    p.add_argument("--lr", type=float, default=2.5e-6, help="per-weight step of the master (bf16 deltas of a few percent)")
+    p.add_argument("--lr", type=float, default=2.5e-6,
+        help="per-weight step of the master (bf16 deltas of a few percent)")
     p.add_argument("--out", default=str(RESULTS / "reload_latency"))
     a = p.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="reload-latency-", dir=WORK))
-    meta = {"command": "python " + " ".join(["bench/reload_latency_bench.py"] + sys.argv[1:]), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "loadavg_before": [round(x, 2) for x in os.getloadavg()], "lr": a.lr}
+    meta = {"command": "python " + " ".join(["bench/reload_latency_bench.py"] + sys.argv[1:]),
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "loadavg_before": [round(x, 2)
+            for x in os.getloadavg()], "lr": a.lr}
     try:
         results = [bench_model(work, size, a.versions, a.lr) for size in a.models.split(",")]
         meta["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]

@@ -166,16 +166,21 @@ def write_report(args, work, runs, modes, math_call_ms, restart, load_start, loa
     lines = [
         "# Reward pool: per-completion overhead vs in-process rewards",
         "",
-        f"Command: `python bench/reward_pool_bench.py --toy {args.toy} --math {args.math} --rounds {args.rounds} --kills {args.kills}`",
+        f"Command: `python bench/reward_pool_bench.py --toy {args.toy} --math {args.math} --rounds {args.rounds} "
+        f"--kills {args.kills}`",
         "",
-        f"{os.cpu_count()}-core VM shared with other jobs (1-min load average {load_start:.1f} at start, {load_end:.1f} at end).",
-        f"Workloads: toy (digits=4), {len(work['toy'])} completions per run; math (math-verify), {len(work['math'])} completions",
-        "per run (boxed / plain / LaTeX-fraction / wrong / no answer, in equal parts). Modes interleaved per round, order",
+        f"{os.cpu_count()}-core VM shared with other jobs (1-min load average {load_start:.1f} at start, "
+        f"{load_end:.1f} at end).",
+        f"Workloads: toy (digits=4), {len(work['toy'])} completions per run; math (math-verify), {len(work['math'])} "
+        f"completions",
+        "per run (boxed / plain / LaTeX-fraction / wrong / no answer, in equal parts). Modes interleaved per round, "
+        "order",
         "alternating; every run's rewards are checked equal to the in-process ones. Pools: forkserver, default limits",
         "(2 s wall, 4 CPU s, +1 GiB address space per completion), default chunking (<= 32 per message).",
         "CPU = this process's process_time + the children's utime+stime (/proc, 10 ms ticks), per completion.",
         "",
-        "| task | mode | median wall us/completion | median CPU us/completion | wall / in-process | CPU / in-process | wall overhead us | CPU overhead us |",
+        "| task | mode | median wall us/completion | median CPU us/completion | wall / in-process | CPU / in-process "
+        "| wall overhead us | CPU overhead us |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name in work:
@@ -184,7 +189,9 @@ def write_report(args, work, runs, modes, math_call_ms, restart, load_start, loa
         for mode in modes:
             w = statistics.median(x for x, _ in runs[(name, mode)])
             c = statistics.median(y for _, y in runs[(name, mode)] if y == y)  # NaN: a run with a replacement
-            lines.append(f"| {name} | {mode} | {w:.1f} | {c:.1f} | {w / base_w:.2f}x | {c / base_c:.2f}x | {w - base_w:+.1f} | {c - base_c:+.1f} |")
+            lines.append(
+                f"| {name} | {mode} | {w:.1f} | {c:.1f} | {w / base_w:.2f}x | {c / base_c:.2f}x | {w - base_w:+.1f} | "
+                f"{c - base_c:+.1f} |")
     lines += ["", "All runs (us per completion, in round order):", ""]
     for (name, mode), xs in runs.items():
         lines.append(f"- {name}, {mode}: wall [{fmt([w for w, _ in xs])}]; CPU [{fmt([c for _, c in xs])}]")

@@ -104,9 +104,11 @@ def model_info(model_dir: Path) -> dict:
     if (model_dir / "swarmrl_model.json").is_file():
         made = json.loads((model_dir / "swarmrl_model.json").read_text())
     hidden, vocab = int(cfg["hidden_size"]), int(cfg["vocab_size"])
-    return {"parameters": int(params), "layers": int(cfg["num_hidden_layers"]), "hidden": hidden, "intermediate": int(cfg.get("intermediate_size", 0)),
-            "vocab": vocab, "tied": bool(cfg.get("tie_word_embeddings", False)), "embedding_parameters": vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2),
-            "architecture": (cfg.get("architectures") or ["?"])[0], "pretrain_steps": made.get("pretrain_steps"), "path": str(model_dir)}
+    return {"parameters": int(params), "layers": int(cfg["num_hidden_layers"]), "hidden": hidden,
+            "intermediate": int(cfg.get("intermediate_size", 0)), "vocab": vocab,
+            "tied": bool(cfg.get("tie_word_embeddings", False)), "embedding_parameters": vocab * hidden * (1
+            if cfg.get("tie_word_embeddings") else 2), "architecture": (cfg.get("architectures") or ["?"])[0],
+            "pretrain_steps": made.get("pretrain_steps"), "path": str(model_dir)}
 
 
 # =================================================================================================
@@ -144,9 +146,10 @@ def make_leases(spec: dict) -> list[tuple]:
         items = task.make_prompts(n_prompts, rng.randrange(1 << 30))
         ids = encode_prompts(Path(spec["model_dir"]), items)
         lease = TaskLease(
-            lease_id=f"scaling{r}", samples_per_prompt=spp, sampling=sampling, policy_version=0, min_policy_version=0, generation_version=0,
-            deadline=_t.time() + 7 * 86400,
-            prompts=[TaskPrompt(prompt_id=f"p{i}", token_ids=p, seeds=[rng.randrange(1 << 63) for _ in range(spp)]) for i, p in enumerate(ids)],
+            lease_id=f"scaling{r}", samples_per_prompt=spp, sampling=sampling, policy_version=0, min_policy_version=0,
+            generation_version=0, deadline=_t.time() + 7 * 86400,
+            prompts=[TaskPrompt(prompt_id=f"p{i}", token_ids=p, seeds=[rng.randrange(1 << 63) for _ in range(spp)])
+            for i, p in enumerate(ids)],
         )
         out.append((lease, items))
     return out
@@ -157,7 +160,8 @@ def new_engine(spec: dict, variant: str):
     from inference_worker.engine import RolloutEngine
 
     started = time.perf_counter()
-    engine = RolloutEngine(spec["model_dir"], EngineConfig(dtype=spec["dtype"], max_model_len=256, **VARIANTS[variant]), policy_version=0, model_hash="0" * 64)
+    engine = RolloutEngine(spec["model_dir"], EngineConfig(dtype=spec["dtype"], max_model_len=256,
+        **VARIANTS[variant]), policy_version=0, model_hash="0" * 64)
     return engine, time.perf_counter() - started
 
 
@@ -183,9 +187,11 @@ def part_gen(spec: dict, ctx: dict) -> dict:
                 took = time.perf_counter() - started
                 st = engines[v].last_stats
                 tokens = int(sum(c.token_ids.size for c in comps))
-                rec["runs"].append({"variant": v, "round": r, "seconds": took, "completions": len(comps), "tokens": tokens, "tokens_per_s": tokens / took,
-                                    "capture_record_s": st.capture_record_s, "proof_thread_s": st.proof_thread_s, "capture_take_s": st.capture_take_s,
-                                    "stopped": sum(c.finish_reason.value == "stop" for c in comps)})
+                rec["runs"].append({"variant": v, "round": r, "seconds": took, "completions": len(comps),
+                                    "tokens": tokens, "tokens_per_s": tokens / took,
+                                    "capture_record_s": st.capture_record_s, "proof_thread_s": st.proof_thread_s,
+                                    "capture_take_s": st.capture_take_s, "stopped": sum(c.finish_reason.value == "stop"
+                                    for c in comps)})
                 if v == "shipped":
                     save_completions(spec, r, leases[r], comps, took)
     finally:
@@ -199,7 +205,8 @@ def part_gen(spec: dict, ctx: dict) -> dict:
 def save_completions(spec: dict, r: int, lease_items: tuple, comps, gen_s: float | None = None) -> None:
     path = Path(spec["work"]) / "completions" / f"round{r}.pkl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(pickle.dumps({"lease": lease_items[0], "items": lease_items[1], "completions": comps, "gen_s": gen_s}))
+    path.write_bytes(pickle.dumps({"lease": lease_items[0], "items": lease_items[1], "completions": comps,
+        "gen_s": gen_s}))
 
 
 def load_completions(spec: dict, r: int) -> dict:
@@ -257,12 +264,14 @@ def part_verify(spec: dict, ctx: dict) -> dict:
         rec["model_load_s"] = time.perf_counter() - started
         head_t: dict[str, float] = {}
         model.lm_head.register_forward_pre_hook(lambda m, a: head_t.__setitem__("t", time.perf_counter()))
-        model.lm_head.register_forward_hook(lambda m, a, o: timers.s.__setitem__("lm_head", timers.s.get("lm_head", 0.0) + time.perf_counter() - head_t["t"]))
+        model.lm_head.register_forward_hook(lambda m, a, o: timers.s.__setitem__("lm_head", timers.s.get("lm_head",
+            0.0) + time.perf_counter() - head_t["t"]))
         v.rewards.score_many = timers.wrap("rewards", v.rewards.score_many)
         for r in [0, *spec["verify_rounds"]]:
             got = load_completions(spec, r)
             lease, items, comps = got["lease"], got["items"], got["completions"]
-            job = VerifyJob(f"s{lease.lease_id}", RolloutSubmission(lease_id=lease.lease_id, policy_version=0, model_hash=version_hash(0), completions=comps),
+            job = VerifyJob(f"s{lease.lease_id}", RolloutSubmission(lease_id=lease.lease_id, policy_version=0,
+                model_hash=version_hash(0), completions=comps),
                             lease, items, "toy", version_hash(0))
             timers.reset()
             started = time.perf_counter()
@@ -270,8 +279,9 @@ def part_verify(spec: dict, ctx: dict) -> dict:
             took = time.perf_counter() - started
             tokens = int(sum(c.token_ids.size for c in comps))
             accepted = verdict.status == VerdictStatus.accepted
-            run = {"round": r, "seconds": took, "tokens": tokens, "completions": len(comps), "tokens_per_s": tokens / took, "accepted": accepted,
-                   "false_rejections": 0 if accepted else (len({x.completion_index for x in verdict.rejections} - {None}) or len(comps)),
+            run = {"round": r, "seconds": took, "tokens": tokens, "completions": len(comps),
+                   "tokens_per_s": tokens / took, "accepted": accepted, "false_rejections": 0 if accepted
+                   else (len({x.completion_index for x in verdict.rejections} - {None}) or len(comps)),
                    "rejection_codes": sorted({x.code.value for x in verdict.rejections}), "parts_s": dict(timers.s),
                    "near_ties": verdict.near_ties, "max_draw_margin": verdict.max_draw_margin}
             if got["gen_s"]:
@@ -289,9 +299,11 @@ def part_verify(spec: dict, ctx: dict) -> dict:
                 adv = np.zeros(len(comps))
                 for idx in by_prompt.values():
                     adv[idx] = group_advantages(rewards[idx])
-                samples[r] = [{"prompt_ids": np.asarray(lease.prompts[c.prompt_index].token_ids), "completion_ids": np.asarray(c.token_ids),
-                               "behaviour_logprobs": np.minimum(np.asarray(verdict.behaviour_logprobs[i] if verdict.behaviour_logprobs else c.logprobs), 0.0),
-                               "reward": float(rewards[i]), "advantage": float(adv[i])} for i, c in enumerate(comps)]
+                samples[r] = [{"prompt_ids": np.asarray(lease.prompts[c.prompt_index].token_ids),
+                               "completion_ids": np.asarray(c.token_ids),
+                               "behaviour_logprobs": np.minimum(np.asarray(verdict.behaviour_logprobs[i]
+                               if verdict.behaviour_logprobs else c.logprobs), 0.0), "reward": float(rewards[i]),
+                               "advantage": float(adv[i])} for i, c in enumerate(comps)]
     finally:
         v.close()
     (Path(spec["work"]) / "samples.pkl").write_bytes(pickle.dumps(samples))
@@ -322,13 +334,15 @@ def part_reload(spec: dict, ctx: dict) -> dict:
     base = cast_for_publishing(master)  # as the trainer publishes: bf16, tied lm_head already absent from the files
     del master
     prompt = make_leases({**spec, "rounds": 0})[0][0].prompts[0]
-    one = TaskLease(lease_id="one", prompts=[TaskPrompt(prompt_id="p0", token_ids=prompt.token_ids, seeds=[1])], samples_per_prompt=1,
-                    sampling=SamplingParams(max_tokens=1, temperature=1.0), policy_version=0, min_policy_version=0, deadline=time.time() + 86400)
+    one = TaskLease(lease_id="one", prompts=[TaskPrompt(prompt_id="p0", token_ids=prompt.token_ids, seeds=[1])],
+                    samples_per_prompt=1, sampling=SamplingParams(max_tokens=1, temperature=1.0), policy_version=0,
+                    min_policy_version=0, deadline=time.time() + 86400)
     norm = next(k for k in base if k.endswith("norm.weight"))
     try:
         for k in range(1, spec["reload_repeats"] + 1):
             state = dict(base)
-            state[norm] = (base[norm].float() * (1 + 0.01 * k)).to(torch.bfloat16)  # a new version (values do not change the cost)
+            # a new version (values do not change the cost)
+            state[norm] = (base[norm].float() * (1 + 0.01 * k)).to(torch.bfloat16)
             tensors, aliases = split_aliases(state)
             folder = Path(spec["work"]) / "versions" / f"v{k}"
             shutil.rmtree(folder, ignore_errors=True)
@@ -346,8 +360,9 @@ def part_reload(spec: dict, ctx: dict) -> dict:
             comps = engine.generate(one.model_copy(update={"policy_version": k}))
             t3 = time.perf_counter()
             assert comps and comps[0].token_ids.size == 1
-            rec["runs"].append({"version": k, "write_s": t1 - t0, "reload_s": t2 - t1, "first_token_s": t3 - t2, "total_s": t3 - t0,
-                                "folder_to_token_s": t3 - t1, "bytes": written, "shards": len(plan)})
+            rec["runs"].append({"version": k, "write_s": t1 - t0, "reload_s": t2 - t1, "first_token_s": t3 - t2,
+                                "total_s": t3 - t0, "folder_to_token_s": t3 - t1, "bytes": written,
+                                "shards": len(plan)})
             shutil.rmtree(folder, ignore_errors=True)
     finally:
         shutil.rmtree(Path(spec["work"]) / "versions", ignore_errors=True)
@@ -372,8 +387,9 @@ def part_train(spec: dict, ctx: dict) -> dict:
     batches = []
     synthetic = False
     for r in sorted(samples):
-        batch = [TrainSample(prompt_ids=s["prompt_ids"], completion_ids=s["completion_ids"], behaviour_logprobs=s["behaviour_logprobs"], advantage=s["advantage"],
-                             reward=s["reward"], behaviour_version=0, sample_id=f"r{r}-{i}") for i, s in enumerate(samples[r])]
+        batch = [TrainSample(prompt_ids=s["prompt_ids"], completion_ids=s["completion_ids"],
+                             behaviour_logprobs=s["behaviour_logprobs"], advantage=s["advantage"], reward=s["reward"],
+                             behaviour_version=0, sample_id=f"r{r}-{i}") for i, s in enumerate(samples[r])]
         if not any(abs(s.advantage) > 1e-9 for s in batch):  # all groups tied: no gradient; give it a signal
             synthetic = True
             for i, s in enumerate(batch):
@@ -387,10 +403,11 @@ def part_train(spec: dict, ctx: dict) -> dict:
     versions_dir.mkdir(parents=True)
     rss_start = vm_kib("VmRSS")
     started = time.perf_counter()
-    cfg = TrainerConfig(lr=lr, bf16=True, publish_dtype="bfloat16", max_staleness=10**6, checkpoint_every=10**6, samples_per_step=max(len(b) for b in batches),
-                        num_threads=int(spec.get("threads") or 0))
+    cfg = TrainerConfig(lr=lr, bf16=True, publish_dtype="bfloat16", max_staleness=10**6, checkpoint_every=10**6,
+                        samples_per_step=max(len(b) for b in batches), num_threads=int(spec.get("threads") or 0))
     trainer = Trainer(cfg, Path(spec["model_dir"]), run_dir, resume=False)
-    rec: dict = {"lr": lr, "trainer_start_s": time.perf_counter() - started, "runs": [], "synthetic_advantages": synthetic}
+    rec: dict = {"lr": lr, "trainer_start_s": time.perf_counter() - started, "runs": [],
+        "synthetic_advantages": synthetic}
 
     def publish(k: int) -> Path:
         from shardcast.weights import split_aliases
@@ -408,8 +425,9 @@ def part_train(spec: dict, ctx: dict) -> dict:
         m = trainer.step(batch)
         took = time.perf_counter() - t0
         comp = int(sum(s.completion_ids.size for s in batch))
-        run = {"step": i, "seconds": took, "samples": len(batch), "completion_tokens": comp, "tokens": int(m.get("tokens", 0)),
-               "completion_tokens_per_s": comp / took, "tokens_per_s": m.get("tokens", 0) / took, "loss": m.get("loss"), "grad_norm": m.get("grad_norm")}
+        run = {"step": i, "seconds": took, "samples": len(batch), "completion_tokens": comp,
+               "tokens": int(m.get("tokens", 0)), "completion_tokens_per_s": comp / took,
+               "tokens_per_s": m.get("tokens", 0) / took, "loss": m.get("loss"), "grad_norm": m.get("grad_norm")}
         if i == 0:
             rec["warmup"] = run
         else:
@@ -428,8 +446,9 @@ def part_train(spec: dict, ctx: dict) -> dict:
         st = delta_stats(delta)
         changed = sum(int((base[k].view(torch.int16) != new[k].view(torch.int16)).sum()) for k in base)
         total = sum(t.numel() for t in base.values())
-        rec[f"delta_v{a}_v{b}"] = {"bytes": len(delta), "ratio": len(delta) / paths[b].stat().st_size, "encode_s": took, "changed_weights": changed,
-                                   "changed_share": changed / total, **{k: st[k] for k in ("same", "xor", "sparse")}}
+        rec[f"delta_v{a}_v{b}"] = {"bytes": len(delta), "ratio": len(delta) / paths[b].stat().st_size,
+                                   "encode_s": took, "changed_weights": changed, "changed_share": changed / total,
+                                   **{k: st[k] for k in ("same", "xor", "sparse")}}
         del base, new, delta
     shutil.rmtree(run_dir, ignore_errors=True)
     return rec
@@ -448,7 +467,8 @@ def part_make(spec: dict, ctx: dict) -> dict:
         from trainer import model_shapes
 
         steps = spec.get("pretrain_steps")
-        model_shapes.init_model(out, name, seed=0, pretrain_steps=model_shapes.DEFAULT_PRETRAIN_STEPS if steps is None else steps)
+        model_shapes.init_model(out, name, seed=0, pretrain_steps=model_shapes.DEFAULT_PRETRAIN_STEPS if steps is None
+            else steps)
     return {"seconds": time.perf_counter() - started}
 
 
@@ -486,8 +506,8 @@ def run_child(spec: dict, log: Path, timeout: float | None) -> dict:
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
     started = time.perf_counter()
     with open(log, "ab") as f:
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "_child", str(spec_path)], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL, env=env, timeout=timeout)
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "_child", str(spec_path)], cwd=REPO,
+                              stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, timeout=timeout)
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         tail = log.read_text(errors="replace")[-3000:]
@@ -505,7 +525,8 @@ def resolve_model(name: str, given: dict[str, Path], args, work: Path, log) -> t
     if (model_dir / "config.json").is_file() and any(model_dir.glob("*.safetensors")):
         return model_dir, None  # made by an earlier run
     shutil.rmtree(model_dir, ignore_errors=True)
-    spec = {"parts": ["make"], "make": name, "model_dir": str(model_dir), "result": str(work / f"make-{name}.json"), "threads": args.threads}
+    spec = {"parts": ["make"], "make": name, "model_dir": str(model_dir), "result": str(work / f"make-{name}.json"),
+        "threads": args.threads}
     if args.pretrain_steps is not None:
         spec["pretrain_steps"] = args.pretrain_steps
     log(f"{name}: making the model in {model_dir}")
@@ -520,13 +541,17 @@ def measure_model(name: str, model_dir: Path, args, work: Path, log) -> dict:
     logf = mwork / "children.log"
     spp = 4 if args.completions % 4 == 0 else 1
     rounds = list(range(1, args.rounds + 1))
-    base = {"model_dir": str(model_dir), "work": str(mwork), "dtype": args.dtype, "completions": args.completions, "samples_per_prompt": spp,
-            "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p, "rounds": args.rounds, "seed": args.seed,
-            "threads": args.threads, "reload_repeats": args.reload_repeats, "verify_rounds": rounds}
+    base = {"model_dir": str(model_dir), "work": str(mwork), "dtype": args.dtype, "completions": args.completions,
+            "samples_per_prompt": spp, "max_tokens": args.max_tokens, "temperature": args.temperature,
+            "top_p": args.top_p, "rounds": args.rounds, "seed": args.seed, "threads": args.threads,
+            "reload_repeats": args.reload_repeats, "verify_rounds": rounds}
     together = args.engines == "together" or (args.engines == "auto" and info["parameters"] < TOGETHER_BELOW)
-    settings = {k: getattr(args, k) for k in ("dtype", "completions", "max_tokens", "rounds", "reload_repeats", "temperature", "top_p", "seed", "threads")}
-    rec: dict = {"info": info, "settings": {**settings, "samples_per_prompt": spp}, "engines": "together" if together else "sequential", "load_before": [round(x, 2) for x in os.getloadavg()],
-                 "parts": {}, "errors": {}, "command": " ".join(["python bench/scaling_bench.py", *sys.argv[1:]]), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    settings = {k: getattr(args, k) for k in ("dtype", "completions", "max_tokens", "rounds", "reload_repeats",
+        "temperature", "top_p", "seed", "threads")}
+    rec: dict = {"info": info, "settings": {**settings, "samples_per_prompt": spp}, "engines": "together" if together
+                 else "sequential", "load_before": [round(x, 2) for x in os.getloadavg()], "parts": {}, "errors": {},
+                 "command": " ".join(["python bench/scaling_bench.py", *sys.argv[1:]]),
+                 "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
     started = time.perf_counter()
 
     def run(tag: str, spec: dict) -> dict:
@@ -542,7 +567,8 @@ def measure_model(name: str, model_dir: Path, args, work: Path, log) -> dict:
         # Verification always gets a process of its own, as the verifier service has: vLLM's CPU worker binds the
         # OpenMP threads and memory of the process that builds an engine.
         log(f"{name}: generation (3 engines in one process), then publish -> generating in it")
-        rec["parts"].update(run("gen-reload", {"parts": ["gen", "reload"], "gen_variants": order, "gen_rounds": rounds}))
+        rec["parts"].update(run("gen-reload", {"parts": ["gen", "reload"], "gen_variants": order,
+            "gen_rounds": rounds}))
         log(f"{name}: verification")
         rec["parts"].update(run("verify", {"parts": ["verify"]}))
     else:
@@ -588,13 +614,15 @@ def summarize(rec: dict) -> dict:
     # (per token: vLLM's own sampler draws other tokens, so its completions can stop at other lengths).
     rounds = sorted({r["round"] for r in gen})
     per = {r: {x["variant"]: x for x in gen if x["round"] == r} for r in rounds}
-    for key, (num, den) in {"sampler_overhead": ("seeded", "vllm"), "proofs_overhead": ("shipped", "seeded"), "total_overhead": ("shipped", "vllm")}.items():
+    for key, (num, den) in {"sampler_overhead": ("seeded", "vllm"), "proofs_overhead": ("shipped", "seeded"),
+        "total_overhead": ("shipped", "vllm")}.items():
         xs = [(per[r][num]["seconds"] / per[r][num]["tokens"]) / (per[r][den]["seconds"] / per[r][den]["tokens"]) - 1
               for r in rounds if num in per[r] and den in per[r]]
         if xs:
             s[key] = spread(xs)
             # Per generated token (absolute seconds): what the slopes are computed on.
-            s[key + "_s_per_token"] = spread([per[r][num]["seconds"] / per[r][num]["tokens"] - per[r][den]["seconds"] / per[r][den]["tokens"]
+            s[key + "_s_per_token"] = spread(
+                [per[r][num]["seconds"] / per[r][num]["tokens"] - per[r][den]["seconds"] / per[r][den]["tokens"]
                                               for r in rounds if num in per[r] and den in per[r]])
     ver = p.get("verify", {}).get("runs", [])
     if ver:
@@ -605,7 +633,8 @@ def summarize(rec: dict) -> dict:
         for part in ("replay", "prefill", "lm_head", "token_stats", "proofs", "rewards"):
             s[f"verify_{part}_share"] = spread([r["parts_s"].get(part, 0.0) / r["seconds"] for r in ver])
         s["verify_replay_s_per_token"] = spread([r["parts_s"].get("replay", 0.0) / r["tokens"] for r in ver])
-        s["false_rejections"] = sum(r["false_rejections"] for r in ver) + p["verify"].get("warmup", {}).get("false_rejections", 0)
+        s["false_rejections"] = sum(r["false_rejections"] for r in ver) + p["verify"].get("warmup",
+            {}).get("false_rejections", 0)
         s["verified_completions"] = sum(r["completions"] for r in ver)
     train_runs, rss = [], []
     for lr in LRS:
@@ -650,40 +679,57 @@ COSTS = [
     ("publish_to_generating_s", "publish -> generating, s", "s"),
 ]
 WHY = {
-    "gen_shipped_s_per_token": "every decode step runs the lm_head (V x H) and, with the seeded sampler, a score over all V tokens per row: "
+    "gen_shipped_s_per_token": "every decode step runs the lm_head (V x H) and, with the seeded sampler, a score over "
+    "all V tokens per row: "
                                "vocabulary-sized work that follows V, not the parameter count",
-    "gen_vllm_s_per_token": "the lm_head (V x H) and the logits (one row of V per token) follow the vocabulary; a model that no longer fits the "
+    "gen_vllm_s_per_token": "the lm_head (V x H) and the logits (one row of V per token) follow the vocabulary; a "
+    "model that no longer fits the "
                             "CPU caches streams its weights from memory every decode step",
-    "sampler_overhead_s_per_token": "the seeded draw hashes a score for every one of the V tokens of every row: its cost is ~V per token, and V "
+    "sampler_overhead_s_per_token": "the seeded draw hashes a score for every one of the V tokens of every row: its "
+    "cost is ~V per token, and V "
                                     "grew faster than the parameters",
-    "proofs_overhead_s_per_token": "proofs copy and encode the hidden state (H per token): they grow with H, slower than the parameters; where "
-                                   "they grow faster, the capture's per-row copies compete with generation for memory bandwidth",
-    "verify_s_per_token": "the prefill itself is ~2 x parameters FLOPs per token, but the lm_head, the token statistics (a log-softmax over V) and "
+    "proofs_overhead_s_per_token": "proofs copy and encode the hidden state (H per token): they grow with H, slower "
+    "than the parameters; where "
+                                   "they grow faster, the capture's per-row copies compete with generation for memory "
+                                   "bandwidth",
+    "verify_s_per_token": "the prefill itself is ~2 x parameters FLOPs per token, but the lm_head, the token "
+    "statistics (a log-softmax over V) and "
                           "the draw replay (scores over V) are vocabulary-sized",
-    "verify_replay_s_per_token": "the replay scores all V tokens of each position (hash, top-k/top-p support): ~V per token, independent of the "
+    "verify_replay_s_per_token": "the replay scores all V tokens of each position (hash, top-k/top-p support): ~V per "
+    "token, independent of the "
                                  "layers",
-    "train_s_per_token": "the logits, their log-softmax and its gradient are [tokens x V] in float32; the backward of the lm_head is V x H",
-    "train_peak_rss_bytes": "float32 master, gradients and two AdamW states are 16 bytes per parameter, plus the [tokens x V] float32 logits and "
+    "train_s_per_token": "the logits, their log-softmax and its gradient are [tokens x V] in float32; the backward of "
+    "the lm_head is V x H",
+    "train_peak_rss_bytes": "float32 master, gradients and two AdamW states are 16 bytes per parameter, plus the "
+    "[tokens x V] float32 logits and "
                             "their log-softmax copies, which follow V",
     "full_bytes": "2 bytes per parameter: proportional by construction (a tied lm_head is stored once)",
-    "delta_v1_v2_lr1e-06_bytes": "a delta holds the bf16 values that flipped; the share of weights small enough for an lr-sized step to flip "
-                                 "their bf16 rounding depends on the weights' magnitudes, which differ between architectures and inits",
+    "delta_v1_v2_lr1e-06_bytes": "a delta holds the bf16 values that flipped; the share of weights small enough for "
+    "an lr-sized step to flip "
+                                 "their bf16 rounding depends on the weights' magnitudes, which differ between "
+                                 "architectures and inits",
     "delta_v1_v2_lr1e-05_bytes": "as at lr 1e-6: the flipped share depends on the weights' magnitudes relative to lr",
-    "publish_to_generating_s": "writing and reading 2 bytes per parameter, vLLM's weight loading and the CPU build's repacking of every linear "
+    "publish_to_generating_s": "writing and reading 2 bytes per parameter, vLLM's weight loading and the CPU build's "
+    "repacking of every linear "
                                "layer: proportional at best, plus fixed costs that dominate small models",
 }
 
 
 WHY_SLOWER = {
-    "": "fixed costs per step, per request or per process (Python, vLLM's scheduling, kernel launches, thread wake-ups) dominate the "
+    "": "fixed costs per step, per request or per process (Python, vLLM's scheduling, kernel launches, thread "
+    "wake-ups) dominate the "
         "smaller model, so its per-unit cost says little about its size",
-    "train_peak_rss_bytes": "the process's libraries (torch, transformers: the RSS before the trainer is made, under Every run) dominate "
+    "train_peak_rss_bytes": "the process's libraries (torch, transformers: the RSS before the trainer is made, under "
+    "Every run) dominate "
                             "a small model's peak",
-    "proofs_overhead_s_per_token": "proofs work on the hidden state (H values per token), and H grows slower than the parameters",
-    "publish_to_generating_s": "fixed costs of a reload (vLLM's weight-loading machinery, resetting the prefix cache, one decode step) "
+    "proofs_overhead_s_per_token": "proofs work on the hidden state (H values per token), and H grows slower than the "
+    "parameters",
+    "publish_to_generating_s": "fixed costs of a reload (vLLM's weight-loading machinery, resetting the prefix cache, "
+    "one decode step) "
                                "dominate a small model's",
     "full_bytes": "a safetensors header and per-tensor entries are a fixed cost",
-    "delta_v1_v2_lr1e-06_bytes": "a delta holds the bf16 values that flipped; their share depends on the weights' magnitudes against lr, "
+    "delta_v1_v2_lr1e-06_bytes": "a delta holds the bf16 values that flipped; their share depends on the weights' "
+    "magnitudes against lr, "
                                  "not on the size, and the header and per-tensor frames are fixed costs",
     "delta_v1_v2_lr1e-05_bytes": "as at lr 1e-6: the flipped share depends on the weights' magnitudes against lr",
 }
@@ -691,7 +737,8 @@ WHY_SLOWER = {
 
 def slopes(models: dict) -> dict:
     """log-log slope of each cost against the parameters, between consecutive models and end to end."""
-    rows = sorted(((m["info"]["parameters"], name, m) for name, m in models.items() if m.get("summary")), key=lambda x: x[0])
+    rows = sorted(((m["info"]["parameters"], name, m) for name, m in models.items() if m.get("summary")),
+        key=lambda x: x[0])
     out: dict = {}
     for key, _, _ in COSTS:
         pts = []
@@ -742,7 +789,8 @@ def _slope_list(title: str, items: list, why, bold: bool = False) -> list[str]:
     lines, seen = [title, ""], set()
     for key, label, p in items:
         name = f"**{label}**" if bold else label
-        lines.append(f"- {name}, {p['from']} → {p['to']}: slope {p['slope']:.2f}." + ("" if key in seen else f" Why: {why(key)}."))
+        lines.append(f"- {name}, {p['from']} → {p['to']}: slope {p['slope']:.2f}." + ("" if key in seen
+            else f" Why: {why(key)}."))
         seen.add(key)
     return lines + [""]
 
@@ -752,12 +800,15 @@ def write_report(data: dict, out: Path) -> None:
     order = sorted(models, key=lambda n: models[n]["info"]["parameters"])
     meta = data["meta"]
     L = ["# Scaling: what each part costs as the model grows", "",
-         f"Measured side by side on this machine: {meta['machine']}. Each model in its own subprocesses (bench/scaling_bench.py). "
+         f"Measured side by side on this machine: {meta['machine']}. Each model in its own subprocesses "
+         f"(bench/scaling_bench.py). "
          "Cells: median [min–max] over all runs (every run is listed below and in scaling.json).", ""]
     cmds = sorted({models[n]["command"] for n in order})
     L += ["Commands:", "", *[f"    {c}" for c in cmds], ""]
-    L += ["| model | parameters | layers | hidden | vocab | gen tok/s (worker as shipped) | seeded sampler overhead | proofs overhead | "
-          "verify tok/s | verify time / gen time | draw replay share of verify | trainer tok/s | trainer peak RSS | full bf16 version | "
+    L += ["| model | parameters | layers | hidden | vocab | gen tok/s (worker as shipped) | seeded sampler overhead | "
+        "proofs overhead | "
+          "verify tok/s | verify time / gen time | draw replay share of verify | trainer tok/s | trainer peak RSS | "
+          "full bf16 version | "
           "delta lr 1e-6 (of full) | delta lr 1e-5 (of full) | publish → generating (s) |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for n in order:
@@ -768,35 +819,48 @@ def write_report(data: dict, out: Path) -> None:
             b, r = s.get(f"delta_v1_v2_lr{lr}_bytes"), s.get(f"delta_v1_v2_lr{lr}_ratio")
             return "-" if b is None else f"{fmt_num(b, 'B')} ({100 * r:.1f}%)"
 
-        L.append(f"| {n} | {i['parameters']:,} | {i['layers']} | {i['hidden']} | {i['vocab']:,} | {cell(s, 'gen_shipped_tokens_per_s')} | "
+        L.append(
+            f"| {n} | {i['parameters']:,} | {i['layers']} | {i['hidden']} | {i['vocab']:,} | {cell(s, 'gen_shipped_tokens_per_s')} | "
                  f"{cell(s, 'sampler_overhead', '%')} | {cell(s, 'proofs_overhead', '%')} | {cell(s, 'verify_tokens_per_s')} | "
                  f"{cell(s, 'verify_over_gen_time')} | {cell(s, 'verify_replay_share', 'share')} | {cell(s, 'train_tokens_per_s')} | "
-                 f"{cell(s, 'train_peak_rss_bytes', 'B')} | {cell(s, 'full_bytes', 'B')} | {delta('1e-06')} | {delta('1e-05')} | "
+                 f"{cell(s, 'train_peak_rss_bytes', 'B')} | {cell(s, 'full_bytes', 'B')} | {delta('1e-06')} | "
+                 f"{delta('1e-05')} | "
                  f"{cell(s, 'publish_to_generating_s')} |")
     L += ["",
           "- tokens are completion tokens (generated, verified, trained); `dtype` of engines and verifier: " + meta["args"]["dtype"] + "; "
-          f"{meta['args']['completions']} completions per lease (one vLLM batch), max_tokens {meta['args']['max_tokens']}, T={meta['args']['temperature']}, "
-          f"top_p={meta['args']['top_p']}, toy task prompts; {meta['args']['rounds']} measured rounds after a warm-up lease (the last run's "
+          f"{meta['args']['completions']} completions per lease (one vLLM batch), max_tokens "
+          f"{meta['args']['max_tokens']}, T={meta['args']['temperature']}, "
+          f"top_p={meta['args']['top_p']}, toy task prompts; {meta['args']['rounds']} measured rounds after a warm-up "
+          f"lease (the last run's "
           "settings; each model's are under Every run).",
-          "- sampler overhead: (s/token, seeded sampler, no proofs) / (s/token, vLLM's sampler, no proofs) − 1, per round (same lease); "
+          "- sampler overhead: (s/token, seeded sampler, no proofs) / (s/token, vLLM's sampler, no proofs) − 1, per "
+          "round (same lease); "
           "proofs overhead: (s/token, seeded + proofs, as shipped) / (s/token, seeded, no proofs) − 1.",
-          "- verify time / gen time: the real Verifier's `verify_many` over one lease's completions against the shipped worker's "
-          "generation of that lease (below 1: a verifier keeps up with more than one worker). All submissions must be accepted: "
+          "- verify time / gen time: the real Verifier's `verify_many` over one lease's completions against the "
+          "shipped worker's "
+          "generation of that lease (below 1: a verifier keeps up with more than one worker). All submissions must be "
+          "accepted: "
           "false rejections are listed below.",
-          "- draw replay share: time inside `protocol.sampling.replay` (wrapped where verifier.reference calls it) / verify time.",
-          "- trainer: `trainer.train.Trainer`, bf16 autocast, AdamW, one step per lease of verified completions (GRPO advantages of the "
-          "verified rewards), after a warm-up step; both learning rates' steps are runs; peak RSS = VmHWM of the trainer's own process "
+          "- draw replay share: time inside `protocol.sampling.replay` (wrapped where verifier.reference calls it) / "
+          "verify time.",
+          "- trainer: `trainer.train.Trainer`, bf16 autocast, AdamW, one step per lease of verified completions (GRPO "
+          "advantages of the "
+          "verified rewards), after a warm-up step; both learning rates' steps are runs; peak RSS = VmHWM of the "
+          "trainer's own process "
           "after its steps (before any delta is encoded), one value per learning rate.",
-          "- bytes: a full version = its bf16 safetensors file; delta = `shardcast.delta.encode_delta` between two consecutive published "
+          "- bytes: a full version = its bf16 safetensors file; delta = `shardcast.delta.encode_delta` between two "
+          "consecutive published "
           "versions (v1 → v2, the second step; the first step v0 → v1 is in the runs below).",
-          "- publish → generating: write the version folder (shardcast's shard files), `RolloutEngine.reload`, generate one token. "
+          "- publish → generating: write the version folder (shardcast's shard files), `RolloutEngine.reload`, "
+          "generate one token. "
           "Transport is excluded: see bench/results/reload_latency.md for origin → relay → worker.", ""]
     sl = data.get("slopes", {})
     L += ["## What grows faster than the parameters, and why", ""]
     if not sl:
         L += ["(one model only: no slopes)", ""]
     else:
-        L += ["log-log slope of each cost against the parameter count (1: proportional; above 1: faster than the parameters), between "
+        L += ["log-log slope of each cost against the parameter count (1: proportional; above 1: faster than the "
+            "parameters), between "
               "consecutive models and end to end. Computed from the medians above.", "",
               "| cost | " + " | ".join(f"{a} → {b}" for a, b in zip(order, order[1:])) + " | end to end |",
               "|---|" + "---|" * (len(order)) + ""]
@@ -810,8 +874,10 @@ def write_report(data: dict, out: Path) -> None:
         # The size ratios behind the slopes: parameters against the vocabulary.
         for a, b in zip(order, order[1:]):
             ia, ib = models[a]["info"], models[b]["info"]
-            L.append(f"- {a} → {b}: parameters ×{ib['parameters'] / ia['parameters']:.3g}, vocabulary ×{ib['vocab'] / ia['vocab']:.3g}, "
-                     f"hidden ×{ib['hidden'] / ia['hidden']:.3g}, layers ×{ib['layers'] / ia['layers']:.3g}; embedding share of the parameters "
+            L.append(
+                f"- {a} → {b}: parameters ×{ib['parameters'] / ia['parameters']:.3g}, vocabulary ×{ib['vocab'] / ia['vocab']:.3g}, "
+                     f"hidden ×{ib['hidden'] / ia['hidden']:.3g}, layers ×{ib['layers'] / ia['layers']:.3g}; "
+                     f"embedding share of the parameters "
                      f"{ia['embedding_parameters'] / ia['parameters']:.0%} → {ib['embedding_parameters'] / ib['parameters']:.0%}.")
         L.append("")
         faster = [(key, label, p) for key, label, _ in COSTS if key in sl for p in sl[key]["pairs"] if p["slope"] > 1.1]
@@ -821,60 +887,78 @@ def write_report(data: dict, out: Path) -> None:
         else:
             L += ["No cost grew faster than the parameters (no slope above 1.1) between these models.", ""]
         if slower:
-            L += _slope_list("Much slower than the parameters (slope < 0.5): costs that do not depend on the size dominate the smaller model of the pair:",
+            L += _slope_list("Much slower than the parameters (slope < 0.5): costs that do not depend on the size "
+                "dominate the smaller model of the pair:",
                              slower, lambda key: WHY_SLOWER.get(key, WHY_SLOWER[""]))
         for a, b in zip(order, order[1:]):
             ia, ib = models[a]["info"], models[b]["info"]
             pr, vr = ib["parameters"] / ia["parameters"], ib["vocab"] / ia["vocab"]
             if vr > 1.1 * pr:
-                L.append(f"- {a} → {b}: the vocabulary grew ×{vr:.3g}, faster than the parameters (×{pr:.3g}). The vocabulary-sized parts "
-                         "(the lm_head, the logits and their log-softmax, the seeded draw over V tokens per position in the worker and in the "
-                         "verifier's replay, the trainer's [tokens × V] float32 logits) follow V, not the parameter count: their share of each "
+                L.append(f"- {a} → {b}: the vocabulary grew ×{vr:.3g}, faster than the parameters (×{pr:.3g}). The "
+                    f"vocabulary-sized parts "
+                         "(the lm_head, the logits and their log-softmax, the seeded draw over V tokens per position "
+                         "in the worker and in the "
+                         "verifier's replay, the trainer's [tokens × V] float32 logits) follow V, not the parameter "
+                         "count: their share of each "
                          "per-token cost grows.")
             else:
-                L.append(f"- {a} → {b}: the vocabulary grew ×{vr:.3g}, the parameters ×{pr:.3g}: the vocabulary-sized parts grew no faster than the rest.")
+                L.append(f"- {a} → {b}: the vocabulary grew ×{vr:.3g}, the parameters ×{pr:.3g}: the vocabulary-sized "
+                    f"parts grew no faster than the rest.")
         L += ["", "(The sentences above are generated from the measured slopes and the models' shapes.)", ""]
     L += ["## Every run", ""]
     for n in order:
         m = models[n]
         p = m["parts"]
-        L += [f"### {n}", "", f"- path {m['info']['path']} ({m['info']['architecture']}, pretraining steps {m['info'].get('pretrain_steps')}); "
-              f"engines {m['engines']}; measured {m['measured_at']} in {m['seconds']:.0f} s; load average before {m['load_before']}, after {m['load_after']}",
+        L += [f"### {n}", "",
+            f"- path {m['info']['path']} ({m['info']['architecture']}, pretraining steps "
+            f"{m['info'].get('pretrain_steps')}); "
+              f"engines {m['engines']}; measured {m['measured_at']} in {m['seconds']:.0f} s; load average before "
+              f"{m['load_before']}, after {m['load_after']}",
               f"- command: `{m['command']}`", f"- settings: {json.dumps(m.get('settings', {}))}"]
         if m.get("errors"):
             L += [f"- **failed**: {k}: {v[-300:]!r}" for k, v in m["errors"].items()]
         g = p.get("gen", {})
         if g.get("runs"):
             L.append("- generation (variant round: tokens in s → tok/s): " + "; ".join(
-                f"{r['variant']} r{r['round']}: {r['tokens']} in {r['seconds']:.3g} s → {r['tokens_per_s']:.0f}" for r in g["runs"]))
+                f"{r['variant']} r{r['round']}: {r['tokens']} in {r['seconds']:.3g} s → {r['tokens_per_s']:.0f}"
+                for r in g["runs"]))
             L.append(f"- engine start s: {json.dumps(g.get('engine_start_s'), default=lambda x: round(x, 1))}")
         v = p.get("verify", {})
         if v.get("runs"):
-            L.append("- verification (round: tokens in s → tok/s, verify/gen, accepted; replay / prefill / lm_head / token stats / proofs / rewards s): " + "; ".join(
-                f"r{r['round']}: {r['tokens']} in {r['seconds']:.3g} s → {r['tokens_per_s']:.0f}, {r.get('verify_over_gen', float('nan')):.3g}, "
+            L.append("- verification (round: tokens in s → tok/s, verify/gen, accepted; replay / prefill / lm_head / "
+                "token stats / proofs / rewards s): " + "; ".join(
+                f"r{r['round']}: {r['tokens']} in {r['seconds']:.3g} s → {r['tokens_per_s']:.0f}, "
+                f"{r.get('verify_over_gen', float('nan')):.3g}, "
                 f"{'accepted' if r['accepted'] else 'REJECTED ' + ','.join(r['rejection_codes'])}; "
-                + " / ".join(f"{r['parts_s'].get(k, 0.0):.3g}" for k in ("replay", "prefill", "lm_head", "token_stats", "proofs", "rewards")) for r in v["runs"]))
-            L.append(f"- false rejections: {m['summary'].get('false_rejections')} of {m['summary'].get('verified_completions')} completions "
+                + " / ".join(f"{r['parts_s'].get(k, 0.0):.3g}" for k in ("replay", "prefill", "lm_head", "token_stats",
+                "proofs", "rewards")) for r in v["runs"]))
+            L.append(f"- false rejections: {m['summary'].get('false_rejections')} of "
+                f"{m['summary'].get('verified_completions')} completions "
                      f"(+ the warm-up lease); reward mean {v.get('reward_mean')}")
         for lr in LRS:
             t = p.get(f"train_lr{lr:g}")
             if not t:
                 continue
             L.append(f"- trainer lr {lr:g}: steps (completion tokens in s → tok/s) " + "; ".join(
-                f"{r['completion_tokens']} in {r['seconds']:.3g} s → {r['completion_tokens_per_s']:.0f}" for r in t["runs"])
-                + f"; warm-up {t['warmup']['seconds']:.3g} s; peak RSS {fmt_num(t['peak_rss_bytes'], 'B')} (the process before the trainer was "
+                f"{r['completion_tokens']} in {r['seconds']:.3g} s → {r['completion_tokens_per_s']:.0f}"
+                for r in t["runs"])
+                + f"; warm-up {t['warmup']['seconds']:.3g} s; peak RSS {fmt_num(t['peak_rss_bytes'], 'B')} (the "
+                f"process before the trainer was "
                   f"made: {fmt_num(t['rss_at_start_bytes'], 'B')})"
                 + (" (synthetic ±1 advantages: every group's rewards tied)" if t.get("synthetic_advantages") else ""))
             for d in ("delta_v0_v1", "delta_v1_v2"):
                 x = t.get(d)
                 if x:
-                    L.append(f"  - {d.replace('delta_', '').replace('_', ' → ')}: {fmt_num(x['bytes'], 'B')} = {100 * x['ratio']:.2f}% of "
-                             f"{fmt_num(t['full_bytes'], 'B')}; bf16 values changed {100 * x['changed_share']:.3f}%; encode {x['encode_s']:.3g} s "
+                    L.append(
+                        f"  - {d.replace('delta_', '').replace('_', ' → ')}: {fmt_num(x['bytes'], 'B')} = {100 * x['ratio']:.2f}% of "
+                             f"{fmt_num(t['full_bytes'], 'B')}; bf16 values changed {100 * x['changed_share']:.3f}%; "
+                             f"encode {x['encode_s']:.3g} s "
                              f"(tensors same/xor/sparse {x['same']}/{x['xor']}/{x['sparse']})")
         r = p.get("reload", {})
         if r.get("runs"):
             L.append("- publish → generating (write + reload + first token = total s): " + "; ".join(
-                f"{x['write_s']:.3g} + {x['reload_s']:.3g} + {x['first_token_s']:.3g} = {x['total_s']:.3g}" for x in r["runs"]))
+                f"{x['write_s']:.3g} + {x['reload_s']:.3g} + {x['first_token_s']:.3g} = {x['total_s']:.3g}"
+                for x in r["runs"]))
         L.append("")
     (out / "scaling.md").write_text("\n".join(L))
 
@@ -891,10 +975,12 @@ def write_chart(data: dict, out: Path) -> None:
     params = [models[n]["info"]["parameters"] for n in order]
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
     groups = [
-        (axes[0], "seconds per token (s)", [("gen_shipped_s_per_token", "generation (as shipped)"), ("gen_vllm_s_per_token", "generation (vLLM sampler)"),
-                                            ("verify_s_per_token", "verification"), ("verify_replay_s_per_token", "draw replay (in verification)"),
-                                            ("train_s_per_token", "training")]),
-        (axes[1], "bytes per version", [("full_bytes", "full bf16"), ("delta_v1_v2_lr1e-06_bytes", "delta lr 1e-6"), ("delta_v1_v2_lr1e-05_bytes", "delta lr 1e-5")]),
+        (axes[0], "seconds per token (s)", [("gen_shipped_s_per_token", "generation (as shipped)"),
+                                            ("gen_vllm_s_per_token", "generation (vLLM sampler)"),
+                                            ("verify_s_per_token", "verification"), ("verify_replay_s_per_token",
+                                            "draw replay (in verification)"), ("train_s_per_token", "training")]),
+        (axes[1], "bytes per version", [("full_bytes", "full bf16"), ("delta_v1_v2_lr1e-06_bytes", "delta lr 1e-6"),
+        ("delta_v1_v2_lr1e-05_bytes", "delta lr 1e-5")]),
     ]
     for ax, ylabel, series in groups:
         firsts = []
@@ -939,27 +1025,36 @@ def machine() -> str:
         pass
     cpu = ""
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
     return f"{os.cpu_count()} cores ({cpu or platform.processor()}), {mem / 2**30:.1f} GiB memory, {platform.system()} {platform.release()}"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--models", default="tiny,small", help="comma-separated: tiny, small, an architecture of trainer.model_shapes.PRESETS, or a --model-dir name")
-    ap.add_argument("--model-dir", action="append", default=[], metavar="NAME=PATH", help="an already-made model folder under this name")
-    ap.add_argument("--completions", type=int, default=32, help="completions per lease (one vLLM batch); groups of 4 per prompt when divisible")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--models", default="tiny,small",
+        help="comma-separated: tiny, small, an architecture of trainer.model_shapes.PRESETS, or a --model-dir name")
+    ap.add_argument("--model-dir", action="append", default=[], metavar="NAME=PATH",
+        help="an already-made model folder under this name")
+    ap.add_argument("--completions", type=int, default=32,
+        help="completions per lease (one vLLM batch); groups of 4 per prompt when divisible")
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=2, help="measured rounds (leases) per generation variant, after a warm-up lease")
+    ap.add_argument("--rounds", type=int, default=2,
+        help="measured rounds (leases) per generation variant, after a warm-up lease")
     ap.add_argument("--reload-repeats", type=int, default=3)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="engines' and verifier's compute dtype")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+        help="engines' and verifier's compute dtype")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engines", default="auto", choices=["auto", "together", "sequential"],
-                    help=f"the three generation engines in one process (together) or one process per variant and round; auto: together below {TOGETHER_BELOW:,} parameters")
-    ap.add_argument("--pretrain-steps", type=int, default=None, help=f"for models made here (default: tiny/small {TOY_PRETRAIN}, architectures trainer.model_shapes' default)")
+                    help=f"the three generation engines in one process (together) or one process per variant and "
+                    f"round; auto: together below {TOGETHER_BELOW:,} parameters")
+    ap.add_argument("--pretrain-steps", type=int, default=None,
+        help=f"for models made here (default: tiny/small {TOY_PRETRAIN}, architectures trainer.model_shapes' default)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads in every child (0: torch's default)")
     ap.add_argument("--child-timeout", type=float, default=None, help="seconds per child process")
     ap.add_argument("--work", type=Path, default=WORK, help="made models (reused) and scratch")
@@ -990,7 +1085,8 @@ def main() -> None:
 
     path = args.out / "scaling.json"
     data = json.loads(path.read_text()) if path.is_file() and not args.fresh else {"models": {}}
-    data["meta"] = {"machine": machine(), "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    data["meta"] = {"machine": machine(), "args": {k: (str(v) if isinstance(v, Path) else v) for k,
+        v in vars(args).items()},
                     "command": " ".join(["python bench/scaling_bench.py", *sys.argv[1:]])}
     started = time.perf_counter()
     failed = False

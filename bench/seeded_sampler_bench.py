@@ -14,7 +14,8 @@
    (goal <= 0.10). Also a synthetic Qwen-sized vocabulary (151,936), where the replay's elementwise work
    is compared with the LM-head matmul alone (a lower bound of a prefill's cost).
 
-    python bench/seeded_sampler_bench.py [--rounds 6] [--overhead-rounds 10] [--prompts 8] [--samples 8] [--max-tokens 128]
+    python bench/seeded_sampler_bench.py [--rounds 6] [--overhead-rounds 10] [--prompts 8] [--samples 8] [--max-tokens
+    128]
 
 Writes bench/results/seeded_sampler.json and .md.
 """
@@ -43,14 +44,17 @@ import torch  # noqa: E402
 from protocol import sampling as S  # noqa: E402
 from protocol.models import SamplingParams, TaskLease, TaskPrompt  # noqa: E402
 
-SETTINGS = {"T=1": dict(temperature=1.0), "T=0.7,top_p=0.9": dict(temperature=0.7, top_p=0.9), "T=1,top_k=20": dict(temperature=1.0, top_k=20)}
+SETTINGS = {"T=1": dict(temperature=1.0), "T=0.7,top_p=0.9": dict(temperature=0.7, top_p=0.9),
+    "T=1,top_k=20": dict(temperature=1.0, top_k=20)}
 
 
 def make_lease(n_prompts: int, n_samples: int, max_tokens: int, seed: int, **sampling) -> TaskLease:
     rng = np.random.default_rng(seed)
     return TaskLease(
         lease_id=f"bench-{seed}",
-        prompts=[TaskPrompt(prompt_id=f"p{i}", token_ids=np.concatenate([[1], rng.integers(3, 54, size=15)]).astype(np.int32), seeds=[int(s) for s in rng.integers(0, 2**63, size=n_samples)]) for i in range(n_prompts)],
+        prompts=[TaskPrompt(prompt_id=f"p{i}", token_ids=np.concatenate([[1], rng.integers(3, 54,
+        size=15)]).astype(np.int32), seeds=[int(s) for s in rng.integers(0, 2**63, size=n_samples)])
+        for i in range(n_prompts)],
         samples_per_prompt=n_samples,
         sampling=SamplingParams(max_tokens=max_tokens, **sampling),
         policy_version=0,
@@ -84,7 +88,8 @@ def replay_inputs(model, lease: TaskLease, completions):
 
 def replay_rows(logits, seeds, positions, tokens, sampling, rows: int = 2048, **slack):
     """The replay as a verifier would run it: slices of rows (verifier.reference uses 2048)."""
-    parts = [S.replay(logits[s : s + rows], seeds[s : s + rows], positions[s : s + rows], tokens[s : s + rows], sampling, **slack) for s in range(0, logits.shape[0], rows)]
+    parts = [S.replay(logits[s : s + rows], seeds[s : s + rows], positions[s : s + rows], tokens[s : s + rows],
+        sampling, **slack) for s in range(0, logits.shape[0], rows)]
     return S.Replay(*(torch.cat([getattr(p, f) for p in parts]) for f in ("winner", "margin", "inside")))
 
 
@@ -95,7 +100,8 @@ def bench_margins(model_dir: Path, args) -> list[dict]:
 
     rows = []
     for engine_dtype, ref_dtypes in (("float32", ["float32"]), ("bfloat16", ["bfloat16", "float32"])):
-        engine = RolloutEngine(model_dir, EngineConfig(dtype=engine_dtype, max_model_len=512, kv_cache_bytes=128 << 20, proofs=False))
+        engine = RolloutEngine(model_dir, EngineConfig(dtype=engine_dtype, max_model_len=512, kv_cache_bytes=128 << 20,
+            proofs=False))
         try:
             generated = {name: [] for name in SETTINGS}
             for r in range(args.rounds):
@@ -107,7 +113,8 @@ def bench_margins(model_dir: Path, args) -> list[dict]:
         for ref_dtype in ref_dtypes:
             model = load_reference_model(model_dir, None, ref_dtype)
             for name, runs in generated.items():
-                row = {"engine": engine_dtype, "reference": ref_dtype, "sampling": name, "tokens": 0, "max_logprob_diff": 0.0}
+                row = {"engine": engine_dtype, "reference": ref_dtype, "sampling": name, "tokens": 0,
+                    "max_logprob_diff": 0.0}
                 slacks = {"strict": {}, "slack": dict(top_p_slack=args.top_p_slack, logit_slack=args.logit_slack)}
                 for key in slacks:
                     row[key] = {"not_exact": 0, "positive_margin": 0, "outside_support": 0, "max_margin": []}
@@ -140,7 +147,8 @@ def matched_stats(steps: dict[str, list[tuple[int, float]]], q: float) -> dict[i
     forward pass costs the same at the same size, so only the sampler differs; a median or a low
     quantile shrugs off other jobs' bursts (the low quantile is the undisturbed cost)."""
     sizes = sorted(set(b for b, _ in steps["seeded"]) & set(b for b, _ in steps["vllm"]))
-    return {b: (sum(1 for m in steps for bb, _ in steps[m] if bb == b), {m: quantile([t for bb, t in steps[m] if bb == b], q) for m in steps}) for b in sizes}
+    return {b: (sum(1 for m in steps for bb, _ in steps[m] if bb == b), {m: quantile([t for bb, t in steps[m]
+        if bb == b], q) for m in steps}) for b in sizes}
 
 
 def matched(steps: dict[str, list[tuple[int, float]]], q: float = 0.5) -> dict:
@@ -247,7 +255,8 @@ def bench_overhead(model_dir: Path, args) -> tuple[dict, list]:
         "step_ms_median": {m: 1e3 * v for m, v in step_med.items()},
         "sampler_ms_median": {m: 1e3 * statistics.median(t for _, t in steps["sampler"][m]) for m in secs},
         "apply_ms_median": 1e3 * statistics.median(applies),
-        "time_per_token_ratio": (sum(secs["seeded"]) / sum(tokens["seeded"])) / (sum(secs["vllm"]) / sum(tokens["vllm"])),
+        "time_per_token_ratio": (sum(secs["seeded"]) / sum(tokens["seeded"])) / (sum(secs["vllm"]) / sum(
+        tokens["vllm"])),
         "time_per_token_ratio_per_round": spread([a / b for a, b in zip(per_tok["seeded"], per_tok["vllm"])]),
         "cpu_per_token_ratio": (sum(cpu["seeded"]) / sum(tokens["seeded"])) / (sum(cpu["vllm"]) / sum(tokens["vllm"])),
     }
@@ -274,7 +283,9 @@ def bench_replay_cost(model_dir: Path, kept: list, args, label: str) -> dict:
             prefill_s.append(t1 - t0)
             replay_s.append(t2 - t1)
             ratios.append((t2 - t1) / (t1 - t0))
-    result = {"model": label, "torch_threads": torch.get_num_threads(), "rows_per_lease": rows, "replay_over_prefill": spread(ratios), "prefill_ms_per_token": 1e3 * statistics.median(prefill_s) / rows, "replay_ms_per_token": 1e3 * statistics.median(replay_s) / rows}
+    result = {"model": label, "torch_threads": torch.get_num_threads(), "rows_per_lease": rows,
+        "replay_over_prefill": spread(ratios), "prefill_ms_per_token": 1e3 * statistics.median(prefill_s) / rows,
+        "replay_ms_per_token": 1e3 * statistics.median(replay_s) / rows}
     print(json.dumps(result), flush=True)
     return result
 
@@ -302,7 +313,9 @@ def bench_large_vocab(args) -> dict:
                 head.append(1e3 * (t1 - t0) / n)
                 rep.append(1e3 * (t2 - t1) / n)
             key = f"{shape}, {name}"
-            out[key] = {"logits_std": float(logits.std()), "lm_head_ms_per_token": spread(head), "replay_ms_per_token": spread(rep), "replay_over_lm_head": statistics.median(rep) / statistics.median(head)}
+            out[key] = {"logits_std": float(logits.std()), "lm_head_ms_per_token": spread(head),
+                "replay_ms_per_token": spread(rep),
+                "replay_over_lm_head": statistics.median(rep) / statistics.median(head)}
             print(key, json.dumps(out[key]), flush=True)
     return {"vocab": vocab, "hidden": hidden, "rows": n, "torch_threads": torch.get_num_threads(), "settings": out}
 
@@ -312,12 +325,18 @@ def write_markdown(res: dict, args, out: Path) -> None:
     lines = [
         "# Seeded sampler bench",
         "",
-        f"`python bench/seeded_sampler_bench.py --rounds {args.rounds} --overhead-rounds {args.overhead_rounds} --prompts {args.prompts} --samples {args.samples} --max-tokens {args.max_tokens} --top-p-slack {args.top_p_slack} --logit-slack {args.logit_slack}`",
-        f"(in-process vLLM CPU {m['vllm']}, torch {m['torch']}, {m['cpus']} cores shared with other jobs; load average {m['load_avg_start'][0]:.1f} at start, {m['load_avg_end'][0]:.1f} at end)",
+        f"`python bench/seeded_sampler_bench.py --rounds {args.rounds} --overhead-rounds {args.overhead_rounds} "
+        f"--prompts {args.prompts} --samples {args.samples} --max-tokens {args.max_tokens} --top-p-slack "
+        f"{args.top_p_slack} --logit-slack {args.logit_slack}`",
+        f"(in-process vLLM CPU {m['vllm']}, torch {m['torch']}, {m['cpus']} cores shared with other jobs; load "
+        f"average {m['load_avg_start'][0]:.1f} at start, {m['load_avg_end'][0]:.1f} at end)",
         "",
-        "## 1. Honest margins (tiny model, {} leases x {} completions x <= {} tokens per setting)".format(args.rounds, args.prompts * args.samples, args.max_tokens),
+        "## 1. Honest margins (tiny model, {} leases x {} completions x <= {} tokens per setting)".format(args.rounds,
+        args.prompts * args.samples, args.max_tokens),
         "",
-        "| engine dtype | reference dtype | sampling | tokens | strict: not the replayed winner / outside support | strict: largest margin, median [min, max] over leases | with slack: margin > 0 / outside | with slack: largest margin, median [min, max] | largest logprob diff |",
+        "| engine dtype | reference dtype | sampling | tokens | strict: not the replayed winner / outside support | "
+        "strict: largest margin, median [min, max] over leases | with slack: margin > 0 / outside | with slack: "
+        "largest margin, median [min, max] | largest logprob diff |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["margins"]:
@@ -325,56 +344,78 @@ def write_markdown(res: dict, args, out: Path) -> None:
         for key, count in (("strict", "not_exact"), ("slack", "positive_margin")):
             e, mm = r[key], r[key]["max_margin"]
             cells += [f"{e[count]} / {e['outside_support']}", f"{mm['median']:.3g} [{mm['min']:.3g}, {mm['max']:.3g}]"]
-        lines.append(f"| {r['engine']} | {r['reference']} | {r['sampling']} | {r['tokens']:,} | " + " | ".join(cells) + f" | {r['max_logprob_diff']:.2g} |")
+        lines.append(f"| {r['engine']} | {r['reference']} | {r['sampling']} | {r['tokens']:,} | " + " | ".join(
+            cells) + f" | {r['max_logprob_diff']:.2g} |")
     lines += [
         "",
-        f"- margin: score(replayed winner) - score(claimed token), score units (logits / temperature); 0 when the claimed token is the winner, < 0 when it beat every token of the (tightened) support.",
-        f"- with slack: `replay(..., top_p_slack={res['args']['top_p_slack']}, logit_slack={res['args']['logit_slack']})`: tokens within the slack of the top-p / top-k boundary do not compete for the winner (so the claimed token is often not 'the winner' there, with a margin <= 0), and the claimed token counts as inside if it is inside the widened support.",
+        "- margin: score(replayed winner) - score(claimed token), score units (logits / temperature); 0 when the "
+        "claimed token is the winner, < 0 when it beat every token of the (tightened) support.",
+        f"- with slack: `replay(..., top_p_slack={res['args']['top_p_slack']}, "
+        f"logit_slack={res['args']['logit_slack']})`: tokens within the slack of the top-p / top-k boundary do not "
+        f"compete for the winner (so the claimed token is often not 'the winner' there, with a margin <= 0), and the "
+        f"claimed token counts as inside if it is inside the widened support.",
     ]
     o = res["overhead"]
     rr = o["time_per_token_ratio_per_round"]
     st, sm = o["step_time_ratio_matched"], o["sampler_time_ratio_matched"]
     lines += [
         "",
-        f"## 2. Generation overhead (small model, float32, {o['rounds']} rounds x {o['completions_per_lease']} completions x <= {args.max_tokens} tokens, T=1)",
+        f"## 2. Generation overhead (small model, float32, {o['rounds']} rounds x {o['completions_per_lease']} "
+        f"completions x <= {args.max_tokens} tokens, T=1)",
         "",
         "| | seeded sampler | vLLM's own seeded sampling |",
         "|---|---|---|",
         f"| tokens/s | {o['tok_per_s']['seeded']:,.0f} | {o['tok_per_s']['vllm']:,.0f} |",
-        f"| engine step, median ms ({st['steps']['seeded']} / {st['steps']['vllm']} steps) | {o['step_ms_median']['seeded']:.2f} | {o['step_ms_median']['vllm']:.2f} |",
-        f"| vLLM Sampler.forward per step, median ms | {o['sampler_ms_median']['seeded']:.3f} | {o['sampler_ms_median']['vllm']:.3f} |",
+        f"| engine step, median ms ({st['steps']['seeded']} / {st['steps']['vllm']} steps) | "
+        f"{o['step_ms_median']['seeded']:.2f} | {o['step_ms_median']['vllm']:.2f} |",
+        f"| vLLM Sampler.forward per step, median ms | {o['sampler_ms_median']['seeded']:.3f} | "
+        f"{o['sampler_ms_median']['vllm']:.3f} |",
         f"| of which the seeded processor, median ms | {o['apply_ms_median']:.3f} | - |",
         "",
-        f"- **engine step time, seeded / vLLM, matched by batch size (goal <= 1.03): {st['ratio']:.3f}** ({st['sizes']} batch sizes): the",
+        f"- **engine step time, seeded / vLLM, matched by batch size (goal <= 1.03): {st['ratio']:.3f}** "
+        f"({st['sizes']} batch sizes): the",
         "  forward pass costs the same at the same batch size, so per-size medians compare the samplers and shrug off",
         "  other jobs' bursts; weighted by the number of steps at each size.",
-        f"- **from the sampler's own time: 1 + (extra Sampler.forward time per step) / (step time with vLLM's sampler) = {o['component_ratio']:.3f}**,",
+        f"- **from the sampler's own time: 1 + (extra Sampler.forward time per step) / (step time with vLLM's "
+        f"sampler) = {o['component_ratio']:.3f}**,",
         "  per-size medians as above: the sampler is timed on its own, so this is the least noisy estimate.",
-        f"- the same two from the 10th percentile per batch size (the undisturbed cost): step time **{o['step_time_ratio_matched_p10']['ratio']:.3f}**, from the sampler's own time **{o['component_ratio_p10']:.3f}**",
-        f"- the same two on this thread's CPU time (in-process vLLM runs the step in this thread, torch threads {o['torch_threads_in_engine']}),",
-        f"  which leaves out other jobs' time slices: step time matched by batch size **{o['step_cpu_ratio_matched']['ratio']:.3f}**, from the sampler's own time **{o['component_ratio_cpu']:.3f}**",
+        f"- the same two from the 10th percentile per batch size (the undisturbed cost): step time "
+        f"**{o['step_time_ratio_matched_p10']['ratio']:.3f}**, from the sampler's own time "
+        f"**{o['component_ratio_p10']:.3f}**",
+        f"- the same two on this thread's CPU time (in-process vLLM runs the step in this thread, torch threads "
+        f"{o['torch_threads_in_engine']}),",
+        f"  which leaves out other jobs' time slices: step time matched by batch size "
+        f"**{o['step_cpu_ratio_matched']['ratio']:.3f}**, from the sampler's own time "
+        f"**{o['component_ratio_cpu']:.3f}**",
         f"- sampler time (Sampler.forward, processor included), seeded / vLLM, matched the same way: {sm['ratio']:.3f}",
-        f"- end to end, time per token (the two modes draw different samples, so lengths and batch shapes differ):",
-        f"  {o['time_per_token_ratio']:.3f}; per round median {rr['median']:.3f}, min {rr['min']:.3f}, max {rr['max']:.3f}; CPU time per token {o['cpu_per_token_ratio']:.3f}",
+        "- end to end, time per token (the two modes draw different samples, so lengths and batch shapes differ):",
+        f"  {o['time_per_token_ratio']:.3f}; per round median {rr['median']:.3f}, min {rr['min']:.3f}, max "
+        f"{rr['max']:.3f}; CPU time per token {o['cpu_per_token_ratio']:.3f}",
         "",
         "## 3. Replay cost against the verifier's prefill (same completions, float32 reference)",
         "",
-        "| model (vocab 64) | torch threads | rows per lease | replay / prefill, median [min, max] (goal <= 0.10) | prefill ms per token | replay ms per token |",
+        "| model (vocab 64) | torch threads | rows per lease | replay / prefill, median [min, max] (goal <= 0.10) | "
+        "prefill ms per token | replay ms per token |",
         "|---|---|---|---|---|---|",
     ]
     for r in res["replay_cost"]:
         s = r["replay_over_prefill"]
-        lines.append(f"| {r['model']} | {r['torch_threads']} | {r['rows_per_lease']} | {s['median']:.4f} [{s['min']:.4f}, {s['max']:.4f}] | {r['prefill_ms_per_token']:.3f} | {r['replay_ms_per_token']:.4f} |")
+        lines.append(f"| {r['model']} | {r['torch_threads']} | {r['rows_per_lease']} | {s['median']:.4f} "
+            f"[{s['min']:.4f}, {s['max']:.4f}] | {r['prefill_ms_per_token']:.3f} | {r['replay_ms_per_token']:.4f} |")
     lv = res["large_vocab"]
     lines += [
         "",
-        f"Qwen-sized vocabulary ({lv['vocab']:,}), {lv['rows']} rows, eager torch on this CPU ({lv['torch_threads']} torch thread(s)), against the LM-head matmul alone (hidden {lv['hidden']}):",
+        f"Qwen-sized vocabulary ({lv['vocab']:,}), {lv['rows']} rows, eager torch on this CPU ({lv['torch_threads']} "
+        f"torch thread(s)), against the LM-head matmul alone (hidden {lv['hidden']}):",
         "",
-        "| synthetic logits, sampling | logits std | LM head ms per token | replay ms per token, median [min, max] | replay / LM head |",
+        "| synthetic logits, sampling | logits std | LM head ms per token | replay ms per token, median [min, max] | "
+        "replay / LM head |",
         "|---|---|---|---|---|",
     ]
     for name, r in lv["settings"].items():
-        lines.append(f"| {name} | {r.get('logits_std', float('nan')):.2f} | {r['lm_head_ms_per_token']['median']:.2f} | {r['replay_ms_per_token']['median']:.2f} [{r['replay_ms_per_token']['min']:.2f}, {r['replay_ms_per_token']['max']:.2f}] | {r['replay_over_lm_head']:.1f} |")
+        lines.append(f"| {name} | {r.get('logits_std', float('nan')):.2f} | {r['lm_head_ms_per_token']['median']:.2f} "
+            f"| {r['replay_ms_per_token']['median']:.2f} [{r['replay_ms_per_token']['min']:.2f}, "
+            f"{r['replay_ms_per_token']['max']:.2f}] | {r['replay_over_lm_head']:.1f} |")
     lines += ["", *res.get("notes", [])]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -391,7 +432,8 @@ def main() -> None:
     ap.add_argument("--top-p-slack", type=float, default=0.01)
     ap.add_argument("--logit-slack", type=float, default=0.05)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "seeded_sampler"))
-    ap.add_argument("--parts", default="margins,overhead,large-vocab", help="a subset reruns those parts into the existing .json")
+    ap.add_argument("--parts", default="margins,overhead,large-vocab",
+        help="a subset reruns those parts into the existing .json")
     ap.add_argument("--markdown-only", action="store_true", help="rewrite the .md from the existing .json")
     args = ap.parse_args()
     out = Path(args.out)
@@ -404,10 +446,12 @@ def main() -> None:
     from trainer.tiny_model import init_model
 
     tmp = Path(tempfile.mkdtemp(prefix="seeded-bench-"))
-    res: dict = {"args": vars(args), "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "vllm": vllm.__version__, "load_avg_start": os.getloadavg()}}
+    res: dict = {"args": vars(args), "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__, "vllm": vllm.__version__, "load_avg_start": os.getloadavg()}}
     parts = set(args.parts.split(","))
     if parts != {"margins", "overhead", "large-vocab"} and out.with_suffix(".json").exists():
-        res = {**json.loads(out.with_suffix(".json").read_text()), "args": vars(args), "machine": res["machine"]}  # rerun some parts
+        # rerun some parts
+        res = {**json.loads(out.with_suffix(".json").read_text()), "args": vars(args), "machine": res["machine"]}
     try:
         if "margins" in parts:
             res["margins"] = bench_margins(init_model(tmp / "tiny", "tiny", seed=0), args)

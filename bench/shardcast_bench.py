@@ -66,7 +66,8 @@ def client_main(argv: list[str]) -> None:
     a = p.parse_args(argv)
     from shardcast.client import ShardcastClient, describe_stats
 
-    client = ShardcastClient(a.urls.split(","), a.pub, Path(a.dest), run_id=RUN_ID, parallelism=a.parallelism, keep_state=False)
+    client = ShardcastClient(a.urls.split(","), a.pub, Path(a.dest), run_id=RUN_ID, parallelism=a.parallelism,
+        keep_state=False)
     print("ready", flush=True)
     sys.stdin.readline()
     ready = os.times()
@@ -75,12 +76,15 @@ def client_main(argv: list[str]) -> None:
     pulled = client.pull()
     done = os.times()
     user, system = done.user - ready.user, done.system - ready.system
-    cpu = {"startup": round(ready.user + ready.system, 3), "pull": round(user + system, 3), "pull_user": round(user, 3), "pull_system": round(system, 3)}
-    print(json.dumps({"t_done": time.time(), "version": pulled.version, "path": str(pulled.path), "cpu_s": cpu, "stats": json.loads(describe_stats(client.stats))}), flush=True)
+    cpu = {"startup": round(ready.user + ready.system, 3), "pull": round(user + system, 3), "pull_user": round(user,
+        3), "pull_system": round(system, 3)}
+    print(json.dumps({"t_done": time.time(), "version": pulled.version, "path": str(pulled.path), "cpu_s": cpu,
+        "stats": json.loads(describe_stats(client.stats))}), flush=True)
 
 
-VMSTAT_KEYS = ("pgalloc_normal", "pgfree", "pgfault", "pgmajfault", "pgsteal_kswapd", "pgsteal_direct", "pgscan_kswapd", "pgscan_direct",
-               "allocstall_normal", "compact_stall", "nr_dirty", "nr_writeback", "pgpgout", "thp_fault_alloc")
+VMSTAT_KEYS = ("pgalloc_normal", "pgfree", "pgfault", "pgmajfault", "pgsteal_kswapd", "pgsteal_direct",
+               "pgscan_kswapd", "pgscan_direct", "allocstall_normal", "compact_stall", "nr_dirty", "nr_writeback",
+               "pgpgout", "thp_fault_alloc")
 
 
 def vmstat() -> dict[str, int]:
@@ -167,9 +171,11 @@ class Procs:
     def __init__(self):
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, args: list[str], env: dict | None = None, wait_ready: bool = True, cwd: Path = REPO, role: str = "client", log: Path | None = None) -> subprocess.Popen:
+    def start(self, args: list[str], env: dict | None = None, wait_ready: bool = True, cwd: Path = REPO,
+        role: str = "client", log: Path | None = None) -> subprocess.Popen:
         stderr = open(log, "w") if log is not None else subprocess.DEVNULL
-        proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=cwd, env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=cwd,
+            env={**os.environ, **(env or {})})
         proc.role = role  # type: ignore[attr-defined]
         self.procs.append(proc)
         if wait_ready:
@@ -190,7 +196,8 @@ class Procs:
             except OSError:
                 continue
             # fields[11], [12]: utime, stime; [13], [14]: of waited-for children (curl under its wrapper)
-            out.append({"role": getattr(proc, "role", "?"), "cpu_s": round(sum(int(x) for x in fields[11:15]) / tick, 2)})
+            out.append({"role": getattr(proc, "role", "?"), "cpu_s": round(sum(int(x) for x in fields[11:15]) / tick,
+                2)})
         return out
 
     def stop_all(self) -> None:
@@ -291,7 +298,8 @@ def summarize(name: str, t0: float, results: list[dict], bytes_per_client: int, 
         "aggregate_goodput_MBps": round(len(results) * bytes_per_client / seconds / 1e6, 1) if ok else None,
     }
     if all("cpu_s" in r for r in results):  # our clients: CPU before "go" (interpreter, imports) and for the pull
-        row["client_cpu_s"] = {k: round(sum(r["cpu_s"][k] for r in results), 2) for k in ("startup", "pull", "pull_user", "pull_system")}
+        row["client_cpu_s"] = {k: round(sum(r["cpu_s"][k] for r in results), 2) for k in ("startup", "pull",
+            "pull_user", "pull_system")}
     if not ok:
         row["errors"] = results
     row.update(extra or {})
@@ -363,7 +371,8 @@ NGINX_RELAY_LOCATIONS = """
 def start_nginx(work: Path, conf_name: str, conf_text: str, port: int, probe: str) -> tuple[subprocess.Popen, str]:
     conf = work / conf_name
     conf.write_text(conf_text)
-    proc = subprocess.Popen(["nginx", "-c", str(conf), "-p", str(work)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(["nginx", "-c", str(conf), "-p", str(work)], stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     import httpx
 
@@ -413,7 +422,8 @@ def _curl_pull(work: Path, scenario: str, servers: list[str], manifest, n_client
     """4 curl clients; with several servers, client i takes shard j from server (i + j) mod n."""
     clients = []
     for i in range(n_clients):
-        urls = ",".join(f"{servers[(i + j) % len(servers)]}/v1/versions/{manifest.version}/shards/{s.name}" for j, s in enumerate(manifest.shards))
+        urls = ",".join(f"{servers[(i + j) % len(servers)]}/v1/versions/{manifest.version}/shards/{s.name}" for j,
+            s in enumerate(manifest.shards))
         dest = work / f"curl-client{i}"
         dest.mkdir()
         clients.append(procs.start([sys.executable, "-c", CURL_CLIENT, urls, str(dest)]))
@@ -427,9 +437,11 @@ def _curl_pull(work: Path, scenario: str, servers: list[str], manifest, n_client
     return row
 
 
-def start_our_clients(work: Path, tag: str, urls: list[str], pub: str, n_clients: int, procs: Procs, parallelism: int = 8) -> list[subprocess.Popen]:
+def start_our_clients(work: Path, tag: str, urls: list[str], pub: str, n_clients: int, procs: Procs,
+    parallelism: int = 8) -> list[subprocess.Popen]:
     return [
-        procs.start([sys.executable, __file__, "_client", "--urls", ",".join(urls), "--pub", pub, "--dest", str(work / f"{tag}-client{i}"), "--parallelism", str(parallelism)],
+        procs.start([sys.executable, __file__, "_client", "--urls", ",".join(urls), "--pub", pub, "--dest",
+        str(work / f"{tag}-client{i}"), "--parallelism", str(parallelism)],
                     log=work / f"{tag}-client{i}.log")
         for i in range(n_clients)
     ]
@@ -449,7 +461,8 @@ def check_our_clients(work: Path, tag: str, manifest, res: list[dict], n_clients
         shutil.rmtree(work / f"{tag}-client{i}")
 
 
-def scenario_nginx_ours(work: Path, url: str, manifest, pub: str, n_clients: int, procs: Procs, parallelism: int = 8) -> dict:
+def scenario_nginx_ours(work: Path, url: str, manifest, pub: str, n_clients: int, procs: Procs,
+    parallelism: int = 8) -> dict:
     clients = start_our_clients(work, "nginx", [url], pub, n_clients, procs, parallelism)
     t0 = time.time()
     go(clients)
@@ -459,7 +472,8 @@ def scenario_nginx_ours(work: Path, url: str, manifest, pub: str, n_clients: int
     return row
 
 
-def scenario_origin_direct(work: Path, origin, manifest, pub: str, n_clients: int, procs: Procs, parallelism: int = 8) -> dict:
+def scenario_origin_direct(work: Path, origin, manifest, pub: str, n_clients: int, procs: Procs,
+    parallelism: int = 8) -> dict:
     """Our origin server straight to the clients: the same job as nginx_ours, our server instead of nginx."""
     from shardcast.server import serve_origin
 
@@ -476,7 +490,8 @@ def scenario_origin_direct(work: Path, origin, manifest, pub: str, n_clients: in
     return row
 
 
-def scenario_swarmrl(work: Path, origin, manifest, pub: str, n_clients: int, procs: Procs, relay_parallelism: int, parallelism: int = 8) -> dict:
+def scenario_swarmrl(work: Path, origin, manifest, pub: str, n_clients: int, procs: Procs, relay_parallelism: int,
+    parallelism: int = 8) -> dict:
     from shardcast.server import serve_origin
 
     port = free_port()
@@ -484,8 +499,9 @@ def scenario_swarmrl(work: Path, origin, manifest, pub: str, n_clients: int, pro
     relay_urls = []
     for i in range(2):
         relay = procs.start(
-            [sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", "relay", "--upstream", origin_url, "--root", str(work / f"relay{i}"),
-             "--public-key", pub, "--run-id", RUN_ID, "--poll-interval-s", "0.05", "--log-level", "ERROR", "--parallelism", str(relay_parallelism)],
+            [sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", "relay", "--upstream", origin_url,
+             "--root", str(work / f"relay{i}"), "--public-key", pub, "--run-id", RUN_ID, "--poll-interval-s", "0.05",
+             "--log-level", "ERROR", "--parallelism", str(relay_parallelism)],
             role="relay",
         )
         relay_urls.append(json.loads(relay.ready_line)["url"])
@@ -497,7 +513,8 @@ def scenario_swarmrl(work: Path, origin, manifest, pub: str, n_clients: int, pro
         res = results_of(clients)
     finally:
         server.stop()
-    row = summarize("swarmrl", t0, res, manifest.total_bytes, {"verified": True, "client_stats": [r.get("stats") for r in res]})
+    row = summarize("swarmrl", t0, res, manifest.total_bytes, {"verified": True, "client_stats": [r.get("stats")
+        for r in res]})
     check_our_clients(work, "swarmrl", manifest, res, n_clients)
     return row
 
@@ -508,7 +525,8 @@ def scenario_pypi(work: Path, vdir: Path, manifest, n_clients: int, shard_bytes:
     # names this repository (as our tests' environment does)
     pypi = [python, "-E", "-P", "-c", PYPI_ROLE]
     if not Path(python).exists():
-        return {"scenario": "pypi_shardcast", "ok": False, "error": f"no venv at {PYPI_VENV}: python -m venv ... && pip install shardcast==0.3.2"}
+        return {"scenario": "pypi_shardcast", "ok": False,
+            "error": f"no venv at {PYPI_VENV}: python -m venv ... && pip install shardcast==0.3.2"}
     # PyPI shardcast broadcasts one file: the same bytes, our shards concatenated.
     blob = work / "checkpoint.bin"
     with open(blob, "wb") as out:
@@ -524,21 +542,26 @@ def scenario_pypi(work: Path, vdir: Path, manifest, n_clients: int, shard_bytes:
         return {"scenario": "pypi_shardcast", "ok": False, "error": str(e)[:2000]}
 
 
-def _run_pypi(work: Path, pypi: list[str], env: dict, blob: Path, size: int, n_clients: int, shard_bytes: int, procs: Procs) -> dict:
+def _run_pypi(work: Path, pypi: list[str], env: dict, blob: Path, size: int, n_clients: int, shard_bytes: int,
+    procs: Procs) -> dict:
     port = free_port()
-    origin = procs.start(pypi + ["origin", str(work / "pypi-origin"), str(port), str(blob), str(shard_bytes)], env=env, cwd=work, role="origin", log=work / "pypi-origin.log")
+    origin = procs.start(pypi + ["origin", str(work / "pypi-origin"), str(port), str(blob), str(shard_bytes)], env=env,
+        cwd=work, role="origin", log=work / "pypi-origin.log")
     middle_urls = []
     for i in range(2):
         mport = free_port()
-        procs.start(pypi + ["middle", f"http://127.0.0.1:{port}", str(work / f"pypi-middle{i}"), str(mport)], env=env, cwd=work, role="relay", log=work / f"pypi-middle{i}.log")
+        procs.start(pypi + ["middle", f"http://127.0.0.1:{port}", str(work / f"pypi-middle{i}"), str(mport)], env=env,
+            cwd=work, role="relay", log=work / f"pypi-middle{i}.log")
         middle_urls.append(f"http://127.0.0.1:{mport}")
     time.sleep(1.5)  # its middle nodes must have polled the (empty) origin once before clients probe them
-    clients = [procs.start(pypi + ["client", ",".join(middle_urls), str(work / f"pypi-client{i}")], env=env, cwd=work, log=work / f"pypi-client{i}.log") for i in range(n_clients)]
+    clients = [procs.start(pypi + ["client", ",".join(middle_urls), str(work / f"pypi-client{i}")], env=env, cwd=work,
+        log=work / f"pypi-client{i}.log") for i in range(n_clients)]
     go(clients)
     go([origin])
     published = json.loads(origin.stdout.readline())
     res = results_of(clients)
-    row = summarize("pypi_shardcast", published["t_published"], res, size, {"verified": "whole-file checksum only", "publish_s": round(published["publish_s"], 2), "sleeps_s": 1})
+    row = summarize("pypi_shardcast", published["t_published"], res, size, {"verified": "whole-file checksum only",
+        "publish_s": round(published["publish_s"], 2), "sleeps_s": 1})
     return row
 
 
@@ -579,11 +602,15 @@ def write_results(out: str, rounds: list[list[dict]], meta: dict) -> None:
     lines = [
         "# shardcast broadcast benchmark",
         "",
-        f"`{meta['command']}` — {meta['when']}, {meta['gib']} GiB in {meta['shards']} shards, {meta['clients']} clients, loopback, "
-        f"{os.cpu_count()} cores shared with other jobs (load before: {meta['loadavg_before']}, after: {meta.get('loadavg_after')}). "
-        f"{len(rounds)} rounds after one warm-up pull (origin_direct, not in the tables; its figures are in the JSON's meta); in each round, every scenario ran once, in this order, with a cleanup + sync + pause between"
+        f"`{meta['command']}` — {meta['when']}, {meta['gib']} GiB in {meta['shards']} shards, {meta['clients']} "
+        f"clients, loopback, "
+        f"{os.cpu_count()} cores shared with other jobs (load before: {meta['loadavg_before']}, after: "
+        f"{meta.get('loadavg_after')}). "
+        f"{len(rounds)} rounds after one warm-up pull (origin_direct, not in the tables; its figures are in the "
+        f"JSON's meta); in each round, every scenario ran once, in this order, with a cleanup + sync + pause between"
         + (" and free memory compacted before each (--compact)" if meta.get("compact") else "")
-        + (f"; right before each, {meta['resident_gib']} GiB of memory touched and freed (--resident), so that no scenario starts on memory this VM had handed back to its host." if meta.get("resident_gib") else "."),
+        + (f"; right before each, {meta['resident_gib']} GiB of memory touched and freed (--resident), so that no "
+        f"scenario starts on memory this VM had handed back to its host." if meta.get("resident_gib") else "."),
         "",
         "Median [min–max] over the rounds:",
         "",
@@ -608,20 +635,26 @@ def write_results(out: str, rounds: list[list[dict]], meta: dict) -> None:
                     cells.append(cell)
         if cells:
             lines.append(f"- {name}: " + "; ".join(cells))
-    lines += ["", "Free memory in blocks of 2 MiB or more before each scenario (MiB, per round; large folios need them):", ""]
+    lines += ["",
+        "Free memory in blocks of 2 MiB or more before each scenario (MiB, per round; large folios need them):", ""]
     for name in scenarios:
-        cells = [str(r.get("free_MiB_in_blocks_before", {}).get("order>=9", "—")) for rows in rounds for r in rows if r["scenario"] == name]
+        cells = [str(r.get("free_MiB_in_blocks_before", {}).get("order>=9", "—")) for rows in rounds for r in rows
+            if r["scenario"] == name]
         lines.append(f"- {name}: " + ", ".join(cells))
-    lines += ["", "Goodput ratios, each from scenarios of the same round:", "", "| ratio | median [min–max] | every round |", "|---|---|---|"]
+    lines += ["", "Goodput ratios, each from scenarios of the same round:", "",
+        "| ratio | median [min–max] | every round |", "|---|---|---|"]
     for name in RATIOS:
         vals = [r[name] for r in ratios]
         if any(v is not None for v in vals):
             lines.append(f"| {name} | {spread(vals)} | {', '.join('—' if v is None else str(v) for v in vals)} |")
     lines += ["", "Every run (all clients done, s / goodput MB/s):", ""]
     for name in scenarios:
-        cells = [f"{r.get('seconds_until_all_clients_done')} / {r.get('aggregate_goodput_MBps')}" for rows in rounds for r in rows if r["scenario"] == name]
+        cells = [f"{r.get('seconds_until_all_clients_done')} / {r.get('aggregate_goodput_MBps')}" for rows in rounds
+            for r in rows if r["scenario"] == name]
         lines.append(f"- {name}: " + "; ".join(cells))
-    lines += ["", f"publish (origin: split, serialize, sha256 and blake3, fsync, sign) of {meta['gib']} GiB: {meta['publish_s']} s"]
+    lines += ["",
+        f"publish (origin: split, serialize, sha256 and blake3, fsync, sign) of {meta['gib']} GiB: "
+        f"{meta['publish_s']} s"]
     Path(out + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -642,7 +675,8 @@ def main() -> None:
     p.add_argument("--gib", type=float, default=1.0)
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--shard-mib", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=3, help="every scenario once per round; ratios are taken within a round")
+    p.add_argument("--rounds", type=int, default=3,
+        help="every scenario once per round; ratios are taken within a round")
     p.add_argument("--skip-pypi", action="store_true")
     p.add_argument("--pypi-rounds", type=int, default=1, help="rounds that include PyPI shardcast (slow: its sleeps)")
     p.add_argument("--skip-nginx", action="store_true")
@@ -651,10 +685,13 @@ def main() -> None:
     p.add_argument("--relay-parallelism", type=int, default=2)
     p.add_argument("--client-parallelism", type=int, default=8)
     p.add_argument("--out", default=str(RESULTS / "shardcast_bench"))
-    p.add_argument("--compact", action="store_true", help="compact free memory before every scenario (root): each starts from the same unfragmented state")
+    p.add_argument("--compact", action="store_true",
+        help="compact free memory before every scenario (root): each starts from the same unfragmented state")
     p.add_argument("--resident", type=float, default=0.0, metavar="GIB",
-                   help="touch GIB of memory right before every scenario, so that none starts on memory this VM handed back to its host; "
-                        "twice the page cache a scenario writes, 2 x (relays + clients) x --gib, covers it (12 at the defaults)")
+                   help="touch GIB of memory right before every scenario, so that none starts on memory this VM "
+                   "handed back to its host; "
+                        "twice the page cache a scenario writes, 2 x (relays + clients) x --gib, covers it (12 at the "
+                        "defaults)")
     a = p.parse_args()
 
     import torch
@@ -673,8 +710,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="shardcast-bench-", dir=WORK))
     procs = Procs()
     rounds: list[list[dict]] = []
-    meta = {"command": "python " + " ".join(["bench/shardcast_bench.py"] + sys.argv[1:]), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "gib": a.gib, "clients": a.clients, "loadavg_before": [round(x, 2) for x in os.getloadavg()], "compact": a.compact, "resident_gib": a.resident}
+    meta = {"command": "python " + " ".join(["bench/shardcast_bench.py"] + sys.argv[1:]),
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gib": a.gib, "clients": a.clients,
+            "loadavg_before": [round(x, 2) for x in os.getloadavg()], "compact": a.compact, "resident_gib": a.resident}
     try:
         key = generate_signing_key(work / "run-key.pem")
         pub = public_key_b64(key)
@@ -683,7 +721,8 @@ def main() -> None:
         n = max(1, int(a.gib * (1 << 30)) // shard_bytes)
         cols = shard_bytes // 2 // 4096
         g = torch.Generator().manual_seed(0)
-        state = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(4096, cols, generator=g).to(torch.bfloat16) for i in range(n)}
+        state = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(4096, cols, generator=g).to(torch.bfloat16)
+            for i in range(n)}
         origin = Origin(work / "origin", key, run_id=RUN_ID, keep_versions=2, shard_bytes=shard_bytes)
         t = time.perf_counter()
         manifest = origin.publish(1, state)
@@ -701,7 +740,8 @@ def main() -> None:
             vm0, free0 = vmstat(), free_blocks_mib()
             row = run()
             vm1 = vmstat()
-            # The kernel's page work during the scenario (4 KiB pages): the clients' extra CPU through relays is system time.
+            # The kernel's page work during the scenario (4 KiB pages): the clients' extra CPU through relays is system
+            # time.
             row["vmstat_delta"] = {k: vm1[k] - vm0[k] for k in vm0 if k in vm1 and vm1[k] != vm0[k]}
             row["free_MiB_in_blocks_before"] = free0
             if RESIDENT_GIB:
@@ -737,23 +777,31 @@ def main() -> None:
         # A warm-up pull, not reported: the first scenario after the publish took 2-4x the kernel time of the
         # same scenario later (origin_direct 6.8 vs 1.8 CPU-s of client system time; nginx_curl 13.3 vs 6.1-8.6
         # CPU-s), which favoured whichever scenario ran second in round 1 (shardcast_notes.md).
-        warmup = measured([], lambda: scenario_origin_direct(work, origin, manifest, pub, a.clients, procs, a.client_parallelism))
-        meta["warmup_origin_direct"] = {k: warmup.get(k) for k in ("seconds_until_all_clients_done", "client_cpu_s", "vmstat_delta")}
+        warmup = measured([], lambda: scenario_origin_direct(work, origin, manifest, pub, a.clients, procs,
+            a.client_parallelism))
+        meta["warmup_origin_direct"] = {k: warmup.get(k) for k in ("seconds_until_all_clients_done", "client_cpu_s",
+            "vmstat_delta")}
         for i in range(a.rounds):
             rows: list[dict] = []
             if not a.skip_nginx:
                 measured(rows, with_nginx(lambda url: scenario_nginx_curl(work, url, manifest, a.clients, procs)))
-                measured(rows, with_nginx(lambda url: scenario_nginx_ours(work, url, manifest, pub, a.clients, procs, a.client_parallelism)))
-            measured(rows, lambda: scenario_origin_direct(work, origin, manifest, pub, a.clients, procs, a.client_parallelism))
-            measured(rows, lambda: scenario_swarmrl(work, origin, manifest, pub, a.clients, procs, a.relay_parallelism, a.client_parallelism))
+                measured(rows, with_nginx(lambda url: scenario_nginx_ours(work, url, manifest, pub, a.clients, procs,
+                    a.client_parallelism)))
+            measured(rows, lambda: scenario_origin_direct(work, origin, manifest, pub, a.clients, procs,
+                a.client_parallelism))
+            measured(rows, lambda: scenario_swarmrl(work, origin, manifest, pub, a.clients, procs, a.relay_parallelism,
+                a.client_parallelism))
             if not a.skip_nginx:
-                measured(rows, with_nginx(lambda url: scenario_nginx_relays_curl(work, url, manifest, a.clients, procs)))
+                measured(rows, with_nginx(lambda url: scenario_nginx_relays_curl(work, url, manifest, a.clients,
+                    procs)))
             for j in range(2):
                 shutil.rmtree(work / f"relay{j}", ignore_errors=True)
             if not a.skip_pypi and i < a.pypi_rounds:
                 measured(rows, lambda: scenario_pypi(work, vdir, manifest, a.clients, shard_bytes, procs))
-                for j in ("pypi-origin", "pypi-middle0", "pypi-middle1", "pypi-client0", "pypi-client1", "pypi-client2", "pypi-client3", "checkpoint.bin"):
-                    shutil.rmtree(work / j, ignore_errors=True) if (work / j).is_dir() else (work / j).unlink(missing_ok=True)
+                for j in ("pypi-origin", "pypi-middle0", "pypi-middle1", "pypi-client0", "pypi-client1",
+                    "pypi-client2", "pypi-client3", "checkpoint.bin"):
+                    shutil.rmtree(work / j,
+                        ignore_errors=True) if (work / j).is_dir() else (work / j).unlink(missing_ok=True)
             rounds.append(rows)
         meta["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
         write_results(a.out, rounds, meta)

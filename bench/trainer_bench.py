@@ -95,7 +95,8 @@ def main() -> None:
             elapsed = time.perf_counter() - t0
             if i > 0:  # the first step of each is warm-up
                 rates[mode].append(m["tokens"] / elapsed)
-            print(f"step {i} {mode:11s} {m['tokens']:.0f} tokens in {elapsed:.2f}s -> {m['tokens'] / elapsed:,.0f} tok/s", flush=True)
+            print(f"step {i} {mode:11s} {m['tokens']:.0f} tokens in {elapsed:.2f}s -> {m['tokens'] / elapsed:,.0f} "
+                f"tok/s", flush=True)
 
     med = {m: statistics.median(r) for m, r in rates.items()}
     ratio = med["packed"] / med["padded"]
@@ -112,8 +113,10 @@ def main() -> None:
         f"{args.samples} samples per optimizer step; prompt length uniform 16-95; completion length log-normal",
         f"(median 60, sigma 0.9, clipped to [4, {args.max_completion}]): observed completion lengths p50 "
         f"{int(np.percentile(lengths, 50))}, p90 {int(np.percentile(lengths, 90))}, max {max(lengths)}.",
-        f"Token budget per micro-batch {args.budget} (padded: rows x longest of the micro-batch <= budget, arrival order;",
-        "packed: first-fit decreasing into one row with position resets). Same batches for all modes, steps interleaved.",
+        f"Token budget per micro-batch {args.budget} (padded: rows x longest of the micro-batch <= budget, arrival "
+        f"order;",
+        "packed: first-fit decreasing into one row with position resets). Same batches for all modes, steps "
+        "interleaved.",
         "packed = our varlen attention (trainer/attention.py); packed+mask = transformers' sdpa with a dense",
         "block-diagonal mask over the whole packed row.",
         "",
@@ -129,7 +132,8 @@ def main() -> None:
         f"per-step ratios min {min(per_step_ratios):.2f}, max {max(per_step_ratios):.2f}).",
         f"Varlen attention vs the dense block-diagonal mask on the same packed rows: {mask_ratio:.2f}x.",
         "",
-        f"Timings are from a VM shared with other jobs (1-min load average {load[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end,",
+        f"Timings are from a VM shared with other jobs (1-min load average {load[0]:.1f} at start, "
+        f"{os.getloadavg()[0]:.1f} at end,",
         "on 2 cores); the ratio of medians over interleaved steps is the number to read, not the absolute rates.",
         "",
     ]

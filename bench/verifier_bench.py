@@ -140,9 +140,9 @@ def compare_with_toploc(acts: list[torch.Tensor], reps: int, workdir: Path) -> d
 def bench_model(size: str, seqs: int, max_tokens: int, workdir: Path, reps: int) -> dict:
     from environments.tasks import get_task
     from protocol.models import SamplingParams
-    from trainer.tiny_model import init_model
     from tools.verifier_calibration import Trial, encode_prompts, lease_for, to_job
     from tools.vllm_rollouts import generate, make_engine
+    from trainer.tiny_model import init_model
     from verifier import proofs
     from verifier.config import VerifierConfig
     from verifier.service import Verifier
@@ -168,7 +168,8 @@ def bench_model(size: str, seqs: int, max_tokens: int, workdir: Path, reps: int)
     versions = {0: model_dir}
     # One torch thread, like each production verifier actor (swarmrl/actors.py).
     verifier = Verifier(VerifierConfig(num_threads=1), lambda v: versions[v], model_dir)
-    trials = [Trial("bench", x, lease_for(x.prompt_ids, sampling, k, f"b{k}"), it, expect_accept=True) for k, (x, it) in enumerate(zip(rolls, items))]
+    trials = [Trial("bench", x, lease_for(x.prompt_ids, sampling, k, f"b{k}"), it, expect_accept=True) for k, (x,
+        it) in enumerate(zip(rolls, items))]
     jobs = [to_job(t, k) for k, t in enumerate(trials)]
     verifier.verify_many(jobs[:2])  # load the model
     verify_s, verdicts = timed(lambda: verifier.verify_many(jobs), reps)
@@ -219,7 +220,8 @@ def main() -> None:
             full = [a[: a.shape[0] // 32 * 32] for a in acts if a.shape[0] >= 32]
             comparisons.append((f"vLLM {size} (H={row['hidden_size']}), full chunks of {len(full)} completions", full))
         g = torch.Generator().manual_seed(0)
-        comparisons.append((f"synthetic H={args.big_hidden}, 8 x 256 tokens", [torch.randn(256, args.big_hidden, generator=g) for _ in range(8)]))
+        comparisons.append((f"synthetic H={args.big_hidden}, 8 x 256 tokens", [torch.randn(256, args.big_hidden,
+            generator=g) for _ in range(8)]))
         for label, acts in comparisons:
             both = compare_with_toploc(acts, max(args.reps, 5), work)
             ours, ref = both["ours"], both["toploc"]
@@ -233,23 +235,35 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "verifier_bench.json").write_text(json.dumps(results, indent=1))
-    md = ["# verifier benchmark", "", f"command: `{results['command']}` (2 shared CPU cores; process CPU time, medians of {args.reps} runs, toploc interleaved with ours)", "",
-          "## Proofs vs vLLM generation (fp32, temperature 1, toy prompts)", "",
-          "| model | H | completions | tokens | gen tok/s | proof bytes per token (258 per full 32-token chunk) | proof build % of gen (batched / one-by-one) | verify tok/s | verify / gen throughput | accepted |",
+    md = ["# verifier benchmark", "",
+          f"command: `{results['command']}` (2 shared CPU cores; process CPU time, medians of {args.reps} runs, "
+          f"toploc interleaved with ours)", "", "## Proofs vs vLLM generation (fp32, temperature 1, toy prompts)", "",
+          "| model | H | completions | tokens | gen tok/s | proof bytes per token (258 per full 32-token chunk) | "
+          "proof build % of gen (batched / one-by-one) | verify tok/s | verify / gen throughput | accepted |",
           "|---|---|---|---|---|---|---|---|---|---|"]
     for m in results["models"]:
-        md.append(f"| {m['size']} | {m['hidden_size']} | {m['completions']} | {m['tokens']} | {m['generate_tok_s']:.0f} | "
-                  f"{m['proof_bytes_total'] / m['tokens']:.2f} | {m['proof_overhead_pct']:.2f}% / {m['proof_overhead_one_by_one_pct']:.2f}% | "
-                  f"{m['verify_tok_s']:.0f} | {m['verify_over_generate_throughput']:.1f}x | {m['accepted']}/{m['completions']} |")
-    md += ["", "## Against PyPI toploc 0.1.6 on the same bf16 activations (build, then verify; separate venv, torch 2.7 CPU)", "",
-           "| activations | proofs | ours build ms/proof (one-by-one / batched) | toploc build ms/proof | build speedup | ours verify ms/proof | toploc verify ms/proof | verify speedup |",
+        md.append(f"| {m['size']} | {m['hidden_size']} | {m['completions']} | {m['tokens']} | "
+            f"{m['generate_tok_s']:.0f} | "
+                  f"{m['proof_bytes_total'] / m['tokens']:.2f} | {m['proof_overhead_pct']:.2f}% / "
+                  f"{m['proof_overhead_one_by_one_pct']:.2f}% | "
+                  f"{m['verify_tok_s']:.0f} | {m['verify_over_generate_throughput']:.1f}x | "
+                  f"{m['accepted']}/{m['completions']} |")
+    md += ["",
+           "## Against PyPI toploc 0.1.6 on the same bf16 activations (build, then verify; separate venv, torch 2.7 "
+           "CPU)", "",
+           "| activations | proofs | ours build ms/proof (one-by-one / batched) | toploc build ms/proof | build "
+           "speedup | ours verify ms/proof | toploc verify ms/proof | verify speedup |",
            "|---|---|---|---|---|---|---|---|"]
     for r in results["toploc"]:
         o, t, n = r["ours"], r["toploc"], r["proofs"]
         if "error" in t:
-            md.append(f"| {r['activations']} | {n} | {1e3 * o['build_s'] / n:.3f} / {1e3 * o['build_batched_s'] / n:.3f} | error: {t['error'][:200]} | | {1e3 * o['verify_s'] / n:.3f} | | |")
+            md.append(
+                f"| {r['activations']} | {n} | {1e3 * o['build_s'] / n:.3f} / {1e3 * o['build_batched_s'] / n:.3f} | "
+                f"error: {t['error'][:200]} | | {1e3 * o['verify_s'] / n:.3f} | | |")
         else:
-            md.append(f"| {r['activations']} | {n} | {1e3 * o['build_s'] / n:.3f} / {1e3 * o['build_batched_s'] / n:.3f} | {1e3 * t['build_s'] / n:.3f} | "
+            md.append(
+                f"| {r['activations']} | {n} | {1e3 * o['build_s'] / n:.3f} / {1e3 * o['build_batched_s'] / n:.3f} | "
+                f"{1e3 * t['build_s'] / n:.3f} | "
                       f"{r['build_speedup_vs_toploc']:.1f}x / {r['build_batched_speedup_vs_toploc']:.1f}x | {1e3 * o['verify_s'] / n:.3f} | "
                       f"{1e3 * t['verify_s'] / n:.3f} | {r['verify_speedup_vs_toploc']:.1f}x |")
     md += ["", NOTES]

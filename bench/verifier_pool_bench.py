@@ -64,9 +64,10 @@ def measure(dispatch, jobs: list, tokens: int, pids: list[int]) -> dict:
     wall = time.perf_counter() - t
     cpu = cpu_seconds(pids) - cpu
     accepted = sum(v.status.value == "accepted" for v in verdicts)
-    return {"wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1), "submissions_per_s": round(len(jobs) / wall, 2),
-            "cores_obtained": round(cpu / wall, 2), "tokens_per_cpu_s": round(tokens / cpu, 1),
-            "accepted": accepted, "load_before": before, "load_after": load()}
+    return {"wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
+            "submissions_per_s": round(len(jobs) / wall, 2), "cores_obtained": round(cpu / wall, 2),
+            "tokens_per_cpu_s": round(tokens / cpu, 1), "accepted": accepted, "load_before": before,
+            "load_after": load()}
 
 
 def main() -> None:
@@ -90,13 +91,15 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="vpool-bench-"))
     model_dir = init_model(work / args.size, args.size, seed=0)
     t = time.perf_counter()
-    jobs = honest_jobs(model_dir, args.seqs, SamplingParams(temperature=1.0, max_tokens=args.max_tokens, stop_token_ids=[]))
+    jobs = honest_jobs(model_dir, args.seqs, SamplingParams(temperature=1.0, max_tokens=args.max_tokens,
+        stop_token_ids=[]))
     gen_s = time.perf_counter() - t
     tokens = sum(j.submission.num_tokens for j in jobs)
     print(f"generated {len(jobs)} honest rollouts, {tokens} tokens, in {gen_s:.1f} s", flush=True)
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    pool = VerifierPool(VerifierConfig(num_threads=1), lambda v: model_dir, str(model_dir), num_cpus=1, retire_after_s=0)
+    pool = VerifierPool(VerifierConfig(num_threads=1), lambda v: model_dir, str(model_dir), num_cpus=1,
+        retire_after_s=0)
     try:
         pool.grow(2)
         pool.wait_live(2, timeout_s=600)
@@ -111,9 +114,11 @@ def main() -> None:
                 row[f"actors_{k}"] = measure(RayVerifierPool(actors[:k], timeout_s=3600), jobs, tokens, pids[:k])
             # Control: one actor, the half of the jobs that each of two actors gets. Its tokens per CPU-second
             # tell a cost of smaller batches per call apart from a cost of two actors running at once.
-            row["actors_1_half"] = measure(RayVerifierPool(actors[:1], timeout_s=3600), jobs[0::2], sum(j.submission.num_tokens for j in jobs[0::2]), pids[:1])
+            row["actors_1_half"] = measure(RayVerifierPool(actors[:1], timeout_s=3600), jobs[0::2],
+                sum(j.submission.num_tokens for j in jobs[0::2]), pids[:1])
             row["ratio"] = round(row["actors_2"]["tokens_per_s"] / row["actors_1"]["tokens_per_s"], 3)
-            row["cpu_efficiency_ratio"] = round(row["actors_2"]["tokens_per_cpu_s"] / row["actors_1"]["tokens_per_cpu_s"], 3)
+            row["cpu_efficiency_ratio"] = round(
+                row["actors_2"]["tokens_per_cpu_s"] / row["actors_1"]["tokens_per_cpu_s"], 3)
             runs.append(row)
             print(json.dumps(row), flush=True)
     finally:
@@ -132,8 +137,10 @@ def main() -> None:
         "runs": runs,
         "ratio_median": round(statistics.median(ratios), 3),
         "cpu_efficiency_ratio_median": round(statistics.median(r["cpu_efficiency_ratio"] for r in runs), 3),
-        "half_batch_cpu_efficiency_ratio_median": round(statistics.median(r["actors_1_half"]["tokens_per_cpu_s"] / r["actors_1"]["tokens_per_cpu_s"] for r in runs), 3),
-        "cores_obtained_median": {k: statistics.median(r[f"actors_{k}"]["cores_obtained"] for r in runs) for k in (1, 2)},
+        "half_batch_cpu_efficiency_ratio_median": round(statistics.median(
+        r["actors_1_half"]["tokens_per_cpu_s"] / r["actors_1"]["tokens_per_cpu_s"] for r in runs), 3),
+        "cores_obtained_median": {k: statistics.median(r[f"actors_{k}"]["cores_obtained"] for r in runs) for k in (1,
+        2)},
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
         "load_min": min(loads),
@@ -146,32 +153,46 @@ def main() -> None:
     lines = [
         "# Verifier pool: verified tokens/s with 1 and 2 actors",
         "",
-        f"`{result['command']}` — {len(jobs)} honest rollouts of the `{args.size}` model ({tokens} generated tokens, real vLLM worker "
-        f"engine, seeded draws and proofs), each verified by the production `VerifierActor` (Ray num_cpus=1, torch threads 1) "
-        f"through `RayVerifierPool.verify_many`. Wall time; the order of 1 and 2 actors alternates between runs. Machine: "
-        f"{os.cpu_count()} cores shared with other jobs, 1-minute load average {result['load_min']}–{result['load_max']} during the runs.",
+        f"`{result['command']}` — {len(jobs)} honest rollouts of the `{args.size}` model ({tokens} generated tokens, "
+        f"real vLLM worker "
+        f"engine, seeded draws and proofs), each verified by the production `VerifierActor` (Ray num_cpus=1, torch "
+        f"threads 1) "
+        f"through `RayVerifierPool.verify_many`. Wall time; the order of 1 and 2 actors alternates between runs. "
+        f"Machine: "
+        f"{os.cpu_count()} cores shared with other jobs, 1-minute load average "
+        f"{result['load_min']}–{result['load_max']} during the runs.",
         "",
-        "| run | 1 actor tok/s | 2 actors tok/s | ratio 2/1 | cores obtained (1 / 2 actors) | tok per CPU-s (1 / 2 actors) | load (1 actor) | load (2 actors) |",
+        "| run | 1 actor tok/s | 2 actors tok/s | ratio 2/1 | cores obtained (1 / 2 actors) | tok per CPU-s (1 / 2 "
+        "actors) | load (1 actor) | load (2 actors) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         a1, a2 = r["actors_1"], r["actors_2"]
-        lines.append(f"| {r['run']} | {a1['tokens_per_s']} | {a2['tokens_per_s']} | {r['ratio']} | {a1['cores_obtained']} / {a2['cores_obtained']} | "
+        lines.append(f"| {r['run']} | {a1['tokens_per_s']} | {a2['tokens_per_s']} | {r['ratio']} | "
+            f"{a1['cores_obtained']} / {a2['cores_obtained']} | "
                      f"{a1['tokens_per_cpu_s']} / {a2['tokens_per_cpu_s']} | "
                      f"{a1['load_before']}→{a1['load_after']} | {a2['load_before']}→{a2['load_after']} |")
     lines += [
         "",
-        f"Ratio 2 actors / 1 actor: median **{result['ratio_median']}**, min {result['ratio_min']}, max {result['ratio_max']} "
-        f"over {len(runs)} runs. Every verdict accepted: {result['accepted_all']}. Cores the actors obtained (CPU seconds per "
+        f"Ratio 2 actors / 1 actor: median **{result['ratio_median']}**, min {result['ratio_min']}, max "
+        f"{result['ratio_max']} "
+        f"over {len(runs)} runs. Every verdict accepted: {result['accepted_all']}. Cores the actors obtained (CPU "
+        f"seconds per "
         f"wall second, at most 1 per actor), median: {result['cores_obtained_median'][1]} with 1 actor, "
-        f"{result['cores_obtained_median'][2]} with 2. Tokens per CPU-second, 2 actors / 1 actor (what splitting the work "
-        f"costs or saves per unit of CPU, independent of how much CPU the other jobs left), median: {result['cpu_efficiency_ratio_median']}; "
-        f"control, one actor verifying the half that each of two actors gets, tokens per CPU-second against the whole set: "
+        f"{result['cores_obtained_median'][2]} with 2. Tokens per CPU-second, 2 actors / 1 actor (what splitting the "
+        f"work "
+        f"costs or saves per unit of CPU, independent of how much CPU the other jobs left), median: "
+        f"{result['cpu_efficiency_ratio_median']}; "
+        f"control, one actor verifying the half that each of two actors gets, tokens per CPU-second against the whole "
+        f"set: "
         f"{result['half_batch_cpu_efficiency_ratio_median']}.",
         "",
-        "Reading it: two one-core actors can at best double the throughput when two cores are free for them. With the load "
-        "average above the core count, the two actors compete with other jobs for the same 2 cores, so the measured ratio is a "
-        "lower bound on what a second actor (a second GPU, a second pod) adds on a machine of its own. The cores-obtained "
+        "Reading it: two one-core actors can at best double the throughput when two cores are free for them. With the "
+        "load "
+        "average above the core count, the two actors compete with other jobs for the same 2 cores, so the measured "
+        "ratio is a "
+        "lower bound on what a second actor (a second GPU, a second pod) adds on a machine of its own. The "
+        "cores-obtained "
         "column says how much CPU the other jobs left them: the throughput ratio follows it.",
         "",
         FINDINGS,

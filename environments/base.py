@@ -51,7 +51,8 @@ class EnvLimits:
     max_episode_tokens: int  # all tokens after the prompt, model and environment
 
     def __post_init__(self) -> None:
-        if not (1 <= self.max_turns and 1 <= self.max_turn_tokens <= self.max_episode_tokens <= limits.MAX_COMPLETION_TOKENS):
+        if not (1 <= self.max_turns
+            and 1 <= self.max_turn_tokens <= self.max_episode_tokens <= limits.MAX_COMPLETION_TOKENS):
             raise ValueError(f"bad environment limits {self}")
 
 
@@ -77,7 +78,8 @@ class Environment:
         self.eos_ids = frozenset(int(t) for t in eos_ids)
         ids = encode(self.tool_call)
         if len(ids) != 1:  # a token of its own, so that a call can end after any text
-            raise ValueError(f"environment {self.name!r}: its tool-call text {self.tool_call!r} must be one token, got {ids}")
+            raise ValueError(f"environment {self.name!r}: its tool-call text {self.tool_call!r} must be one token, "
+                f"got {ids}")
         self.tool_call_id = int(ids[0])
         if decode is None:
             table = {}

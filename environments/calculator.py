@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from environments.base import EnvLimits, Environment
+from environments.base import Environment, EnvLimits
 from environments.tasks import CountdownTask, TaskItem, safe_arithmetic
 
 CALC_CHARS = "0123456789+-*/() "
@@ -47,4 +47,5 @@ class CalculatorEnv(Environment):
 
     @classmethod
     def reward(cls, item: TaskItem, answer_text: str, state: dict[str, Any]) -> float:
-        return CountdownTask(num_numbers=len(item.meta["nums"]), max_number=max(2, max(item.meta["nums"]))).reward(item, answer_text)
+        return CountdownTask(num_numbers=len(item.meta["nums"]), max_number=max(2,
+            max(item.meta["nums"]))).reward(item, answer_text)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from environments.base import EnvLimits, Environment
+from environments.base import Environment, EnvLimits
 from environments.tasks import TaskItem, ToyCopyTask
 
 

@@ -22,14 +22,16 @@ def environment_class(name: str) -> type[Environment]:
     if name in ENVIRONMENTS:
         return ENVIRONMENTS[name]
     if ":" not in name:
-        raise ValueError(f"unknown environment {name!r}; choose one of {sorted(ENVIRONMENTS)} or name a plug-in as 'module:Class'")
+        raise ValueError(f"unknown environment {name!r}; choose one of {sorted(ENVIRONMENTS)} or name a plug-in as "
+            f"'module:Class'")
     cls = import_plugin(name, "environment")
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ValueError(f"environment {name!r} is not a subclass of environments.base.Environment")
     return cls
 
 
-def get_environment(name: str, encode: Encode, eos_ids: Sequence[int], decode: Decode | None = None, vocab_size: int = 0) -> Environment:
+def get_environment(name: str, encode: Encode, eos_ids: Sequence[int], decode: Decode | None = None,
+    vocab_size: int = 0) -> Environment:
     return environment_class(name)(encode, eos_ids, decode=decode, vocab_size=vocab_size)
 
 
@@ -45,7 +47,8 @@ def item_to_wire(item: TaskItem) -> str:
     """What a lease's prompt carries for the worker's copy of the environment (TaskPrompt.env_item): the
     item's answer and meta. A worker that reads a hidden answer gains nothing: the model's tokens must
     still be the seed's draws, and the reward is computed on the trusted side from the trusted item."""
-    return json.dumps({"prompt": item.prompt, "answer": item.answer, "meta": item.meta}, separators=(",", ":"), sort_keys=True)
+    return json.dumps({"prompt": item.prompt, "answer": item.answer, "meta": item.meta}, separators=(",", ":"),
+        sort_keys=True)
 
 
 def item_from_wire(prompt_id: str, text: str) -> TaskItem:

@@ -255,7 +255,8 @@ class MathTask(Task):
         main = threading.current_thread() is threading.main_thread()
         timeout = 5 if main else None
         try:
-            gold = parse(item.answer if "$" in item.answer or "\\" in item.answer else f"${item.answer}$", parsing_timeout=timeout)
+            gold = parse(item.answer if "$" in item.answer or "\\" in item.answer else f"${item.answer}$",
+                parsing_timeout=timeout)
             pred = parse(completion_text, parsing_timeout=timeout)
             return 1.0 if pred and verify(gold, pred, timeout_seconds=timeout) else 0.0
         except Exception:  # a malformed completion is a wrong answer, never a crash of the verifier

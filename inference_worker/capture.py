@@ -95,7 +95,8 @@ class HiddenStateCapture:
         model = runner.model
         if getattr(model, "_swarmrl_capture", None) is not None:
             return True
-        state: dict[str, Any] = {"on": False, "proofs": False, "requests": {}, "fallback": {}, "builder": None, "record_s": 0.0}
+        state: dict[str, Any] = {"on": False, "proofs": False, "requests": {}, "fallback": {}, "builder": None,
+            "record_s": 0.0}
         original = model.compute_logits
 
         def compute_logits(hidden_states: torch.Tensor, *args, **kwargs):
@@ -126,7 +127,8 @@ class HiddenStateCapture:
             state["builder"].busy_s = 0.0
         state["on"] = True
 
-    def swarmrl_capture_take(self, lengths: dict[str, list[int]], build_proofs: bool = True, return_hidden: bool = False) -> dict[str, Any]:
+    def swarmrl_capture_take(self, lengths: dict[str, list[int]], build_proofs: bool = True,
+        return_hidden: bool = False) -> dict[str, Any]:
         """Stop capturing; return `{"requests": {request id: {"proofs": [...], ("hidden", "shape")}}, "stats": {...}}`.
 
         `lengths[request_id] = [prompt_tokens, completion_tokens]`. Row t of a request's hidden states
@@ -191,7 +193,8 @@ class HiddenStateCapture:
             for rid, (_, num_tokens) in lengths.items():
                 req = by_id.get(rid)
                 out[rid]["proofs"] = [
-                    late[(rid, chunk)] if (rid, chunk) in late else req.proofs[chunk] for chunk in range((num_tokens + CHUNK - 1) // CHUNK)
+                    late[(rid, chunk)] if (rid, chunk) in late else req.proofs[chunk]
+                    for chunk in range((num_tokens + CHUNK - 1) // CHUNK)
                 ]
         if return_hidden:
             for rid, h in hidden.items():

@@ -43,7 +43,10 @@ import numpy as np
 import torch
 
 from inference_worker.config import EngineConfig
-from inference_worker.generation import GenerationStats, LeaseNotGeneratable, finish_reason as _finish_reason  # noqa: F401 - re-exported
+
+# noqa: F401 - re-exported
+from inference_worker.generation import GenerationStats, LeaseNotGeneratable
+from inference_worker.generation import finish_reason as _finish_reason
 from protocol import limits, memory
 from protocol.models import Completion, TaskLease
 
@@ -85,7 +88,8 @@ def _vllm_process_mode(multiprocess: bool) -> Iterator[None]:
 class RolloutEngine:
     """vLLM over one model folder; `generate` a lease, `reload` a new policy version in place."""
 
-    def __init__(self, model_dir: Path | str, config: EngineConfig | None = None, *, policy_version: int | None = None, model_hash: str | None = None, seed: int = 0):
+    def __init__(self, model_dir: Path | str, config: EngineConfig | None = None, *, policy_version: int | None = None,
+        model_hash: str | None = None, seed: int = 0):
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -113,7 +117,8 @@ class RolloutEngine:
         self._base_hash: str | None = None
         if self.config.max_lora_rank:
             # One adapter at a time: a worker generates with one policy version between two reloads.
-            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= self.config.max_lora_rank))
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in VLLM_LORA_RANKS
+                if r >= self.config.max_lora_rank))
             self._adapters_dir = tempfile.TemporaryDirectory(prefix="swarmrl-adapters-")
         if current_platform.is_cpu():
             kwargs["kv_cache_memory_bytes"] = self.kv_cache_bytes(model_dir)
@@ -136,8 +141,10 @@ class RolloutEngine:
         from inference_worker.kv_cache import derived_bytes
 
         cfg = self.config
-        size = derived_bytes(AutoConfig.from_pretrained(model_dir), cfg.dtype, cfg.max_model_len, cfg.kv_cache_sequences, cfg.kv_cache_max_fraction)
-        log.info("KV cache %.0f MiB, derived from the model (%d sequences of %d tokens at most)", size / 2**20, cfg.kv_cache_sequences, cfg.max_model_len)
+        size = derived_bytes(AutoConfig.from_pretrained(model_dir), cfg.dtype, cfg.max_model_len,
+            cfg.kv_cache_sequences, cfg.kv_cache_max_fraction)
+        log.info("KV cache %.0f MiB, derived from the model (%d sequences of %d tokens at most)", size / 2**20,
+            cfg.kv_cache_sequences, cfg.max_model_len)
         return size
 
     # ----------------------------------------------------------------------------------------------
@@ -176,7 +183,8 @@ class RolloutEngine:
         from inference_worker.capture import hidden_from_bytes
 
         if self.policy_version is not None and self.policy_version < lease.min_policy_version:
-            raise LeaseNotGeneratable(f"loaded policy version {self.policy_version} is below the lease's minimum {lease.min_policy_version}")
+            raise LeaseNotGeneratable(f"loaded policy version {self.policy_version} is below the lease's minimum "
+                f"{lease.min_policy_version}")
         if lease.environment is not None:  # multi-turn: the turn loop (hidden states returned by the capture)
             from inference_worker.episodes import generate_episodes
 
@@ -186,7 +194,8 @@ class RolloutEngine:
         for pi, prompt in enumerate(lease.prompts):
             ids = [int(t) for t in prompt.token_ids]
             if len(ids) + max_tokens > self.max_model_len:
-                raise LeaseNotGeneratable(f"prompt {prompt.prompt_id}: {len(ids)} prompt tokens + max_tokens {max_tokens} exceed max_model_len {self.max_model_len}")
+                raise LeaseNotGeneratable(f"prompt {prompt.prompt_id}: {len(ids)} prompt tokens + max_tokens "
+                    f"{max_tokens} exceed max_model_len {self.max_model_len}")
             for si, seed in enumerate(prompt.seeds):
                 prompts.append(TokensPrompt(prompt_token_ids=ids))
                 params.append(self._sampling_params(lease, seed))
@@ -206,7 +215,8 @@ class RolloutEngine:
         capture_stats: dict = {}
         if capture:
             lengths = {o.request_id: [k[2], len(o.outputs[0].token_ids)] for o, k in zip(outputs, keys)}
-            taken = self.llm.collective_rpc("swarmrl_capture_take", args=(lengths, self.config.proofs, return_hidden))[0]
+            taken = self.llm.collective_rpc("swarmrl_capture_take", args=(lengths, self.config.proofs,
+                return_hidden))[0]
             captured, capture_stats = taken["requests"], taken["stats"]
 
         completions: list[Completion] = []
@@ -217,7 +227,8 @@ class RolloutEngine:
             token_ids = np.asarray(sample.token_ids, dtype=np.int32)
             if token_ids.size == 0:
                 raise RuntimeError(f"vLLM returned an empty completion for prompt {pi} sample {si}")
-            logprobs = np.array([entry[int(t)].logprob for t, entry in zip(sample.token_ids, sample.logprobs)], dtype=np.float32)
+            logprobs = np.array([entry[int(t)].logprob for t, entry in zip(sample.token_ids, sample.logprobs)],
+                dtype=np.float32)
             # A logprob of exactly 0 can come out slightly positive in float32 (-0.0 vs +1e-8).
             np.minimum(logprobs, 0.0, out=logprobs)
             finish = _finish_reason(sample.finish_reason, token_ids.size, max_tokens)
@@ -226,20 +237,23 @@ class RolloutEngine:
                 proofs = entry["proofs"]
             else:
                 proofs = [NO_PROOF] * math.ceil(token_ids.size / limits.PROOF_CHUNK_TOKENS)
-            completions.append(Completion(prompt_index=pi, sample_index=si, token_ids=token_ids, logprobs=logprobs, finish_reason=finish, proofs=proofs))
+            completions.append(Completion(prompt_index=pi, sample_index=si, token_ids=token_ids, logprobs=logprobs,
+                finish_reason=finish, proofs=proofs))
             if return_hidden:
                 hidden.append(hidden_from_bytes(entry))
             total_tokens += int(token_ids.size)
         self.last_stats = GenerationStats(
             len(completions), total_tokens, time.perf_counter() - started,
-            capture_stats.get("record_s", 0.0), capture_stats.get("proof_thread_s", 0.0), capture_stats.get("take_s", 0.0),
+            capture_stats.get("record_s", 0.0), capture_stats.get("proof_thread_s", 0.0), capture_stats.get("take_s",
+            0.0),
         )
         return completions, hidden
 
     # ----------------------------------------------------------------------------------------------
     # Weights
 
-    def reload(self, weights_dir: Path | str, version: int, model_hash: str, state: dict[str, torch.Tensor] | None = None) -> float:
+    def reload(self, weights_dir: Path | str, version: int, model_hash: str, state: dict[str,
+        torch.Tensor] | None = None) -> float:
         """Load a new policy version in place; returns seconds taken.
 
         `state`: the version's verified tensors in memory (a shardcast pull that applied deltas has them):
@@ -269,7 +283,8 @@ class RolloutEngine:
         self.policy_version = int(version)
         self.model_hash = model_hash
         took = time.perf_counter() - started
-        log.info("reloaded policy version %d from %s in %.2f s", version, "memory" if state is not None and not self.config.multiprocess else weights_dir, took)
+        log.info("reloaded policy version %d from %s in %.2f s", version, "memory" if state is not None
+            and not self.config.multiprocess else weights_dir, took)
         return took
 
     def _use_adapter(self, weights_dir: Path, version: int, state: dict[str, torch.Tensor] | None) -> None:
@@ -279,15 +294,18 @@ class RolloutEngine:
         from shardcast.adapter import base_model_hash, load_version, unpack_adapter, write_peft_dir
 
         if self._adapters_dir is None:
-            raise RuntimeError(f"version {version} is a LoRA adapter, but this engine runs without LoRA (EngineConfig.max_lora_rank = 0)")
+            raise RuntimeError(f"version {version} is a LoRA adapter, but this engine runs without LoRA "
+                f"(EngineConfig.max_lora_rank = 0)")
         state = state if state is not None else load_version(weights_dir)
         _, adapter_config, base_hash = unpack_adapter(state)
         if int(adapter_config["r"]) > self.config.max_lora_rank:
-            raise RuntimeError(f"version {version}'s adapter has rank {adapter_config['r']} > max_lora_rank {self.config.max_lora_rank}")
+            raise RuntimeError(f"version {version}'s adapter has rank {adapter_config['r']} > max_lora_rank "
+                f"{self.config.max_lora_rank}")
         if isinstance(self.model_dir, Path):  # a local base: refuse an adapter trained on another one
             self._base_hash = self._base_hash or base_model_hash(self.model_dir)
             if base_hash != self._base_hash:
-                raise RuntimeError(f"version {version}'s adapter is for base {base_hash[:12]}..., this engine runs base {self._base_hash[:12]}...")
+                raise RuntimeError(f"version {version}'s adapter is for base {base_hash[:12]}..., this engine runs "
+                    f"base {self._base_hash[:12]}...")
         path = write_peft_dir(state, Path(self._adapters_dir.name) / f"v{version}")
         self._drop_adapter()
         # vLLM caches adapters by int id (> 0): a new id per version, never reused.

@@ -57,12 +57,14 @@ def generate_episodes(engine, lease: TaskLease, return_hidden: bool) -> tuple[li
     env = engine.environments[lease.environment]
     cap = env.limits.max_episode_tokens
     if lease.sampling.max_tokens < cap:  # the orchestrator's config refuses this; the turn caps would disagree
-        raise LeaseNotGeneratable(f"lease max_tokens {lease.sampling.max_tokens} is below environment {env.name!r}'s episode cap {cap}")
+        raise LeaseNotGeneratable(f"lease max_tokens {lease.sampling.max_tokens} is below environment {env.name!r}'s "
+            f"episode cap {cap}")
     episodes: list[_Episode] = []
     for pi, prompt in enumerate(lease.prompts):
         ids = [int(t) for t in prompt.token_ids]
         if len(ids) + cap > engine.max_model_len:
-            raise LeaseNotGeneratable(f"prompt {prompt.prompt_id}: {len(ids)} prompt tokens + episode cap {cap} exceed max_model_len {engine.max_model_len}")
+            raise LeaseNotGeneratable(f"prompt {prompt.prompt_id}: {len(ids)} prompt tokens + episode cap {cap} "
+                f"exceed max_model_len {engine.max_model_len}")
         if prompt.env_item is None:
             raise LeaseNotGeneratable(f"prompt {prompt.prompt_id}: an environment lease without the environment's item")
         item = item_from_wire(prompt.prompt_id, prompt.env_item)
@@ -77,15 +79,18 @@ def generate_episodes(engine, lease: TaskLease, return_hidden: bool) -> tuple[li
             break
         caps = [env.turn_cap(len(e.tokens)) for e in active]
         prompts = [TokensPrompt(prompt_token_ids=e.prompt + e.tokens) for e in active]
-        params = [SamplingParams(temperature=0.0, extra_args=extra_args(e.seed, s.temperature, s.top_k, s.top_p, offset=len(e.tokens)),
-                                 max_tokens=c, stop_token_ids=stops, logprobs=0, detokenize=False) for e, c in zip(active, caps)]
+        params = [SamplingParams(temperature=0.0, extra_args=extra_args(e.seed, s.temperature, s.top_k, s.top_p,
+            offset=len(e.tokens)),
+                                 max_tokens=c, stop_token_ids=stops, logprobs=0, detokenize=False) for e,
+                                 c in zip(active, caps)]
         engine.llm.collective_rpc("swarmrl_capture_start", args=(False,))
         try:
             outputs = engine.llm.generate(prompts, params, use_tqdm=False, lora_request=engine.lora_request)
         except BaseException:  # stop the capture so that rows never pile up
             engine.llm.collective_rpc("swarmrl_capture_take", args=({}, False, False))
             raise
-        lengths = {o.request_id: [len(p["prompt_token_ids"]), len(o.outputs[0].token_ids)] for o, p in zip(outputs, prompts)}
+        lengths = {o.request_id: [len(p["prompt_token_ids"]), len(o.outputs[0].token_ids)] for o, p in zip(outputs,
+            prompts)}
         taken = engine.llm.collective_rpc("swarmrl_capture_take", args=(lengths, False, True))[0]["requests"]
         for e, out, c in zip(active, outputs, caps):
             sample = out.outputs[0]
@@ -106,9 +111,11 @@ def generate_episodes(engine, lease: TaskLease, return_hidden: bool) -> tuple[li
 
     hidden = [torch.cat(e.hidden) for e in episodes]
     # With proofs off (benchmarks only) every chunk gets the engine's placeholder (NO_PROOF), which a verifier rejects.
-    proofs = build_proofs_many(hidden) if engine.config.proofs else [[b"\x00"] * -(-h.shape[0] // limits.PROOF_CHUNK_TOKENS) for h in hidden]
+    proofs = build_proofs_many(hidden) if engine.config.proofs else [[b"\x00"] * -(
+        -h.shape[0] // limits.PROOF_CHUNK_TOKENS) for h in hidden]
     completions = [
-        Completion(prompt_index=e.prompt_index, sample_index=e.sample_index, token_ids=np.asarray(e.tokens, dtype=np.int32),
+        Completion(prompt_index=e.prompt_index, sample_index=e.sample_index, token_ids=np.asarray(e.tokens,
+        dtype=np.int32),
                    logprobs=np.asarray(e.logprobs, dtype=np.float32), finish_reason=e.finishes[-1], proofs=p,
                    env_mask=np.asarray(e.mask, dtype=np.uint8), turn_finish_reasons=e.finishes)
         for e, p in zip(episodes, proofs)

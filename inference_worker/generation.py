@@ -33,4 +33,5 @@ def finish_reason(vllm_reason: str | None, num_tokens: int, max_tokens: int) -> 
         return FinishReason.stop
     if vllm_reason == "length" and num_tokens == max_tokens:
         return FinishReason.length
-    raise RuntimeError(f"unexpected vLLM finish reason {vllm_reason!r} after {num_tokens} tokens (max_tokens {max_tokens})")
+    raise RuntimeError(f"unexpected vLLM finish reason {vllm_reason!r} after {num_tokens} tokens (max_tokens "
+        f"{max_tokens})")

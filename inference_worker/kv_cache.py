@@ -18,7 +18,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 def bytes_per_token(config: Any, dtype: str) -> int:
     """K and V of every layer for one token: layers x KV heads x head_dim x 2 x dtype bytes."""
     if dtype == "auto":
-        dtype = str(getattr(config, "torch_dtype", None) or getattr(config, "dtype", None) or "float32").replace("torch.", "")
+        dtype = str(getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)
+            or "float32").replace("torch.", "")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     return int(config.num_hidden_layers) * int(kv_heads) * int(head_dim) * 2 * DTYPE_BYTES.get(dtype, 4)
@@ -35,7 +36,8 @@ def available_bytes() -> int:
     return 0
 
 
-def derived_bytes(config: Any, dtype: str, max_model_len: int, sequences: int, max_fraction: float, available: int | None = None) -> int:
+def derived_bytes(config: Any, dtype: str, max_model_len: int, sequences: int, max_fraction: float,
+    available: int | None = None) -> int:
     per_sequence = bytes_per_token(config, dtype) * max_model_len
     want = per_sequence * sequences
     available = available_bytes() if available is None else available

@@ -43,14 +43,16 @@ EXIT_OK, EXIT_REFUSED, EXIT_BANNED = 0, 2, 3
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig, *, engine_factory: Callable | None = None, keeper: WeightsKeeper | None = None):
+    def __init__(self, config: WorkerConfig, *, engine_factory: Callable | None = None,
+        keeper: WeightsKeeper | None = None):
         self.config = config
         self.drain = threading.Event()  # stop leasing; finish or release the current task
         self._done = threading.Event()  # background threads stop
         self._reregister = threading.Event()
         self.exit_code = EXIT_OK
         self.stats = WorkerStats()
-        kw = dict(timeout_s=config.request_timeout_s, backoff_initial_s=config.backoff_initial_s, backoff_max_s=config.backoff_max_s)
+        kw = dict(timeout_s=config.request_timeout_s, backoff_initial_s=config.backoff_initial_s,
+            backoff_max_s=config.backoff_max_s)
         self.client = c.OrchestratorClient(config.orchestrator_url, retries=config.retries, **kw)
         self.beat_client = c.OrchestratorClient(config.orchestrator_url, retries=0, **kw)
         self.work_dir = Path(config.work_dir) if config.work_dir else Path(tempfile.mkdtemp(prefix="swarmrl-worker-"))
@@ -87,7 +89,8 @@ class Worker:
             self.beat_client.close()
             if self._engine_factory is None and self.engine is not None:
                 self.engine.close()
-        log.info("worker stopped: %d tasks submitted, %d accepted, %d rejected", self.stats.tasks_submitted, self.stats.accepted, self.stats.rejected)
+        log.info("worker stopped: %d tasks submitted, %d accepted, %d rejected", self.stats.tasks_submitted,
+            self.stats.accepted, self.stats.rejected)
         return self.exit_code
 
     def stop(self, code: int | None = None) -> None:
@@ -134,7 +137,8 @@ class Worker:
         self.keeper.set_sources(reg.relay_urls, reg.manifest_public_key, reg.run_id, reg.origin_url)
         self.keeper.observe(reg.policy_version, reg.policy_model_hash)
         self.stats.event(f"registered as {reg.worker_id}")
-        log.info("registered as %s (policy version %d, async level %d)", reg.worker_id, reg.policy_version, reg.async_level)
+        log.info("registered as %s (policy version %d, async level %d)", reg.worker_id, reg.policy_version,
+            reg.async_level)
         return True
 
     def _heartbeat_loop(self) -> None:
@@ -143,7 +147,8 @@ class Worker:
                 continue
             loaded = self.engine.policy_version if self.engine is not None else None
             try:
-                ack = self.beat_client.heartbeat(Heartbeat(state=self.stats.state, loaded_policy_version=loaded, tokens_per_s=min(self.stats.tokens_per_s, 1e9)))
+                ack = self.beat_client.heartbeat(Heartbeat(state=self.stats.state, loaded_policy_version=loaded,
+                    tokens_per_s=min(self.stats.tokens_per_s, 1e9)))
             except c.Unauthorized:
                 self._reregister.set()
                 continue
@@ -281,7 +286,8 @@ class Worker:
             self._shrink_if_slow(lease, received, st.seconds)
             self._release(lease, "generation finished after the lease deadline")
             return
-        sub = RolloutSubmission(lease_id=lease.lease_id, policy_version=version, model_hash=model_hash, completions=completions)
+        sub = RolloutSubmission(lease_id=lease.lease_id, policy_version=version, model_hash=model_hash,
+            completions=completions)
         self._submit(lease, sub, received, st.seconds)
 
     def _submit(self, lease: TaskLease, sub: RolloutSubmission, received: float, gen_seconds: float) -> None:
@@ -327,7 +333,8 @@ class Worker:
             self.stop(EXIT_BANNED)
             return
         if isinstance(e, c.VersionTooOld):
-            new_min = e.min_policy_version if e.min_policy_version is not None else (self.engine.policy_version or 0) + 1
+            new_min = e.min_policy_version if e.min_policy_version is not None else (self.engine.policy_version
+                or 0) + 1
             log.info("policy version too old; moving to >= %d", new_min)
             self.min_version = max(self.min_version, new_min)
             self.keeper.observe(self.min_version)

@@ -79,7 +79,8 @@ class _Layout:
         self.seed_states = prf.seed_state_np([r.seed for r in self.rows])
         self.offsets = np.fromiter((r.offset for r in self.rows), dtype=np.uint32, count=len(self.rows))
         self.params = sampling.DrawParams.build(
-            [r.temperature for r in self.rows], [r.top_k for r in self.rows], [r.top_p for r in self.rows], vocab_size, device
+            [r.temperature for r in self.rows], [r.top_k for r in self.rows], [r.top_p for r in self.rows], vocab_size,
+            device
         )
 
 
@@ -95,7 +96,8 @@ class SeededSampler(LogitsProcessor):
         if not (isinstance(args, (list, tuple)) and len(args) in (4, 5)):
             raise ValueError(f"{EXTRA_ARGS_KEY} must be [seed, temperature, top_k, top_p(, offset)], got {args!r}")
         seed, temperature, top_k, top_p, *offset = args
-        if not 0 <= int(seed) < 2**63 or float(temperature) < 0 or not 0 < float(top_p) <= 1 or int(top_k) < -1 or (offset and not 0 <= int(offset[0]) < 2**31):
+        if not 0 <= int(seed) < 2**63 or float(temperature) < 0 or not 0 < float(top_p) <= 1 or int(top_k) < -1 or (
+            offset and not 0 <= int(offset[0]) < 2**31):
             raise ValueError(f"bad seeded-sampling settings {args!r}")
         if params.temperature != 0.0:
             raise ValueError("a seeded request must reach vLLM as greedy (temperature 0): this processor draws")
@@ -142,8 +144,10 @@ class SeededSampler(LogitsProcessor):
         # Indices are sorted and distinct: they cover the batch iff there are `batch` of them ending at batch - 1.
         whole_batch = len(layout.indices) == batch and layout.indices[-1] == batch - 1
         # Row states on the host, where the positions are (tokens generated so far): a few numpy ops.
-        positions = layout.offsets + np.fromiter((len(r.output_ids) for r in layout.rows), dtype=np.uint32, count=len(layout.rows))
-        states = torch.from_numpy(prf.row_state_np(layout.seed_states, positions).astype(np.int64)).to(self.device, non_blocking=True)
+        positions = layout.offsets + np.fromiter((len(r.output_ids) for r in layout.rows), dtype=np.uint32,
+            count=len(layout.rows))
+        states = torch.from_numpy(prf.row_state_np(layout.seed_states, positions).astype(np.int64)).to(self.device,
+            non_blocking=True)
         rows = logits if whole_batch else logits.index_select(0, layout.index_tensor)
         winners = sampling.draw(rows, states, self.token_words, layout.params).view(-1, 1)
         if whole_batch:

@@ -4,8 +4,9 @@ The loop tells the keeper which version the orchestrator is at (`observe`, from 
 heartbeat ack and every `version_too_old`). The keeper pulls the newest version the relays serve into
 `dest_root/v<N>` (full shards or deltas, verified against the run's signed manifest; the origin as the
 fallback) while the engine keeps generating with the version it has loaded. A version reached by deltas
-comes with its weights in memory (`PulledVersion.state`), so the engine reloads without reading the disk. The loop swaps the new version in between two tasks, and only blocks on the
-download (`wait_for`) when its loaded version is below what the orchestrator still accepts.
+comes with its weights in memory (`PulledVersion.state`), so the engine reloads without reading the disk. The loop
+swaps the new version in between two tasks, and only blocks on the download (`wait_for`) when its loaded version is
+below what the orchestrator still accepts.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ RELAY_LAG_S = 15.0
 
 
 class WeightsKeeper:
-    def __init__(self, dest_root: Path, *, make_client: Callable[..., object] | None = None, backoff_initial_s: float = 0.5, backoff_max_s: float = 10.0,
-                 relay_lag_s: float = RELAY_LAG_S):
+    def __init__(self, dest_root: Path, *, make_client: Callable[..., object] | None = None,
+                 backoff_initial_s: float = 0.5, backoff_max_s: float = 10.0, relay_lag_s: float = RELAY_LAG_S):
         self.dest_root = Path(dest_root)
         self._make_client = make_client or _shardcast_client
         self._client = None
@@ -96,13 +97,15 @@ class WeightsKeeper:
         lagging_since: tuple[int, float] | None = None  # (wanted, since when) the relays have not listed it
         while True:
             with self._cond:
-                while not self._stop and (self._sources is None or (self._ready is not None and self._ready.version >= self._wanted)):
+                while not self._stop and (self._sources is None or (self._ready is not None
+                    and self._ready.version >= self._wanted)):
                     self._cond.wait()
                 if self._stop:
                     return
                 if self._client is None:
                     relays, public_key, run_id, origin = self._sources
-                    self._client = self._make_client(list(relays), public_key, self.dest_root, run_id=run_id, fallback_urls=[origin] if origin else [])
+                    self._client = self._make_client(list(relays), public_key, self.dest_root, run_id=run_id,
+                        fallback_urls=[origin] if origin else [])
                 client = self._client
                 have = self._ready.version if self._ready is not None else -1
                 wanted, wanted_hash = self._wanted, self._wanted_hash
@@ -118,7 +121,8 @@ class WeightsKeeper:
                 elif lagging_since is None or lagging_since[0] != wanted:
                     lagging_since = (wanted, time.monotonic())
                 elif time.monotonic() - lagging_since[1] >= self.relay_lag_s:
-                    log.info("relays do not list version %d after %.0f s: pulling it by number", wanted, self.relay_lag_s)
+                    log.info("relays do not list version %d after %.0f s: pulling it by number", wanted,
+                        self.relay_lag_s)
                     target = wanted
                 pin = wanted_hash if target == wanted else None
                 pulled = client.pull(target, model_hash=pin) if target is not None and target > have else None
@@ -147,5 +151,6 @@ def _shardcast_client(urls: list[str], public_key_b64: str, dest_root: Path, *, 
     # keep_state: the last weights stay in memory, the base of the next delta and the source of hot reloads;
     # write_behind: a version reached by deltas is written to disk after vLLM can already reload it.
     return ShardcastClient(
-        urls, public_key_b64, dest_root, run_id=run_id, fallback_urls=fallback_urls, keep_versions=DEFAULTS.keep_versions, write_behind=True,
+        urls, public_key_b64, dest_root, run_id=run_id, fallback_urls=fallback_urls,
+        keep_versions=DEFAULTS.keep_versions, write_behind=True,
     )

@@ -88,7 +88,8 @@ def decode_body(body: bytes, content_encoding: str | None, cap: int = limits.MAX
         return body
     if enc == "zstd":
         return decompress_zstd(body, min(cap, limits.MAX_DECOMPRESSED_BODY_BYTES))
-    raise ApiError(ErrorCode.unsupported_encoding, f"Content-Encoding {content_encoding!r} is not supported; use zstd or none")
+    raise ApiError(ErrorCode.unsupported_encoding,
+        f"Content-Encoding {content_encoding!r} is not supported; use zstd or none")
 
 
 def parse_submission(raw: bytes, vocab_size: int) -> RolloutSubmission:
@@ -118,7 +119,8 @@ def check_version(claimed: int, current: int, async_level: int, what: str = "pol
     if claimed < lowest:
         raise ApiError(
             ErrorCode.version_too_old,
-            f"{what} {claimed} is below {lowest} (current {current}, async_level {async_level}): pull a newer version first",
+            f"{what} {claimed} is below {lowest} (current {current}, async_level {async_level}): pull a newer version "
+            f"first",
             min_policy_version=lowest,
         )
     if claimed > current:
@@ -133,17 +135,20 @@ def check_shape(sub: RolloutSubmission, lease: TaskLease) -> None:
         missing, extra = sorted(want - got), sorted(got - want)
         raise ApiError(
             ErrorCode.lease_mismatch,
-            f"lease {lease.lease_id} needs {len(want)} completions ({len(lease.prompts)} prompts x {lease.samples_per_prompt} samples); "
+            f"lease {lease.lease_id} needs {len(want)} completions ({len(lease.prompts)} prompts x "
+            f"{lease.samples_per_prompt} samples); "
             f"missing {missing[:4]}{'...' if len(missing) > 4 else ''}, unexpected {extra[:4]}{'...' if len(extra) > 4 else ''}",
         )
     max_tokens = lease.sampling.max_tokens
     for i, c in enumerate(sub.completions):
         if c.token_ids.size > max_tokens:
-            raise ApiError(ErrorCode.lease_mismatch, f"completion {i}: {c.token_ids.size} tokens, lease allows {max_tokens}")
+            raise ApiError(ErrorCode.lease_mismatch,
+                f"completion {i}: {c.token_ids.size} tokens, lease allows {max_tokens}")
         if (c.env_mask is None) != (lease.environment is None):
             raise ApiError(ErrorCode.lease_mismatch, f"completion {i}: " + (
                 "a multi-turn episode (env_mask) for a single-turn lease" if lease.environment is None
-                else f"lease {lease.lease_id} is a multi-turn episode of environment {lease.environment!r}: env_mask and turn_finish_reasons are required"))
+                else f"lease {lease.lease_id} is a multi-turn episode of environment {lease.environment!r}: env_mask "
+                f"and turn_finish_reasons are required"))
 
 
 def fingerprint(sub: RolloutSubmission) -> str:
@@ -164,8 +169,8 @@ class Admission:
     validate; no state, so the HTTP app may run it off the event loop), then `accept` (the worker, its lease,
     the policy version, the shape, a replay), which hands it to the verification queue."""
 
-    def __init__(self, *, async_level: int, vocab_size: int, cap: int, workers: Workers, leases: LeaseBook, versions: PolicyVersions,
-                 verification: Any):
+    def __init__(self, *, async_level: int, vocab_size: int, cap: int, workers: Workers, leases: LeaseBook,
+                 versions: PolicyVersions, verification: Any):
         self.async_level, self.vocab_size, self.cap = async_level, vocab_size, cap
         self.workers, self.leases, self.versions, self.verification = workers, leases, versions, verification
 
@@ -177,7 +182,8 @@ class Admission:
         raw = decode_body(body, content_encoding, self.cap)
         return raw, parse_submission(raw, self.vocab_size)
 
-    def accept(self, worker_id: str, parsed: tuple[bytes, RolloutSubmission], body: bytes, content_encoding: str | None) -> SubmissionReceipt:
+    def accept(self, worker_id: str, parsed: tuple[bytes, RolloutSubmission], body: bytes,
+        content_encoding: str | None) -> SubmissionReceipt:
         raw, sub = parsed
         self.workers.refuse_if_banned(worker_id)
         now = time.time()
@@ -188,26 +194,31 @@ class Admission:
             raise ApiError(
                 ErrorCode.version_too_old,
                 f"policy version {sub.policy_version} is below the lease's minimum {lease.min_policy_version}",
-                min_policy_version=max(lease.min_policy_version, staleness.min_policy_version(current, self.async_level)),
+                min_policy_version=max(lease.min_policy_version, staleness.min_policy_version(current,
+                self.async_level)),
             )
         if lease.generation_version is not None and sub.policy_version != lease.generation_version:
             raise ApiError(
                 ErrorCode.lease_mismatch,
-                f"generated with policy version {sub.policy_version}; this lease was issued for version {lease.generation_version}, "
+                f"generated with policy version {sub.policy_version}; this lease was issued for version "
+                f"{lease.generation_version}, "
                 "the one the worker said it had loaded",
             )
         if self.versions.is_superseded(sub.policy_version, sub.model_hash):
             # Weights of a version that a trainer crash undid (a relay served them before they were
             # replaced): the worker is honest, so no strike; it moves on to a newer version.
             raise ApiError(
-                ErrorCode.version_too_old, f"version {sub.policy_version} was re-published with other weights after a trainer restart",
+                ErrorCode.version_too_old,
+                f"version {sub.policy_version} was re-published with other weights after a trainer restart",
                 min_policy_version=sub.policy_version + 1,
             )
         check_shape(sub, lease)
         submission_id = f"S{secrets.token_hex(8)}"
-        stored = body if (content_encoding or "").strip().lower() == "zstd" else zstandard.ZstdCompressor(level=1).compress(raw)
+        stored = body if (content_encoding
+            or "").strip().lower() == "zstd" else zstandard.ZstdCompressor(level=1).compress(raw)
         dup = self.verification.enqueue(
-            SubmissionRow(submission_id, worker_id, sub.lease_id, sub.policy_version, sub.num_tokens, now, "pending", stored, None),
+            SubmissionRow(submission_id, worker_id, sub.lease_id, sub.policy_version, sub.num_tokens, now, "pending",
+            stored, None),
             fingerprint(sub),
             Pending(worker_id, sub, lease, list(row.prompt_indices), row.eval_version),
         )
@@ -215,7 +226,8 @@ class Admission:
             raise ApiError(ErrorCode.duplicate, f"lease {sub.lease_id} already has a submission")
         if dup == "replay":
             raise ApiError(ErrorCode.duplicate, "these rollouts were submitted before (replay)")
-        return SubmissionReceipt(submission_id=submission_id, lease_id=sub.lease_id, num_completions=len(sub.completions))
+        return SubmissionReceipt(submission_id=submission_id, lease_id=sub.lease_id,
+            num_completions=len(sub.completions))
 
     def lease_for(self, lease_id: str, worker_id: str, now: float) -> tuple[LeaseRow, TaskLease]:
         """The open lease a submission is for, or the reason it cannot be submitted."""
@@ -226,7 +238,8 @@ class Admission:
         if row.status in ("submitted", "done", "rejected"):
             raise ApiError(ErrorCode.duplicate, f"lease {lease_id} already has a submission")
         if row.status in ("expired", "released") or row.deadline < now:
-            raise ApiError(ErrorCode.lease_expired, f"lease {lease_id} is {row.status if row.status != 'open' else 'past its deadline'}")
+            raise ApiError(ErrorCode.lease_expired,
+                f"lease {lease_id} is {row.status if row.status != 'open' else 'past its deadline'}")
         return row, self.leases.parsed(row)
 
 
@@ -252,7 +265,8 @@ class RateLimiter:
             tokens = self._tokens(key, now)
             if tokens < cost:
                 self._buckets[key] = (tokens, now)
-                raise ApiError(ErrorCode.rate_limited, f"more than {self.rate:g}/s", retry_after_s=(cost - tokens) / self.rate)
+                raise ApiError(ErrorCode.rate_limited, f"more than {self.rate:g}/s",
+                    retry_after_s=(cost - tokens) / self.rate)
             self._buckets[key] = (tokens - cost, now)
             self._sweep(now)
 

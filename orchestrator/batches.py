@@ -58,17 +58,23 @@ class BatchBook:
         with db.tx() as conn:
             # Groups taken by a batch that has no row (a run of an older swarmrl): number those batches now,
             # so that reconciliation settles them like any other.
-            for (batch_id,) in conn.execute("SELECT DISTINCT batch_id FROM sample_groups WHERE status='taken' AND batch_id NOT IN (SELECT batch_id FROM batches)").fetchall():
-                groups = conn.execute("SELECT seq, num_samples FROM sample_groups WHERE batch_id=? AND status='taken'", (batch_id,)).fetchall()
+            for (batch_id,
+                ) in conn.execute("SELECT DISTINCT batch_id FROM sample_groups WHERE status='taken' AND batch_id NOT "
+                "IN (SELECT batch_id FROM batches)").fetchall():
+                groups = conn.execute("SELECT seq, num_samples FROM sample_groups WHERE batch_id=? AND status='taken'",
+                    (batch_id,)).fetchall()
                 seq = int(conn.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM batches").fetchone()[0])
-                conn.execute("INSERT INTO batches (seq, batch_id, status, num_samples, taken_at) VALUES (?, ?, 'taken', ?, ?)", (seq, batch_id, sum(g[1] for g in groups), time.time()))
-                conn.executemany("INSERT INTO batch_groups (batch_seq, group_seq) VALUES (?, ?)", [(seq, g[0]) for g in groups])
+                conn.execute("INSERT INTO batches (seq, batch_id, status, num_samples, taken_at) VALUES (?, ?, "
+                    "'taken', ?, ?)", (seq, batch_id, sum(g[1] for g in groups), time.time()))
+                conn.executemany("INSERT INTO batch_groups (batch_seq, group_seq) VALUES (?, ?)", [(seq, g[0])
+                    for g in groups])
 
     def new(self, db: sqlite3.Connection, group_seqs: list[int], samples: int) -> tuple[str, int]:
         """In the take's transaction: number a new batch of these groups. Returns (batch id, sequence)."""
         seq = int(db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM batches").fetchone()[0])
         batch_id = f"B{seq}-{secrets.token_hex(3)}"
-        db.execute("INSERT INTO batches (seq, batch_id, status, num_samples, taken_at) VALUES (?, ?, 'taken', ?, ?)", (seq, batch_id, samples, time.time()))
+        db.execute("INSERT INTO batches (seq, batch_id, status, num_samples, taken_at) VALUES (?, ?, 'taken', ?, ?)",
+            (seq, batch_id, samples, time.time()))
         db.executemany("INSERT INTO batch_groups (batch_seq, group_seq) VALUES (?, ?)", [(seq, g) for g in group_seqs])
         return batch_id, seq
 
@@ -82,7 +88,8 @@ class BatchBook:
         of the samples then arrived one version too stale and were dropped."""
         with self.db.tx() as db:
             cur = db.execute(
-                "UPDATE batches SET status='trained', trained_from_version=?, trained_at=? WHERE batch_id=? AND status='taken'",
+                "UPDATE batches SET status='trained', trained_from_version=?, trained_at=? WHERE batch_id=? AND "
+                "status='taken'",
                 (trained_from_version, time.time(), batch_id),
             )
         return cur.rowcount > 0
@@ -91,7 +98,8 @@ class BatchBook:
         """In the caller's transaction: the batch is in the trainer's durable checkpoint. Returns its
         staleness (version gap -> samples); {} if it was not taken or trained (committed before, returned,
         unknown), which changes nothing."""
-        row = db.execute("SELECT seq, status, trained_from_version FROM batches WHERE batch_id=?", (batch_id,)).fetchone()
+        row = db.execute("SELECT seq, status, trained_from_version FROM batches WHERE batch_id=?", (batch_id,
+            )).fetchone()
         if row is None:
             # A batch of the buffer alone (no sequence): commit its groups as they are.
             return self.buffer.commit(db, batch_id, trained_from_version or 0)
@@ -101,8 +109,10 @@ class BatchBook:
             return {}
         version = trained_from_version if trained_from_version is not None else row["trained_from_version"]
         if version is None:
-            raise ValueError(f"batch {batch_id} was never marked trained: the version its step started from is needed to commit it")
-        db.execute("UPDATE batches SET status='committed', trained_from_version=?, settled_at=? WHERE seq=?", (version, time.time(), row["seq"]))
+            raise ValueError(f"batch {batch_id} was never marked trained: the version its step started from is needed "
+                f"to commit it")
+        db.execute("UPDATE batches SET status='committed', trained_from_version=?, settled_at=? WHERE seq=?", (version,
+            time.time(), row["seq"]))
         return self.buffer.commit(db, batch_id, int(version))
 
     def commit_all(self, db: sqlite3.Connection, batches: dict[str, int]) -> dict[int, int]:
@@ -127,22 +137,26 @@ class BatchBook:
 
     def unsettled(self) -> list[tuple[int, str, str]]:
         """(sequence, batch id, status) of every batch taken or trained, oldest first."""
-        return [(r["seq"], r["batch_id"], r["status"]) for r in self.db.all("SELECT seq, batch_id, status FROM batches WHERE status IN ('taken', 'trained') ORDER BY seq")]
+        return [(r["seq"], r["batch_id"], r["status"])
+            for r in self.db.all("SELECT seq, batch_id, status FROM batches WHERE status IN ('taken', 'trained') "
+            "ORDER BY seq")]
 
     def reconcile(self, db: sqlite3.Connection, lineage: Lineage, from_versions: dict[str, int]) -> dict[str, int]:
         """In the caller's transaction: settle every unsettled batch by the trainer's durable lineage:
         in it (or named in `from_versions`, the trainer's batches not yet known to be committed, all in
-        its lineage), committed with its step's start version; not in it, given back. Also counts returned batches that the lineage holds (conflicts: they would be trained twice;
-        never expected)."""
+        its lineage), committed with its step's start version; not in it, given back. Also counts returned batches that
+        the lineage holds (conflicts: they would be trained twice; never expected)."""
         committed = returned = 0
-        for r in db.execute("SELECT seq, batch_id FROM batches WHERE status IN ('taken', 'trained') ORDER BY seq").fetchall():
+        for r in db.execute(
+            "SELECT seq, batch_id FROM batches WHERE status IN ('taken', 'trained') ORDER BY seq").fetchall():
             if r["seq"] in lineage or r["batch_id"] in from_versions:
                 committed += sum(self.commit(db, r["batch_id"], from_versions.get(r["batch_id"])).values())
             else:
                 returned += self.give_back(db, r["batch_id"])
         last = lineage.last()
         if last is not None:
-            for seq, batch_id in db.execute("SELECT seq, batch_id FROM batches WHERE status='returned' AND seq<=?", (last,)).fetchall():
+            for seq, batch_id in db.execute("SELECT seq, batch_id FROM batches WHERE status='returned' AND seq<=?",
+                (last,)).fetchall():
                 if seq in lineage:
                     self._conflict(db, batch_id, "the trainer's checkpoint includes a batch that was given back")
         return {"committed": committed, "returned": returned}

@@ -181,7 +181,8 @@ setInterval(poll, 2000);
 def _hashes(tag: str) -> str:
     """CSP sources for the page's inline <tag> elements, hashed from the served text so they cannot drift."""
     bodies = re.findall(rf"<{tag}\b[^>]*>(.*?)</{tag}>", HTML, flags=re.S)
-    return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'" for b in bodies) or "'none'"
+    return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'"
+        for b in bodies) or "'none'"
 
 
 # No 'unsafe-inline': only this page's own script and style run, and it talks only to its own origin.

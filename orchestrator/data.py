@@ -96,7 +96,8 @@ def _read_jsonl(p: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def filter_by_pass_rate(rows: list[dict[str, Any]], column: str, lo: float | None, hi: float | None) -> list[dict[str, Any]]:
+def filter_by_pass_rate(rows: list[dict[str, Any]], column: str, lo: float | None, hi: float | None) -> list[dict[str,
+    Any]]:
     """Offline difficulty filter: keep rows whose pass rate is within [lo, hi]."""
     if lo is None and hi is None:
         return rows
@@ -126,7 +127,8 @@ def to_record(row: dict[str, Any], config: DataConfig) -> dict[str, Any]:
             raise ValueError(f"answer {str(answer)[-80:]!r} does not match answer_pattern {config.answer_pattern!r}")
         answer = (m.group(1) if m.re.groups else m.group(0)).strip()
     mapped = {f.prompt, f.answer, f.system, f.id} - {""}
-    meta = {k: v for k, v in row.items() if k not in mapped} if f.meta is None else {k: row[k] for k in f.meta if k in row}
+    meta = {k: v for k, v in row.items() if k not in mapped} if f.meta is None else {k: row[k] for k in f.meta
+        if k in row}
     record = {**meta, "prompt": row[f.prompt], "answer": answer}
     if f.id:
         record["prompt_id"] = str(row[f.id])
@@ -138,7 +140,8 @@ def to_record(row: dict[str, Any], config: DataConfig) -> dict[str, Any]:
 
 def load_rows(config: DataConfig) -> list[dict[str, Any]]:
     """The configured dataset's rows, after the offline pass-rate filter."""
-    return filter_by_pass_rate(read_records(config.path, config.split), config.pass_rate_column, config.min_pass_rate, config.max_pass_rate)
+    return filter_by_pass_rate(read_records(config.path, config.split), config.pass_rate_column, config.min_pass_rate,
+        config.max_pass_rate)
 
 
 def items_from_rows(rows: list[dict[str, Any]], config: DataConfig) -> list[Any]:
@@ -184,7 +187,8 @@ def use_chat_template(config: DataConfig, tokenizer) -> bool:
         tokenizer.chat_template = config.chat_template_jinja
     has = bool(getattr(tokenizer, "chat_template", None))
     if config.chat_template == "on" and not has:
-        raise DataError("data.chat_template is 'on' but the tokenizer has no chat template (give one in data.chat_template_jinja)")
+        raise DataError("data.chat_template is 'on' but the tokenizer has no chat template (give one in "
+            "data.chat_template_jinja)")
     return has if config.chat_template == "auto" else config.chat_template == "on"
 
 
@@ -193,7 +197,8 @@ def encode_prompt(item: Any, tokenizer, chat: bool) -> np.ndarray:
     or the plain text (a system prompt, if any, on the line before)."""
     system = item.meta.get("system", "")
     if chat:
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": item.prompt}]
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user",
+            "content": item.prompt}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes its own special tokens
     else:
@@ -229,7 +234,8 @@ class PromptSet:
         self.dropped: dict[str, int] = {}  # prompts dropped by from_items, per reason
 
     @classmethod
-    def from_items(cls, items: list[Any], tokenizer, seed: int, vocab_size: int, *, chat: bool = False, max_tokens: int = 0) -> "PromptSet":
+    def from_items(cls, items: list[Any], tokenizer, seed: int, vocab_size: int, *, chat: bool = False,
+        max_tokens: int = 0) -> "PromptSet":
         limit = min(max_tokens or limits.MAX_PROMPT_TOKENS, limits.MAX_PROMPT_TOKENS)
         prompts = []
         dropped = {"too_long": 0, "empty_or_bad_tokens": 0}
@@ -242,9 +248,11 @@ class PromptSet:
             else:
                 prompts.append(Prompt(item, ids))
         if dropped["too_long"]:
-            log.warning("dropped prompts longer than the token limit", extra={"dropped": dropped["too_long"], "limit": limit, "kept": len(prompts)})
+            log.warning("dropped prompts longer than the token limit", extra={"dropped": dropped["too_long"],
+                "limit": limit, "kept": len(prompts)})
         if dropped["empty_or_bad_tokens"]:
-            log.warning("dropped prompts that are empty or outside the vocabulary", extra={"dropped": dropped["empty_or_bad_tokens"], "kept": len(prompts)})
+            log.warning("dropped prompts that are empty or outside the vocabulary",
+                extra={"dropped": dropped["empty_or_bad_tokens"], "kept": len(prompts)})
         ps = cls(prompts, seed, vocab_size)
         ps.dropped = dropped
         return ps
@@ -253,7 +261,8 @@ class PromptSet:
     def from_config(cls, config: DataConfig, model_dir: str | Path, seed: int) -> "PromptSet":
         tok = load_tokenizer(model_dir)
         chat = use_chat_template(config, tok)
-        ps = cls.from_items(load_items(config, seed), tok, seed, vocab_size(model_dir, tok), chat=chat, max_tokens=config.max_prompt_tokens)
+        ps = cls.from_items(load_items(config, seed), tok, seed, vocab_size(model_dir, tok), chat=chat,
+            max_tokens=config.max_prompt_tokens)
         log.info("prompts loaded", extra={"prompts": len(ps), "chat_template": chat, "dropped": ps.dropped})
         return ps
 

@@ -50,7 +50,8 @@ def _columns_of_unversioned_files(conn: sqlite3.Connection) -> None:
     """0 -> 1. Every file from before the schema had a version is at 0, with whichever of the columns added
     since then the swarmrl that made it had: join tokens, idempotency keys, eval leases, prompt instances,
     release charges, strike decay and multi-turn env masks."""
-    _add_columns(conn, "leases", [("request_id", "TEXT"), ("token_id", "TEXT"), ("instances", "TEXT"), ("eval_version", "INTEGER"),
+    _add_columns(conn, "leases", [("request_id", "TEXT"), ("token_id", "TEXT"), ("instances", "TEXT"), ("eval_version",
+        "INTEGER"),
                                   ("charged", "INTEGER"), ("submitted_at", "REAL")])
     _add_columns(conn, "reissue", [("instance", "INTEGER")])
     _add_columns(conn, "workers", [("token_id", "TEXT"), ("decay_progress", "INTEGER NOT NULL DEFAULT 0")])
@@ -94,14 +95,16 @@ class Database:
         self._checkpointer: threading.Thread | None = None
         self._closing = threading.Event()
         if self.path != ":memory:":
-            self._checkpointer = threading.Thread(target=self._checkpoint_loop, name="orchestrator-checkpoint", daemon=True)
+            self._checkpointer = threading.Thread(target=self._checkpoint_loop, name="orchestrator-checkpoint",
+                daemon=True)
             self._checkpointer.start()
 
     def _migrate(self) -> None:
         """Bring the file to SCHEMA_VERSION (see MIGRATIONS); a new, empty one is at it already."""
         version = self._db.execute("PRAGMA user_version").fetchone()[0]
         if version > SCHEMA_VERSION:
-            raise RuntimeError(f"{self.path} is from a newer swarmrl (schema version {version}, this one knows up to {SCHEMA_VERSION})")
+            raise RuntimeError(f"{self.path} is from a newer swarmrl (schema version {version}, this one knows up to "
+                f"{SCHEMA_VERSION})")
         if version == 0 and not self._db.execute("SELECT 1 FROM sqlite_master").fetchone():
             version = SCHEMA_VERSION  # a new file: every table is made at the latest schema
             with self.tx() as db:
@@ -204,7 +207,8 @@ class Database:
 
     @staticmethod
     def set(db: sqlite3.Connection, key: str, value: Any) -> None:
-        db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value", (key, str(value)))
+        db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+            (key, str(value)))
 
     @staticmethod
     def read_int(db: sqlite3.Connection, key: str) -> int:

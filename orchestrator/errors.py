@@ -26,5 +26,6 @@ class ApiError(Exception):
 
     def body(self) -> ErrorBody:
         return ErrorBody(
-            error=self.code, detail=self.detail, min_policy_version=self.min_policy_version, retry_after_s=self.retry_after_s
+            error=self.code, detail=self.detail, min_policy_version=self.min_policy_version,
+            retry_after_s=self.retry_after_s
         )

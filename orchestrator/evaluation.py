@@ -91,7 +91,8 @@ class HeldOutPrompts(PromptSet):
 def hold_out(prompts: PromptSet, num: int, seed: int) -> HeldOutPrompts:
     """A seeded choice of `num` prompts held out of training (the same on every restart of the run)."""
     if num >= len(prompts):
-        raise DataError(f"eval.num_prompts ({num}) must be below the number of prompts ({len(prompts)}): training needs some")
+        raise DataError(f"eval.num_prompts ({num}) must be below the number of prompts ({len(prompts)}): training "
+            f"needs some")
     chosen = set(np.random.default_rng([seed, 0xE7A1]).choice(len(prompts), size=num, replace=False).tolist())
     return HeldOutPrompts(prompts, [p for i, p in enumerate(prompts.prompts) if i in chosen])
 
@@ -101,7 +102,8 @@ def evaluated_prompts(prompts: PromptSet, config: EvalConfig | None, eval_prompt
     of the run's) that are never in the training order."""
     if config is None or not config.every_steps:
         return prompts
-    return HeldOutPrompts(prompts, eval_prompts) if eval_prompts else hold_out(prompts, config.num_prompts, prompts.seed)
+    return HeldOutPrompts(prompts, eval_prompts) if eval_prompts else hold_out(prompts, config.num_prompts,
+        prompts.seed)
 
 
 def held_out_data(data: DataConfig, config: EvalConfig) -> DataConfig | None:
@@ -115,14 +117,16 @@ def held_out_data(data: DataConfig, config: EvalConfig) -> DataConfig | None:
 
 
 class EvalBook:
-    def __init__(self, db: Database, prompts: HeldOutPrompts, config: EvalConfig, *, train_k: int, prompts_per_lease: int, seed_key: bytes):
+    def __init__(self, db: Database, prompts: HeldOutPrompts, config: EvalConfig, *, train_k: int,
+        prompts_per_lease: int, seed_key: bytes):
         db.create(SCHEMA)
         self.db, self.prompts, self.config = db, prompts, config
         self.k = config.samples_per_prompt or train_k
         # An eval lease holds no more completions than a training one: the submission size cap holds.
         self.prompts_per_lease = max(1, prompts_per_lease * train_k // self.k)
         if prompts_per_lease * train_k < self.k:
-            raise ValueError(f"eval.samples_per_prompt ({self.k}) is above a training lease's completions ({prompts_per_lease * train_k})")
+            raise ValueError(f"eval.samples_per_prompt ({self.k}) is above a training lease's completions "
+                f"({prompts_per_lease * train_k})")
         self._seed_key = seed_key
         self.pass_ks = sorted({k for k in [*config.pass_at, self.k] if 1 <= k <= self.k})
 
@@ -147,7 +151,8 @@ class EvalBook:
             (version, len(self.prompts.held_out), self.k, time.time()),
         ).rowcount == 1
         if opened:
-            db.executemany("INSERT OR IGNORE INTO eval_queue (version, prompt_index) VALUES (?, ?)", [(version, i) for i in self.prompts.held_out])
+            db.executemany("INSERT OR IGNORE INTO eval_queue (version, prompt_index) VALUES (?, ?)", [(version, i)
+                for i in self.prompts.held_out])
         return opened
 
     def waiting(self, db: sqlite3.Connection, version: int) -> bool:
@@ -155,16 +160,19 @@ class EvalBook:
 
     def take(self, db: sqlite3.Connection, version: int, n: int) -> list[int]:
         """Up to n queued held-out prompts of the round of `version`, for one eval lease."""
-        rows = db.execute("SELECT prompt_index FROM eval_queue WHERE version=? ORDER BY prompt_index LIMIT ?", (version, n)).fetchall()
+        rows = db.execute("SELECT prompt_index FROM eval_queue WHERE version=? ORDER BY prompt_index LIMIT ?",
+            (version, n)).fetchall()
         db.executemany("DELETE FROM eval_queue WHERE version=? AND prompt_index=?", [(version, r[0]) for r in rows])
         return [int(r[0]) for r in rows]
 
     def give_back(self, db: sqlite3.Connection, version: int, indices: list[int]) -> None:
         """An eval lease ended without an accepted submission: its prompts wait again (same seeds)."""
         if self._status(db, version) == "open":
-            db.executemany("INSERT OR IGNORE INTO eval_queue (version, prompt_index) VALUES (?, ?)", [(version, i) for i in indices])
+            db.executemany("INSERT OR IGNORE INTO eval_queue (version, prompt_index) VALUES (?, ?)", [(version, i)
+                for i in indices])
 
-    def record(self, db: sqlite3.Connection, version: int, per_prompt: dict[int, tuple[list[float], list[int]]]) -> bool:
+    def record(self, db: sqlite3.Connection, version: int, per_prompt: dict[int, tuple[list[float],
+        list[int]]]) -> bool:
         """Trusted rewards and completion lengths of an accepted eval submission. Returns True when this
         finished the round. A round already closed keeps the numbers it was closed with."""
         if self._status(db, version) != "open":
@@ -183,12 +191,14 @@ class EvalBook:
     def close_left_behind(self, db: sqlite3.Connection, min_version: int, in_flight: set[int]) -> list[int]:
         """Rounds of versions below `min_version` (no submission may claim them any more) are closed as
         partial once none of their eval leases is still open or being verified (`in_flight`)."""
-        rows = db.execute("SELECT version FROM eval_rounds WHERE status='open' AND version<?", (min_version,)).fetchall()
+        rows = db.execute("SELECT version FROM eval_rounds WHERE status='open' AND version<?", (min_version,
+            )).fetchall()
         closed = []
         for (version,) in rows:
             db.execute("DELETE FROM eval_queue WHERE version=?", (version,))
             if version not in in_flight:
-                db.execute("UPDATE eval_rounds SET status='partial', finished_at=? WHERE version=?", (time.time(), version))
+                db.execute("UPDATE eval_rounds SET status='partial', finished_at=? WHERE version=?", (time.time(),
+                    version))
                 closed.append(int(version))
         return closed
 
@@ -206,13 +216,15 @@ class EvalBook:
             return None
         rows = self.db.all("SELECT rewards, tokens FROM eval_results WHERE version=?", (version,))
         return summarize(
-            version, [(json.loads(r["rewards"]), json.loads(r["tokens"])) for r in rows], planned=rnd["planned"], k=rnd["k"],
-            pass_ks=self.pass_ks, threshold=self.config.pass_threshold, complete=rnd["status"] == "done", finished_at=rnd["finished_at"],
+            version, [(json.loads(r["rewards"]), json.loads(r["tokens"])) for r in rows], planned=rnd["planned"],
+            k=rnd["k"], pass_ks=self.pass_ks, threshold=self.config.pass_threshold, complete=rnd["status"] == "done",
+            finished_at=rnd["finished_at"],
         )
 
     def finished(self, after_version: int = -1) -> list[EvalResult]:
         """Closed rounds (done or partial) of versions above `after_version`, oldest first."""
-        rows = self.db.all("SELECT version FROM eval_rounds WHERE status!='open' AND version>? ORDER BY version", (after_version,))
+        rows = self.db.all("SELECT version FROM eval_rounds WHERE status!='open' AND version>? ORDER BY version",
+            (after_version,))
         return [r for (v,) in rows if (r := self.result(int(v))) is not None]
 
     def latest(self) -> EvalResult | None:
@@ -224,8 +236,8 @@ class EvalBook:
 
 
 def summarize(
-    version: int, per_prompt: list[tuple[list[float], list[int]]], *, planned: int, k: int, pass_ks: list[int], threshold: float,
-    complete: bool, finished_at: float | None = None,
+    version: int, per_prompt: list[tuple[list[float], list[int]]], *, planned: int, k: int, pass_ks: list[int],
+    threshold: float, complete: bool, finished_at: float | None = None,
 ) -> EvalResult:
     """avg@k (mean reward over all samples), pass@k per prompt averaged over prompts, mean completion length."""
     rewards = [r for rs, _ in per_prompt for r in rs]
@@ -243,7 +255,8 @@ def summarize(
     )
 
 
-def per_prompt_results(prompt_indices: list[int], completions: list[Any], rewards: list[float]) -> dict[int, tuple[list[float], list[int]]]:
+def per_prompt_results(prompt_indices: list[int], completions: list[Any], rewards: list[float]) -> dict[int,
+    tuple[list[float], list[int]]]:
     """Rewards and lengths of a submission's completions, by held-out prompt index (sample order)."""
     out: dict[int, tuple[list[float], list[int]]] = {i: ([], []) for i in prompt_indices}
     for c, r in sorted(zip(completions, rewards), key=lambda cr: (cr[0].prompt_index, cr[0].sample_index)):
@@ -257,14 +270,15 @@ class RunEvaluation:
     """The orchestrator's side of evaluation. A run that evaluates (held-out prompts and an eval config)
     has an EvalBook, which the lease book leases from (`leases.evals`); every call is a no-op otherwise."""
 
-    def __init__(self, db: Database, prompts: PromptSet, config: EvalConfig | None, orch: OrchestratorConfig, *, leases: Any,
-                 versions: PolicyVersions, metrics: Any, finished: list[int]):
+    def __init__(self, db: Database, prompts: PromptSet, config: EvalConfig | None, orch: OrchestratorConfig, *,
+                 leases: Any, versions: PolicyVersions, metrics: Any, finished: list[int]):
         self.db, self.leases, self.versions, self.metrics, self.async_level = db, leases, versions, metrics, orch.async_level
         self.done = finished  # versions whose round a verdict finished or this closed, not yet logged
         self.book: EvalBook | None = None
         if isinstance(prompts, HeldOutPrompts) and config is not None:
             self.book = leases.evals = EvalBook(
-                db, prompts, config, train_k=orch.samples_per_prompt, prompts_per_lease=orch.prompts_per_lease, seed_key=leases.seed_key,
+                db, prompts, config, train_k=orch.samples_per_prompt, prompts_per_lease=orch.prompts_per_lease,
+                seed_key=leases.seed_key,
             )
 
     def announced(self, old: int, new: int) -> None:
@@ -277,7 +291,8 @@ class RunEvaluation:
         with self.db.tx() as db:
             for v in range(lo, new + 1):
                 if self.book.announce(db, v):
-                    log.info("evaluation opened", extra={"policy_version": v, "prompts": len(self.book.prompts.held_out)})
+                    log.info("evaluation opened", extra={"policy_version": v,
+                        "prompts": len(self.book.prompts.held_out)})
             self._close_left_behind(db)
 
     def housekeeping(self) -> None:
@@ -292,7 +307,8 @@ class RunEvaluation:
         min_version = staleness.min_policy_version(self.versions.current, self.async_level)
         for v in self.book.close_left_behind(db, min_version, self.leases.eval_in_flight(db)):
             self.done.append(v)
-            log.warning("evaluation closed partial: its version was left behind before every prompt was verified", extra={"policy_version": v})
+            log.warning("evaluation closed partial: its version was left behind before every prompt was verified",
+                extra={"policy_version": v})
 
     def _log_finished(self) -> None:
         """Evaluations finished since the last call: logged and exported to Prometheus."""
@@ -302,8 +318,10 @@ class RunEvaluation:
             if r is None:
                 continue
             self.metrics.observe_eval(r)
-            log.info("evaluation finished", extra={"policy_version": r.policy_version, "avg_reward": r.avg_reward, "pass_at": r.pass_at,
-                                                    "mean_completion_tokens": r.mean_completion_tokens, "complete": r.complete})
+            log.info("evaluation finished", extra={"policy_version": r.policy_version, "avg_reward": r.avg_reward,
+                                                    "pass_at": r.pass_at,
+                                                    "mean_completion_tokens": r.mean_completion_tokens,
+                                                    "complete": r.complete})
 
     def finished(self, after_version: int = -1) -> list[EvalResult]:
         """Finished evaluations (held-out prompts, per policy version) of versions above `after_version`."""

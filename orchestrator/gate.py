@@ -54,8 +54,8 @@ class Gate:
         cfg = orch.cfg
         self.timeout_s = cfg.request_timeout_s
         self.refusal_delay_s = cfg.refusal_delay_s
-        self.submit_cap = limits.submission_bytes_cap(cfg.prompts_per_lease * cfg.samples_per_prompt, cfg.sampling.max_tokens,
-                                                      episodes=cfg.environment is not None)
+        self.submit_cap = limits.submission_bytes_cap(cfg.prompts_per_lease * cfg.samples_per_prompt,
+                                                      cfg.sampling.max_tokens, episodes=cfg.environment is not None)
         self.failed = RateLimiter(cfg.failed_auth_per_min / 60.0, burst=max(5.0, cfg.failed_auth_per_min))
         self.bytes = RateLimiter(cfg.bytes_per_s_per_worker, burst=4 * cfg.bytes_per_s_per_worker)
         # A join token's identities share half of what as many independent workers could send: a Sybil
@@ -63,7 +63,8 @@ class Gate:
         token_rate = cfg.rate_limit_per_s * max(1.0, cfg.max_identities_per_token / 2)
         self.token_requests = RateLimiter(token_rate, burst=2 * token_rate)
         self.in_flight: dict[str, int] = {}
-        self.routes = [(ep, re.compile("^" + re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", ep.path) + "$")) for ep in api.ALL_ENDPOINTS]
+        self.routes = [(ep, re.compile("^" + re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", ep.path) + "$"))
+            for ep in api.ALL_ENDPOINTS]
 
     def endpoint(self, method: str, path: str) -> api.Endpoint | None:
         for ep, pattern in self.routes:
@@ -93,7 +94,8 @@ class Gate:
                     self.in_flight[caller] = self.in_flight.get(caller, 0) + 1
                     worker_id = caller  # only now: the finally below gives back what was taken, never more
                 scope.setdefault("state", {})[CALLER] = caller
-                body = await self.read_body(scope, receive, self.submit_cap if ep is api.SUBMIT else MAX_SMALL_BODY_BYTES, worker_id)
+                body = await self.read_body(scope, receive, self.submit_cap if ep is api.SUBMIT
+                    else MAX_SMALL_BODY_BYTES, worker_id)
                 if body is None:
                     return  # the client went away
                 await self.app(scope, _replay(body, receive), tracked_send)
@@ -108,7 +110,8 @@ class Gate:
         except TimeoutError:
             log.warning("request timed out", extra={"path": scope.get("path")})
             if not started:
-                await error_response(ApiError(ErrorCode.timeout, f"request not completed within {self.timeout_s:g} s", retry_after_s=1.0))(scope, receive, send)
+                await error_response(ApiError(ErrorCode.timeout, f"request not completed within {self.timeout_s:g} s",
+                    retry_after_s=1.0))(scope, receive, send)
         finally:
             if worker_id is not None:
                 left = self.in_flight[worker_id] - 1
@@ -227,7 +230,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._address = (self.client or ("?",))[0]
         count = self.per_address[self._address] = self.per_address.get(self._address, 0) + 1
         if count > self.max_per_address:
-            log.info("closing a connection over its address's cap", extra={"client": self._address, "cap": self.max_per_address})
+            log.info("closing a connection over its address's cap", extra={"client": self._address,
+                "cap": self.max_per_address})
             self.transport.close()
             return
         self._arm_head_timer()
@@ -254,7 +258,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _refuse_head(self, reason: str) -> None:
         self._head_refused = True
-        log.info("closing a connection whose request head is too large", extra={"client": self.client, "reason": reason})
+        log.info("closing a connection whose request head is too large", extra={"client": self.client,
+            "reason": reason})
         body = reason.encode()
         self.transport.write(
             b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
@@ -298,7 +303,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
 def uvicorn_protocol(header_timeout_s: float, max_per_address: int) -> type[GuardedHttpToolsProtocol]:
     """The protocol class of one server: its own connection counts."""
-    return type("GuardedHttp", (GuardedHttpToolsProtocol,), {"header_timeout_s": header_timeout_s, "max_per_address": max_per_address, "per_address": {}})
+    return type("GuardedHttp", (GuardedHttpToolsProtocol,), {"header_timeout_s": header_timeout_s,
+        "max_per_address": max_per_address, "per_address": {}})
 
 
 def _now() -> float:

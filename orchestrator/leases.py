@@ -117,7 +117,8 @@ class LeaseBook:
             conn.execute("INSERT OR IGNORE INTO seed_key (id, key) VALUES (0, ?)", (secrets.token_bytes(32),))
             self.seed_key = bytes(conn.execute("SELECT key FROM seed_key").fetchone()[0])
             leased = conn.execute(
-                "SELECT COALESCE(SUM(json_array_length(prompt_indices)), 0) FROM leases WHERE status IN ('open', 'submitted') AND eval_version IS NULL"
+                "SELECT COALESCE(SUM(json_array_length(prompt_indices)), 0) FROM leases WHERE status IN ('open', "
+                "'submitted') AND eval_version IS NULL"
             ).fetchone()[0]
             db.set(conn, LEASED_PROMPTS, int(leased))
             self.costs = ReleaseCosts(conn)
@@ -146,9 +147,10 @@ class LeaseBook:
         return TaskPrompt.model_construct(prompt_id=checked[0], token_ids=checked[1], seeds=seeds, env_item=checked[2])
 
     def sample_seeds(self, instance: int, n: int) -> list[int]:
-        """Per-sample seeds of a training prompt instance, a keyed hash under the run's secret: unknown before the instance is
-        first leased, the same in every later lease of it (given back, it cannot be rerolled). SHAKE-128 with the key first is
-        a PRF (no length extension); "train-instance" keeps it apart from the eval seeds (evaluation.EvalBook.seeds)."""
+        """Per-sample seeds of a training prompt instance, a keyed hash under the run's secret: unknown before the
+        instance is first leased, the same in every later lease of it (given back, it cannot be rerolled). SHAKE-128
+        with the key first is a PRF (no length extension); "train-instance" keeps it apart from the eval seeds
+        (evaluation.EvalBook.seeds)."""
         words = hashlib.shake_128(self.seed_key + b"train-instance" + instance.to_bytes(8, "little")).digest(8 * n)
         return (np.frombuffer(words, dtype="<u8") >> np.uint64(1)).tolist()  # < 2**63, as the protocol wants
 
@@ -156,10 +158,12 @@ class LeaseBook:
         """Samples generated or being generated that the trainer has not consumed: those of open and
         submitted leases, plus the buffer (ready or taken). Two counters, not a count of rows (that was
         ~0.06 ms per lease)."""
-        return Database.read_int(db, LEASED_PROMPTS) * self.config.samples_per_prompt + Database.read_int(db, BUFFERED_SAMPLES)
+        return Database.read_int(db, LEASED_PROMPTS) * self.config.samples_per_prompt + Database.read_int(db,
+            BUFFERED_SAMPLES)
 
     def issue(
-        self, worker_id: str, max_prompts: int, current_version: int, now: float, *, loaded_version: int | None = None, request_id: str | None = None
+        self, worker_id: str, max_prompts: int, current_version: int, now: float, *, loaded_version: int | None = None,
+        request_id: str | None = None
     ) -> TaskLease:
         """A new lease. With a StepShape, generation may not run more than async_level steps ahead of
         the trainer (AReaL's bound: GenerationBoundReached), and the lease says which version it must be
@@ -174,7 +178,8 @@ class LeaseBook:
         with self.db.tx() as db:
             if request_id is not None:
                 earlier = db.execute(
-                    "SELECT body FROM leases WHERE worker_id=? AND request_id=? AND status='open' AND deadline>=?", (worker_id, request_id, now)
+                    "SELECT body FROM leases WHERE worker_id=? AND request_id=? AND status='open' AND deadline>=?",
+                    (worker_id, request_id, now)
                 ).fetchone()
                 if earlier is not None:  # a retry of a request whose answer was lost: the same lease again
                     return TaskLease.model_validate_json(earlier[0])
@@ -187,7 +192,8 @@ class LeaseBook:
                 # Eval prompts of the version this worker holds go first, outside the async bound (they
                 # are never trained on, so they take no room from training).
                 self._check_open_cap(worker_id, now)
-                lease = self._issue_eval(db, worker_id, max_prompts, current_version, loaded_version, now, request_id, token_id)
+                lease = self._issue_eval(db, worker_id, max_prompts, current_version, loaded_version, now, request_id,
+                    token_id)
                 self._open[lease.lease_id] = lease
                 return lease
             if shape is not None:
@@ -198,15 +204,18 @@ class LeaseBook:
                     raise GenerationBoundReached()
                 n = min(n, room)
                 if token_id is not None:  # a token that gives back too many scored leases: one prompt at a time
-                    n = min(n, self.shares.room(db, token_id, bound, now, cap=1 if self.costs.over_bound(token_id, cfg.max_release_ratio) else None))
+                    n = min(n, self.shares.room(db, token_id, bound, now, cap=1 if self.costs.over_bound(token_id,
+                        cfg.max_release_ratio) else None))
                 min_version = staleness.lease_min_version(
                     current_version, cfg.async_level, untrained_samples=untrained, new_samples=n * k,
-                    samples_per_step=shape.samples_per_step, mini_batches=shape.mini_batches, max_staleness=shape.max_staleness,
+                    samples_per_step=shape.samples_per_step, mini_batches=shape.mini_batches,
+                    max_staleness=shape.max_staleness,
                 )
             if loaded_version is not None and loaded_version < min_version:
                 raise ApiError(
                     ErrorCode.version_too_old,
-                    f"loaded policy version {loaded_version} would be stale by the time these samples are trained; pull version {min_version}",
+                    f"loaded policy version {loaded_version} would be stale by the time these samples are trained; "
+                    f"pull version {min_version}",
                     min_policy_version=min_version,
                 )
             self._check_open_cap(worker_id, now)
@@ -231,10 +240,11 @@ class LeaseBook:
                 environment=cfg.environment,
             )
             db.execute(
-                "INSERT INTO leases (lease_id, seq, worker_id, prompt_indices, instances, body, issued_at, deadline, status, request_id, token_id) "
+                "INSERT INTO leases (lease_id, seq, worker_id, prompt_indices, instances, body, issued_at, deadline, "
+                "status, request_id, token_id) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'open', ?, ?)",
-                (lease.lease_id, seq, worker_id, json.dumps([i for i, _ in taken]), json.dumps([s for _, s in taken]), lease.model_dump_json(), now, lease.deadline,
-                 request_id, token_id),
+                (lease.lease_id, seq, worker_id, json.dumps([i for i, _ in taken]), json.dumps([s for _, s in taken]),
+                 lease.model_dump_json(), now, lease.deadline, request_id, token_id),
             )
             Database.add(db, LEASED_PROMPTS, len(taken))
         self._open[lease.lease_id] = lease
@@ -245,7 +255,8 @@ class LeaseBook:
         if self.open_leases(worker_id, now) >= self.config.max_open_leases_per_worker:
             raise ApiError(
                 ErrorCode.too_many_leases,
-                f"worker already holds {self.config.max_open_leases_per_worker} open leases; submit or release one first",
+                f"worker already holds {self.config.max_open_leases_per_worker} open leases; submit or release one "
+                f"first",
                 retry_after_s=1.0,
             )
 
@@ -271,15 +282,19 @@ class LeaseBook:
             environment=self.config.environment,
         )
         db.execute(
-            "INSERT INTO leases (lease_id, seq, worker_id, prompt_indices, body, issued_at, deadline, status, request_id, token_id, eval_version) "
+            "INSERT INTO leases (lease_id, seq, worker_id, prompt_indices, body, issued_at, deadline, status, "
+            "request_id, token_id, eval_version) "
             "VALUES (?, ?, ?, ?, ?, ?, ?, 'open', ?, ?, ?)",
-            (lease.lease_id, seq, worker_id, json.dumps(indices), lease.model_dump_json(), now, lease.deadline, request_id, token_id, version),
+            (lease.lease_id, seq, worker_id, json.dumps(indices), lease.model_dump_json(), now, lease.deadline,
+            request_id, token_id, version),
         )
         return lease
 
     def eval_in_flight(self, db: sqlite3.Connection) -> set[int]:
         """Versions with eval leases open or submitted (not yet verified)."""
-        return {int(r[0]) for r in db.execute("SELECT DISTINCT eval_version FROM leases WHERE eval_version IS NOT NULL AND status IN ('open', 'submitted')")}
+        return {int(r[0])
+            for r in db.execute("SELECT DISTINCT eval_version FROM leases WHERE eval_version IS NOT NULL AND status "
+            "IN ('open', 'submitted')")}
 
     @staticmethod
     def _take_reissue(db: sqlite3.Connection, n: int) -> list[tuple[int, int]]:
@@ -296,7 +311,8 @@ class LeaseBook:
         return _row(row) if row else None
 
     def open_leases(self, worker_id: str, now: float) -> int:
-        row = self.db.one("SELECT COUNT(*) FROM leases WHERE worker_id=? AND status='open' AND deadline>=?", (worker_id, now))
+        row = self.db.one("SELECT COUNT(*) FROM leases WHERE worker_id=? AND status='open' AND deadline>=?",
+            (worker_id, now))
         return int(row[0])
 
     def parsed(self, row: LeaseRow) -> TaskLease:
@@ -306,7 +322,8 @@ class LeaseBook:
     @staticmethod
     def mark_submitted(db: sqlite3.Connection, lease_id: str) -> bool:
         """In the submission's transaction: the lease now has its submission (False if it was not open)."""
-        return db.execute("UPDATE leases SET status='submitted', submitted_at=? WHERE lease_id=? AND status='open'", (time.time(), lease_id)).rowcount == 1
+        return db.execute("UPDATE leases SET status='submitted', submitted_at=? WHERE lease_id=? AND status='open'",
+            (time.time(), lease_id)).rowcount == 1
 
     def finish(self, db: sqlite3.Connection, lease_id: str, accepted: bool, credit: bool = True) -> None:
         """In the verdict's transaction: an accepted lease is done (its samples move to the buffer's
@@ -315,7 +332,8 @@ class LeaseBook:
         if not accepted:
             self._end(db, lease_id, "rejected", "submitted")
             return
-        row = db.execute("SELECT status, json_array_length(prompt_indices), eval_version, token_id, issued_at, submitted_at FROM leases WHERE lease_id=?",
+        row = db.execute("SELECT status, json_array_length(prompt_indices), eval_version, token_id, issued_at, "
+            "submitted_at FROM leases WHERE lease_id=?",
                          (lease_id,)).fetchone()
         db.execute("UPDATE leases SET status='done' WHERE lease_id=?", (lease_id,))
         if row is not None and row[0] in ("open", "submitted") and row[2] is None:
@@ -336,7 +354,8 @@ class LeaseBook:
     def release_banned(self, db: sqlite3.Connection) -> int:
         """Open leases of banned workers go back at once (their prompts re-issued), not at their deadline."""
         ids = [r[0] for r in db.execute(
-            "SELECT l.lease_id FROM leases l JOIN workers w ON w.worker_id=l.worker_id WHERE l.status='open' AND w.banned=1"
+            "SELECT l.lease_id FROM leases l JOIN workers w ON w.worker_id=l.worker_id WHERE l.status='open' AND "
+            "w.banned=1"
         ).fetchall()]
         for lease_id in ids:
             self._open.pop(lease_id, None)
@@ -346,18 +365,21 @@ class LeaseBook:
     def expire(self, now: float) -> list[str]:
         """Open leases past their deadline become expired; their prompts are queued for re-issue."""
         with self.db.tx() as db:
-            ids = [r[0] for r in db.execute("SELECT lease_id FROM leases WHERE status='open' AND deadline<?", (now,)).fetchall()]
+            ids = [r[0] for r in db.execute("SELECT lease_id FROM leases WHERE status='open' AND deadline<?", (now,
+                )).fetchall()]
             for lease_id in ids:
                 self._end(db, lease_id, "expired", "open", charge=True, now=now)
         for lease_id in ids:
             self._open.pop(lease_id, None)
         return ids
 
-    def _end(self, db: sqlite3.Connection, lease_id: str, status: str, from_status: str, charge: bool = False, now: float | None = None) -> bool:
+    def _end(self, db: sqlite3.Connection, lease_id: str, status: str, from_status: str, charge: bool = False,
+        now: float | None = None) -> bool:
         """Close a lease and queue its prompts for re-issue; a lease given back unsubmitted (`charge`)
         costs its worker's token."""
         row = db.execute(
-            "SELECT prompt_indices, worker_id, token_id, issued_at, deadline, eval_version, instances FROM leases WHERE lease_id=? AND status=?",
+            "SELECT prompt_indices, worker_id, token_id, issued_at, deadline, eval_version, instances FROM leases "
+            "WHERE lease_id=? AND status=?",
             (lease_id, from_status),
         ).fetchone()
         if row is None:
@@ -368,30 +390,36 @@ class LeaseBook:
             if self.evals is not None:
                 self.evals.give_back(db, int(row[5]), indices)
         else:  # the same instances, so the same seeds, whoever leases them next
-            db.executemany("INSERT INTO reissue (prompt_index, instance) VALUES (?, ?)", zip(indices, json.loads(row[6]) if row[6] else [None] * len(indices)))
+            db.executemany("INSERT INTO reissue (prompt_index, instance) VALUES (?, ?)", zip(indices,
+                json.loads(row[6]) if row[6] else [None] * len(indices)))
             Database.add(db, LEASED_PROMPTS, -len(indices))  # from_status is open or submitted
             self.room.notify()
-        charged = charge and row[2] is not None and self._charge(db, row[1], row[2], len(indices), row[3], row[4], time.time() if now is None else now)
+        charged = charge and row[2] is not None and self._charge(db, row[1], row[2], len(indices), row[3], row[4],
+            time.time() if now is None else now)
         self.costs.closed(db, lease_id, row[2], status, bool(charged), training=row[5] is None)
         return True
 
-    def _charge(self, db: sqlite3.Connection, worker_id: str, token_id: str, prompts: int, issued: float, deadline: float, now: float) -> bool:
+    def _charge(self, db: sqlite3.Connection, worker_id: str, token_id: str, prompts: int, issued: float,
+        deadline: float, now: float) -> bool:
         """Debt for a lease given back after its free window (release_costs); whether it cost anything."""
         if self.tokens is None or self.workers is None or deadline < self.serving_since:
             return False
-        units = self.costs.units(token_id, prompts, issued, deadline, now, self.config.prompts_per_lease, self.config.release_floor)
+        units = self.costs.units(token_id, prompts, issued, deadline, now, self.config.prompts_per_lease,
+            self.config.release_floor)
         if units <= 0:  # given back before it could have been generated (shutting down, version too old)
             return False
         self.shares.note_forfeit(token_id, now)
         per_strike = self.config.lease_debt_per_strike
-        before = (db.execute("SELECT lease_debt FROM join_tokens WHERE token_id=?", (token_id,)).fetchone() or (0.0,))[0]
+        before = (db.execute("SELECT lease_debt FROM join_tokens WHERE token_id=?", (token_id,)).fetchone() or (0.0,
+            ))[0]
         after = self.tokens.add_debt(db, token_id, units, now)
         for _ in range(int(after // per_strike) - int(before // per_strike)):
             self.workers.strike(db, worker_id, "leases held and given back unsubmitted", self.config.strikes_to_ban)
         return True
 
     def counts(self) -> dict[str, int]:
-        return {r["status"]: int(r["n"]) for r in self.db.all("SELECT status, COUNT(*) AS n FROM leases GROUP BY status")}
+        return {r["status"]: int(r["n"])
+            for r in self.db.all("SELECT status, COUNT(*) AS n FROM leases GROUP BY status")}
 
     def reissue_depth(self) -> int:
         return int(self.db.one("SELECT COUNT(*) FROM reissue")[0])

@@ -11,11 +11,20 @@ from orchestrator.draw_deviations import DeviationLedger
 from orchestrator.leases import LeaseBook
 from orchestrator.tokens import JoinTokens
 from orchestrator.workers import Workers
-from protocol.operator_models import BanScope, JoinTokenList, JoinTokenMinted, JoinTokenRecord, JoinTokenRequest, WorkerList, WorkerRecord
+from protocol.operator_models import (
+    BanScope,
+    JoinTokenList,
+    JoinTokenMinted,
+    JoinTokenRecord,
+    JoinTokenRequest,
+    WorkerList,
+    WorkerRecord,
+)
 
 
 class Operators:
-    def __init__(self, db: Database, workers: Workers, tokens: JoinTokens, leases: LeaseBook, deviations: DeviationLedger):
+    def __init__(self, db: Database, workers: Workers, tokens: JoinTokens, leases: LeaseBook,
+        deviations: DeviationLedger):
         self.db, self.workers, self.tokens, self.leases, self.deviations = db, workers, tokens, leases, deviations
 
     def worker_list(self) -> WorkerList:
@@ -23,9 +32,11 @@ class Operators:
         deviations = self.deviations.of()
         return WorkerList(workers=[
             self.workers.record(w, now).model_copy(update={
-                "leases_released": released.get(w.worker_id, (0, 0))[0], "releases_charged": released.get(w.worker_id, (0, 0))[1],
+                "leases_released": released.get(w.worker_id, (0, 0))[0], "releases_charged": released.get(w.worker_id,
+                (0, 0))[1],
                 "token_release_ratio": costs.ratio(w.token_id),
-                "draw_deviations": deviations.get(w.worker_id, (0, 0.0))[0], "deviation_allowance": deviations.get(w.worker_id, (0, 0.0))[1],
+                "draw_deviations": deviations.get(w.worker_id, (0, 0.0))[0],
+                "deviation_allowance": deviations.get(w.worker_id, (0, 0.0))[1],
             })
             for w in self.workers.all()
         ])
@@ -42,7 +53,8 @@ class Operators:
 
     def token_list(self) -> JoinTokenList:
         now = time.time()
-        return JoinTokenList(tokens=[self.tokens.record(t, self.workers.live_identities(t.token_id, now)) for t in self.tokens.all()])
+        return JoinTokenList(tokens=[self.tokens.record(t, self.workers.live_identities(t.token_id, now))
+            for t in self.tokens.all()])
 
     def revoke_token(self, token_id: str, reason: str) -> JoinTokenRecord:
         """No registration with the token any more, and every worker it registered is banned."""

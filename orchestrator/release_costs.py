@@ -48,14 +48,18 @@ class ReleaseCosts:
         self._ended: dict[str, deque[bool]] = {}  # join token -> its last ended leases: a charged release?
         timed = "status='done' AND eval_version IS NULL AND submitted_at IS NOT NULL"
         per_prompt = "(submitted_at - issued_at) / json_array_length(prompt_indices)"
-        for (s,) in db.execute(f"SELECT {per_prompt} FROM leases WHERE {timed} ORDER BY seq DESC LIMIT ?", (SWARM_LEASES,)).fetchall()[::-1]:
+        for (s,) in db.execute(f"SELECT {per_prompt} FROM leases WHERE {timed} ORDER BY seq DESC LIMIT ?",
+            (SWARM_LEASES,)).fetchall()[::-1]:
             self._swarm.append(max(0.0, float(s)))
-        for token_id, s in db.execute(f"SELECT token_id, MIN({per_prompt}) FROM leases WHERE {timed} AND token_id IS NOT NULL GROUP BY token_id"):
+        for token_id, s in db.execute(f"SELECT token_id, MIN({per_prompt}) FROM leases WHERE {timed} AND token_id IS "
+            f"NOT NULL GROUP BY token_id"):
             self._fastest[token_id] = max(0.0, float(s))
         for token_id, charged in db.execute(
-            "SELECT token_id, charged FROM (SELECT token_id, seq, status='released' AND COALESCE(charged, 0)=1 AS charged, "
+            "SELECT token_id, charged FROM (SELECT token_id, seq, status='released' AND COALESCE(charged, 0)=1 AS "
+            "charged, "
             "ROW_NUMBER() OVER (PARTITION BY token_id ORDER BY seq DESC) AS n FROM leases "
-            "WHERE token_id IS NOT NULL AND eval_version IS NULL AND status IN ('done', 'rejected', 'released', 'expired')) "
+            "WHERE token_id IS NOT NULL AND eval_version IS NULL AND status IN ('done', 'rejected', 'released', "
+            "'expired')) "
             "WHERE n <= ? ORDER BY seq", (RATIO_WINDOW,),
         ):
             self._ended.setdefault(token_id, deque(maxlen=RATIO_WINDOW)).append(bool(charged))
@@ -75,7 +79,8 @@ class ReleaseCosts:
             with self._lock:
                 self._ended.setdefault(token_id, deque(maxlen=RATIO_WINDOW)).append(charged_release)
 
-    def closed(self, db: sqlite3.Connection, lease_id: str, token_id: str | None, status: str, charged: bool, training: bool) -> None:
+    def closed(self, db: sqlite3.Connection, lease_id: str, token_id: str | None, status: str, charged: bool,
+        training: bool) -> None:
         """A lease ended unsubmitted (expired, released, rejected), in its transaction: what it cost, and
         the run's count of releases (a release of a banned worker's lease included, as free)."""
         if charged:
@@ -97,7 +102,8 @@ class ReleaseCosts:
         seen = [v for v in (fastest, swarm) if v is not None]
         return min(full, 0.5 * min(seen) * prompts) if seen else full
 
-    def units(self, token_id: str | None, prompts: int, issued: float, deadline: float, now: float, prompts_per_lease: int, floor: float) -> float:
+    def units(self, token_id: str | None, prompts: int, issued: float, deadline: float, now: float,
+        prompts_per_lease: int, floor: float) -> float:
         """The debt (in full leases' worth) of a lease given back unsubmitted at `now`; 0: free."""
         if now - issued < self.free_window(token_id, deadline - issued, prompts):
             return 0.0
@@ -123,5 +129,6 @@ class ReleaseCosts:
     @staticmethod
     def by_worker(db: Database) -> dict[str, tuple[int, int]]:
         """Worker id -> (leases it gave back unsubmitted, of those charged), over the run."""
-        rows = db.all("SELECT worker_id, COUNT(*), SUM(COALESCE(charged, 0)) FROM leases WHERE status='released' GROUP BY worker_id")
+        rows = db.all("SELECT worker_id, COUNT(*), SUM(COALESCE(charged, 0)) FROM leases WHERE status='released' "
+            "GROUP BY worker_id")
         return {r[0]: (int(r[1]), int(r[2])) for r in rows}

@@ -28,7 +28,8 @@ def uvicorn_config(app: Any, host: str, port: int, cfg: OrchestratorConfig) -> u
         app,
         host=host,
         port=port,
-        http=uvicorn_protocol(cfg.header_timeout_s, cfg.max_connections_per_address),  # head deadline, per-address cap (gate.py)
+        # head deadline, per-address cap (gate.py)
+        http=uvicorn_protocol(cfg.header_timeout_s, cfg.max_connections_per_address),
         limit_concurrency=cfg.max_connections,  # beyond: 503, so a flood of connections cannot exhaust the host
         log_level="warning",
         access_log=False,
@@ -46,7 +47,8 @@ class OrchestratorServer:
         cfg = orch.cfg
         refuse_exposed_demo_secrets(cfg.model_copy(update={"host": host or cfg.host}))
         self.app = create_app(orch)
-        self.server = uvicorn.Server(uvicorn_config(self.app, host or cfg.host, cfg.port if port is None else port, cfg))
+        self.server = uvicorn.Server(uvicorn_config(self.app, host or cfg.host, cfg.port if port is None else port,
+            cfg))
         self._thread: threading.Thread | None = None
 
     def start(self, timeout_s: float = 30.0) -> "OrchestratorServer":

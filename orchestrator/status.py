@@ -26,45 +26,55 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests_refused = Counter("swarmrl_requests_refused", "Requests refused, by error code", ["code"], registry=r)
+        self.requests_refused = Counter("swarmrl_requests_refused", "Requests refused, by error code", ["code"],
+            registry=r)
         self.submissions = Counter("swarmrl_submissions", "Submissions queued for verification", registry=r)
         self.verdicts = Counter("swarmrl_verdicts", "Verdicts, by status", ["status"], registry=r)
         self.rejections = Counter("swarmrl_rejections", "Rejection reasons", ["code"], registry=r)
         self.leases_issued = Counter("swarmrl_leases_issued", "Leases issued", registry=r)
         self.leases_refused_async_bound = Counter(
             "swarmrl_leases_refused_async_bound",
-            "Lease requests refused because generation is async_level versions ahead of the trainer (high: the trainer is the bottleneck)",
+            "Lease requests refused because generation is async_level versions ahead of the trainer (high: the "
+            "trainer is the bottleneck)",
             registry=r,
         )
         self.leases_refused_budget = Counter(
             "swarmrl_leases_refused_budget",
-            "Lease requests refused because the worker's join token holds its share of the generation budget or is cooling down",
+            "Lease requests refused because the worker's join token holds its share of the generation budget or is "
+            "cooling down",
             registry=r,
         )
         self.leases_expired = Counter("swarmrl_leases_expired", "Leases expired", registry=r)
         # No per-token label (tokens may be many): /v1/workers has each worker's counts and token ratio.
         self.leases_released = Counter(
-            "swarmrl_leases_released", "Leases given back unsubmitted; charged: after their free window (they could have been generated and scored)",
-            ["charged"], registry=r,
+            "swarmrl_leases_released",
+            "Leases given back unsubmitted; charged: after their free window (they could have been generated and "
+            "scored)", ["charged"], registry=r,
         )
         for charged in ("true", "false"):
             self.leases_released.labels(charged)
-        self.groups_dropped = Counter("swarmrl_groups_dropped_zero_signal", "Groups dropped for zero signal", registry=r)
+        self.groups_dropped = Counter("swarmrl_groups_dropped_zero_signal", "Groups dropped for zero signal",
+            registry=r)
         # orchestrator/reward_failures.py: never a strike; the completion's group is dropped, not trained
         self.reward_failures = Counter(
-            "swarmrl_reward_failures", "Completions whose trusted reward could not be computed, by reward and kind (timed_out, crashed, skipped)",
+            "swarmrl_reward_failures",
+            "Completions whose trusted reward could not be computed, by reward and kind (timed_out, crashed, skipped)",
             ["reward", "kind"], registry=r,
         )
         self.groups_dropped_unscored = Counter(
-            "swarmrl_groups_dropped_unscored", "Groups dropped because a completion's reward could not be computed", registry=r
+            "swarmrl_groups_dropped_unscored", "Groups dropped because a completion's reward could not be computed",
+            registry=r
         )
         self.verified_tokens = Counter("swarmrl_verified_tokens", "Tokens in accepted submissions", registry=r)
         self.near_tie_tokens = Counter(
-            "swarmrl_near_tie_tokens", "Accepted tokens that were not the seed's draw on the verifier's logits, within the near-tie margin", registry=r
+            "swarmrl_near_tie_tokens",
+            "Accepted tokens that were not the seed's draw on the verifier's logits, within the near-tie margin",
+            registry=r
         )
         self.draw_margin = Histogram(
-            "swarmrl_draw_margin_logits", "Largest near-tie margin of an accepted submission that had near ties (logits)",
-            buckets=(1e-6, 1e-5, 1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0), registry=r,
+            "swarmrl_draw_margin_logits",
+            "Largest near-tie margin of an accepted submission that had near ties (logits)", buckets=(1e-6, 1e-5, 1e-4,
+            1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0), registry=r,
         )
         self.bans = Counter("swarmrl_bans", "Workers banned for strikes", registry=r)
         self.buffer_depth = Gauge("swarmrl_buffer_depth", "Verified samples waiting for the trainer", registry=r)
@@ -72,18 +82,26 @@ class Metrics:
         self.workers_online = Gauge("swarmrl_workers_online", "Workers seen recently", registry=r)
         self.verify_queue = Gauge("swarmrl_verify_queue", "Submissions waiting for verification", registry=r)
         self.verifier_actors = Gauge(
-            "swarmrl_verifier_actors", "Verifier actors: live (verifying) and pending (requested, waiting for a place; on KubeRay a node)", ["state"], registry=r
+            "swarmrl_verifier_actors",
+            "Verifier actors: live (verifying) and pending (requested, waiting for a place; on KubeRay a node)",
+            ["state"], registry=r
         )
         self.verify_rate = Gauge(
-            "swarmrl_verify_rate_per_s", "Over the last minute: submissions queued (in), verdicts (out) and the tokens of those verdicts (tokens) per second; "
+            "swarmrl_verify_rate_per_s",
+            "Over the last minute: submissions queued (in), verdicts (out) and the tokens of those verdicts (tokens) "
+            "per second; "
             "in above out means the verifier pool is the bottleneck", ["what"], registry=r,
         )
         self.verify_seconds = Histogram("swarmrl_verify_seconds", "Wall time of one verify_many call", registry=r)
         # The newest finished evaluation on held-out prompts (orchestrator/evaluation.py).
-        self.eval_version = Gauge("swarmrl_eval_policy_version", "Policy version of the newest finished evaluation", registry=r)
-        self.eval_avg_reward = Gauge("swarmrl_eval_avg_reward", "avg@k: mean trusted reward of the held-out samples", registry=r)
-        self.eval_pass_at = Gauge("swarmrl_eval_pass_at_k", "pass@k on the held-out prompts (unbiased estimator)", ["k"], registry=r)
-        self.eval_completion_tokens = Gauge("swarmrl_eval_completion_tokens", "Mean completion length of the held-out samples (tokens)", registry=r)
+        self.eval_version = Gauge("swarmrl_eval_policy_version", "Policy version of the newest finished evaluation",
+            registry=r)
+        self.eval_avg_reward = Gauge("swarmrl_eval_avg_reward", "avg@k: mean trusted reward of the held-out samples",
+            registry=r)
+        self.eval_pass_at = Gauge("swarmrl_eval_pass_at_k", "pass@k on the held-out prompts (unbiased estimator)",
+            ["k"], registry=r)
+        self.eval_completion_tokens = Gauge("swarmrl_eval_completion_tokens",
+            "Mean completion length of the held-out samples (tokens)", registry=r)
 
     def observe_eval(self, result: Any) -> None:
         """A finished evaluation (protocol.operator_models.EvalResult); versions finish in order, mostly: keep the newest."""
@@ -94,7 +112,8 @@ class Metrics:
         self.eval_avg_reward.set(result.avg_reward if result.avg_reward is not None else float("nan"))
         for k, v in result.pass_at.items():
             self.eval_pass_at.labels(k).set(v)
-        self.eval_completion_tokens.set(result.mean_completion_tokens if result.mean_completion_tokens is not None else float("nan"))
+        self.eval_completion_tokens.set(result.mean_completion_tokens if result.mean_completion_tokens is not None
+            else float("nan"))
 
 
 class RunWindows:
@@ -222,7 +241,8 @@ def run_status(o: Any) -> RunStatus:
 
 def restarts(counters: dict[str, float]) -> dict[str, RestartCount]:
     names = [k.split(":", 1)[1] for k in counters if k.startswith("restarts:")]
-    return {n: RestartCount(count=int(counters[f"restarts:{n}"]), seconds_lost=round(counters.get(f"restart_s:{n}", 0.0), 3)) for n in sorted(names)}
+    return {n: RestartCount(count=int(counters[f"restarts:{n}"]), seconds_lost=round(counters.get(f"restart_s:{n}",
+        0.0), 3)) for n in sorted(names)}
 
 
 def record_history(metrics: Metrics, windows: RunWindows, st: RunStatus, now: float) -> None:

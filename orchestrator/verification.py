@@ -154,11 +154,14 @@ class Verification:
             if not self.leases.mark_submitted(db, row.lease_id):
                 return "lease"
             db.execute(
-                "INSERT INTO submissions (submission_id, worker_id, lease_id, policy_version, num_tokens, received_at, status, body) "
+                "INSERT INTO submissions (submission_id, worker_id, lease_id, policy_version, num_tokens, "
+                "received_at, status, body) "
                 "VALUES (?, ?, ?, ?, ?, ?, 'pending', ?)",
-                (row.submission_id, row.worker_id, row.lease_id, row.policy_version, row.num_tokens, row.received_at, row.body),
+                (row.submission_id, row.worker_id, row.lease_id, row.policy_version, row.num_tokens, row.received_at,
+                row.body),
             )
-            db.execute("INSERT INTO fingerprints (fingerprint, submission_id) VALUES (?, ?)", (fingerprint, row.submission_id))
+            db.execute("INSERT INTO fingerprints (fingerprint, submission_id) VALUES (?, ?)", (fingerprint,
+                row.submission_id))
         if len(self._pending) < MAX_PARSED_PENDING:  # beyond that, re-read from SQLite when verified
             self._pending[row.submission_id] = pending
         self._queue.put(row.submission_id)
@@ -191,7 +194,8 @@ class Verification:
         lease_row = self.leases.get(row.lease_id)
         assert lease_row is not None
         p = self._pending[submission_id] = Pending(
-            row.worker_id, sub, TaskLease.model_validate_json(lease_row.body), list(lease_row.prompt_indices), lease_row.eval_version
+            row.worker_id, sub, TaskLease.model_validate_json(lease_row.body), list(lease_row.prompt_indices),
+            lease_row.eval_version
         )
         return p
 
@@ -244,17 +248,20 @@ class Verification:
             try:
                 prepared.append(self._prepare(sid, p, v))
             except Exception:  # one bad verdict must not lose the others; this one stays pending in SQLite
-                log.exception("could not apply a verdict; the submission stays pending until a restart", extra={"submission_id": sid})
+                log.exception("could not apply a verdict; the submission stays pending until a restart",
+                    extra={"submission_id": sid})
         results = []
         with self.db.tx():
             for item in prepared:
                 try:
                     results.append((item, self._record(item)))
                 except Exception:
-                    log.exception("could not record a verdict; it stays pending until a restart", extra={"submission_id": item.submission_id})
+                    log.exception("could not record a verdict; it stays pending until a restart",
+                        extra={"submission_id": item.submission_id})
         for item, (applied, banned_now) in results:
             self._after(item, applied, banned_now)
-        self.buffer.added(sum(item.groups.num_samples for item, (applied, _) in results if applied and item.groups is not None))
+        self.buffer.added(sum(item.groups.num_samples for item, (applied, _) in results if applied
+            and item.groups is not None))
         return sum(v is not None for v in verdicts)
 
     def _verify(self, batch: list[tuple[str, Pending]], jobs: list[Any]) -> list[Verdict | None]:
@@ -282,7 +289,8 @@ class Verification:
         del self._failures[sid]
         message = f"the verifier failed on this submission {MAX_VERIFY_ATTEMPTS} times"
         log.error(message, extra={"submission_id": sid})
-        return [Verdict(submission_id=sid, status=VerdictStatus.rejected, rejections=[Rejection(code=RejectionCode.verification_failed, message=message)])]
+        return [Verdict(submission_id=sid, status=VerdictStatus.rejected,
+            rejections=[Rejection(code=RejectionCode.verification_failed, message=message)])]
 
     def _prepare(self, submission_id: str, p: Pending, v: Verdict) -> Applied:
         v = v.model_copy(update={"submission_id": submission_id})
@@ -293,19 +301,25 @@ class Verification:
         if p.eval_version is not None:  # scored for the evaluation; never a training group
             if len(rewards) != len(p.submission.completions) or not all(map(math.isfinite, rewards)):
                 v = Verdict(submission_id=submission_id, status=VerdictStatus.rejected,
-                            rejections=[Rejection(code=RejectionCode.reward_error, message="unusable rewards for an eval lease")])
+                            rejections=[Rejection(code=RejectionCode.reward_error,
+                            message="unusable rewards for an eval lease")])
                 return Applied(submission_id, p.worker_id, v, False, [], None, p.submission.num_tokens)
             per_prompt = per_prompt_results(p.prompt_indices, p.submission.completions, rewards)
-            return Applied(submission_id, p.worker_id, v, True, rewards, None, p.submission.num_tokens, (p.eval_version, per_prompt), failures)
+            return Applied(submission_id, p.worker_id, v, True, rewards, None, p.submission.num_tokens,
+                (p.eval_version, per_prompt), failures)
         unscored = reward_failures.unscored(v)
         try:  # a group with an unscored completion is dropped, like a zero-signal one
-            groups = build_groups(submission_id, p.submission, p.lease, rewards, self.advantage_std, v.behaviour_logprobs, unscored)
+            groups = build_groups(submission_id, p.submission, p.lease, rewards, self.advantage_std,
+                v.behaviour_logprobs, unscored)
         except ValueError as exc:  # no reward per completion, or one that is not finite: never pending forever
-            log.error("accepted verdict with unusable rewards; recorded as rejected", extra={"submission_id": submission_id, "error": str(exc)})
+            log.error("accepted verdict with unusable rewards; recorded as rejected",
+                extra={"submission_id": submission_id, "error": str(exc)})
             v = Verdict(submission_id=submission_id, status=VerdictStatus.rejected,
-                        rejections=[Rejection(code=RejectionCode.reward_error, message=f"unusable rewards: {exc}"[:2000])])
+                        rejections=[Rejection(code=RejectionCode.reward_error,
+                        message=f"unusable rewards: {exc}"[:2000])])
             return Applied(submission_id, p.worker_id, v, False, [], None, p.submission.num_tokens)
-        scored = [r for i, r in enumerate(rewards) if not (unscored and unscored[i])]  # the run's reward totals skip made-up 0s
+        # the run's reward totals skip made-up 0s
+        scored = [r for i, r in enumerate(rewards) if not (unscored and unscored[i])]
         return Applied(submission_id, p.worker_id, v, True, scored, groups, p.submission.num_tokens, failures=failures)
 
     def _record(self, a: Applied) -> tuple[bool, bool]:
@@ -313,23 +327,28 @@ class Verification:
         (applied, banned_now). A verdict for a submission that is no longer pending is ignored, so a
         verdict applied twice (e.g. re-verified after a restart) cannot add samples twice."""
         with self.db.tx() as db:
-            row = db.execute("SELECT worker_id, lease_id, status FROM submissions WHERE submission_id=?", (a.submission_id,)).fetchone()
+            row = db.execute("SELECT worker_id, lease_id, status FROM submissions WHERE submission_id=?",
+                (a.submission_id,)).fetchone()
             if row is None or row["status"] != "pending":
                 return False, False
             status = "accepted" if a.accepted else "rejected"
-            db.execute("UPDATE submissions SET status=?, verdict=?, body=NULL WHERE submission_id=?", (status, a.verdict.model_dump_json(), a.submission_id))
+            db.execute("UPDATE submissions SET status=?, verdict=?, body=NULL WHERE submission_id=?", (status,
+                a.verdict.model_dump_json(), a.submission_id))
             if not a.accepted:  # its prompts come back with the same seeds: the same honest rollouts may follow
                 db.execute("DELETE FROM fingerprints WHERE submission_id=?", (a.submission_id,))
             # A reward that could not be computed is never the worker's doing: full credit, no strike.
             self.leases.finish(db, row["lease_id"], a.accepted)
             tokens = a.verdict.verified_tokens if a.accepted else 0
             strike = not a.accepted and any(r.code not in NO_STRIKE for r in a.verdict.rejections)
-            banned_now = self.workers.record_verdict(db, row["worker_id"], a.accepted, tokens, self.strikes_to_ban, strike=strike)
+            banned_now = self.workers.record_verdict(db, row["worker_id"], a.accepted, tokens, self.strikes_to_ban,
+                strike=strike)
             if a.accepted and a.failures[1] and a.verdict.behaviour_logprobs is None:
                 # Not spot-checked: the text was never shown to be the policy's draw, so it is the worker's choice.
-                banned_now = self.workers.strike(db, row["worker_id"], "unchecked completions whose rewards failed", self.strikes_to_ban) or banned_now
+                banned_now = self.workers.strike(db, row["worker_id"], "unchecked completions whose rewards failed",
+                    self.strikes_to_ban) or banned_now
             if a.accepted:
-                strikes, ban = self.deviations.record(db, row["worker_id"], a.verdict.near_ties, a.verdict.near_tie_allowance)
+                strikes, ban = self.deviations.record(db, row["worker_id"], a.verdict.near_ties,
+                    a.verdict.near_tie_allowance)
                 why = "more accepted tokens off the seed's exact draw than numerical noise explains"
                 for _ in range(strikes):
                     banned_now = self.workers.strike(db, row["worker_id"], why, self.strikes_to_ban) or banned_now
@@ -360,7 +379,8 @@ class Verification:
         self.windows.verified(a.num_tokens)
         if a.accepted:
             training = a.evaluation is None
-            self.windows.accepted(a.verdict.verified_tokens, float(sum(a.rewards)) if training else 0.0, len(a.rewards) if training else 0)
+            self.windows.accepted(a.verdict.verified_tokens, float(sum(a.rewards)) if training else 0.0, len(a.rewards)
+                if training else 0)
             self.metrics.verified_tokens.inc(a.verdict.verified_tokens)
             self.metrics.near_tie_tokens.inc(a.verdict.near_ties)
             if a.verdict.near_ties:

@@ -30,7 +30,8 @@ class PolicyVersions:
         db.create(SCHEMA, counters=("policy_version",))
         self.current = db.get_int("policy_version")
         self.gauge = gauge  # the policy_version metric
-        self.on_advance: Callable[[int, int], None] = lambda old, new: None  # (old, new) current version: evaluation opens rounds
+        # (old, new) current version: evaluation opens rounds
+        self.on_advance: Callable[[int, int], None] = lambda old, new: None
         self._hashes: dict[int, str] = {}  # immutable once published: cached, but dropped on (re)publish
         self._superseded = {(r[0], r[1]) for r in db.all("SELECT version, model_hash FROM superseded_versions")}
 
@@ -58,7 +59,8 @@ class PolicyVersions:
         if old is not None and old[0] != model_hash:
             self.supersede(db, version, old[0])
         db.execute(
-            "INSERT INTO versions (version, model_hash, created_at) VALUES (?, ?, ?) ON CONFLICT(version) DO UPDATE SET model_hash=excluded.model_hash",
+            "INSERT INTO versions (version, model_hash, created_at) VALUES (?, ?, ?) ON CONFLICT(version) DO UPDATE "
+            "SET model_hash=excluded.model_hash",
             (version, model_hash, time.time()),
         )
         if version > Database.read_int(db, "policy_version"):
@@ -68,7 +70,8 @@ class PolicyVersions:
     def supersede(self, db: sqlite3.Connection, version: int, model_hash: str) -> None:
         """Weights that a version had on a trainer that crashed before they were durable (a relay may still
         serve them): a submission made with them is refused without a strike (`is_superseded`)."""
-        db.execute("INSERT OR IGNORE INTO superseded_versions (version, model_hash) VALUES (?, ?)", (version, model_hash))
+        db.execute("INSERT OR IGNORE INTO superseded_versions (version, model_hash) VALUES (?, ?)", (version,
+            model_hash))
         self._superseded.add((version, model_hash))
 
     def is_superseded(self, version: int, model_hash: str) -> bool:

@@ -107,7 +107,8 @@ class PackedArray:
         return from_le_bytes(raw, self.dtype)
 
     def _validate(self, value: Any) -> np.ndarray:
-        if type(value) is np.ndarray and value.ndim == 1 and value.dtype == _wire_dtype(self.dtype)[1] and value.size <= self.max_len:
+        if type(value) is np.ndarray and value.ndim == 1 and value.dtype == _wire_dtype(
+            self.dtype)[1] and value.size <= self.max_len:
             return value.copy()  # already exactly what the checks below would produce (e.g. a lease's prompt)
         if isinstance(value, (str, bytes)):
             try:
@@ -117,21 +118,26 @@ class PackedArray:
         elif isinstance(value, (list, tuple, np.ndarray)):
             arr = np.asarray(value)
             if arr.ndim != 1:
-                raise PydanticCustomError("packed_array", "expected a 1-D array, got {ndim} dimensions", {"ndim": arr.ndim})
+                raise PydanticCustomError("packed_array", "expected a 1-D array, got {ndim} dimensions",
+                    {"ndim": arr.ndim})
             if arr.size and np.issubdtype(np.dtype(self.dtype), np.integer):
                 if not np.issubdtype(arr.dtype, np.integer):
-                    raise PydanticCustomError("packed_array", "expected integers, got {dtype}", {"dtype": str(arr.dtype)})
+                    raise PydanticCustomError("packed_array", "expected integers, got {dtype}",
+                        {"dtype": str(arr.dtype)})
                 info = np.iinfo(self.dtype)
                 if arr.min() < info.min or arr.max() > info.max:
                     raise PydanticCustomError("packed_array", "value out of {dtype} range", {"dtype": self.dtype})
             try:
                 arr = arr.astype(self.dtype)
             except (TypeError, ValueError) as exc:
-                raise PydanticCustomError("packed_array", "cannot convert to {dtype}: {msg}", {"dtype": self.dtype, "msg": str(exc)}) from None
+                raise PydanticCustomError("packed_array", "cannot convert to {dtype}: {msg}", {"dtype": self.dtype,
+                    "msg": str(exc)}) from None
         else:
-            raise PydanticCustomError("packed_array", "expected base64 string or array, got {t}", {"t": type(value).__name__})
+            raise PydanticCustomError("packed_array", "expected base64 string or array, got {t}",
+                {"t": type(value).__name__})
         if arr.size > self.max_len:
-            raise PydanticCustomError("packed_array", "array has {n} values, limit is {limit}", {"n": int(arr.size), "limit": self.max_len})
+            raise PydanticCustomError("packed_array", "array has {n} values, limit is {limit}", {"n": int(arr.size),
+                "limit": self.max_len})
         return arr
 
     def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> core_schema.CoreSchema:
@@ -150,7 +156,8 @@ class PackedArray:
         return core_schema.json_or_python_schema(
             json_schema=json_schema,
             python_schema=core_schema.no_info_plain_validator_function(self._validate),
-            serialization=core_schema.plain_serializer_function_ser_schema(lambda arr: pack(arr, self.dtype), when_used="json"),
+            serialization=core_schema.plain_serializer_function_ser_schema(lambda arr: pack(arr, self.dtype),
+            when_used="json"),
         )
 
     def __get_pydantic_json_schema__(self, schema: Any, handler: Any) -> dict[str, Any]:

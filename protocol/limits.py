@@ -48,5 +48,6 @@ def submission_bytes_cap(completions: int, max_tokens: int, episodes: bool = Fal
     proofs = -(-max_tokens // PROOF_CHUNK_TOKENS) * (b64(MAX_PROOF_BYTES) + 3)
     per_completion = 2 * b64(4 * max_tokens) + proofs + 160
     if episodes:
-        per_completion += b64(max_tokens) + 48 + 9 * MAX_EPISODE_TURNS  # "env_mask", "turn_finish_reasons", '"length",' each
+        # "env_mask", "turn_finish_reasons", '"length",' each
+        per_completion += b64(max_tokens) + 48 + 9 * MAX_EPISODE_TURNS
     return int(1.1 * (completions * per_completion + 512)) + 4096

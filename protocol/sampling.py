@@ -58,7 +58,8 @@ class DrawParams:
     p_off: "torch.Tensor | None"  # bool: rows without top-p (when others use it); None if none
 
     @staticmethod
-    def build(temperatures: Sequence[float], top_ks: Sequence[int], top_ps: Sequence[float], vocab_size: int, device=None) -> "DrawParams":
+    def build(temperatures: Sequence[float], top_ks: Sequence[int], top_ps: Sequence[float], vocab_size: int,
+        device=None) -> "DrawParams":
         """From per-row (temperature, top_k, top_p) as on the wire: top_k <= 0 or >= V and top_p >= 1 are off."""
         import torch
 
@@ -80,7 +81,8 @@ class DrawParams:
             k_off=col([k == 0 for k in ks], torch.bool) if k_max and not all(ks) else None,
             k_max=k_max,
             top_p=col([p if p < 1.0 else 0.0 for p in ps], torch.float32) if any(p < 1.0 for p in ps) else None,
-            p_off=col([p >= 1.0 for p in ps], torch.bool) if any(p < 1.0 for p in ps) and any(p >= 1.0 for p in ps) else None,
+            p_off=col([p >= 1.0 for p in ps], torch.bool) if any(p < 1.0 for p in ps) and any(p >= 1.0 for p in ps)
+            else None,
         )
 
 
@@ -113,7 +115,8 @@ def support_threshold(z: "torch.Tensor", params: DrawParams, top_p_shift: float 
             thr_k = thr_k.masked_fill(params.k_off, float("-inf"))
         thr = thr_k
     if params.top_p is not None:
-        thr_p = _top_p_threshold(z if thr_k is None else z.masked_fill(z < thr_k, float("-inf")), params.top_p + top_p_shift)
+        thr_p = _top_p_threshold(z if thr_k is None else z.masked_fill(z < thr_k, float("-inf")),
+            params.top_p + top_p_shift)
         if params.p_off is not None:
             thr_p = thr_p.masked_fill(params.p_off, float("-inf"))
         thr = thr_p if thr is None else torch.maximum(thr, thr_p)
@@ -151,7 +154,8 @@ def _top_p_threshold(zk: "torch.Tensor", top_p: "torch.Tensor") -> "torch.Tensor
         if short.numel():
             zf = torch.sort(zk.index_select(0, short), dim=-1, descending=True).values
             cf = (zf - lse.index_select(0, short)).exp_().cumsum(-1)
-            thr = thr.index_copy(0, short, zf.gather(-1, (cf[:, :-1] < top_p.index_select(0, short)).sum(-1, keepdim=True)))
+            thr = thr.index_copy(0, short, zf.gather(-1, (cf[:, :-1] < top_p.index_select(0, short)).sum(-1,
+                keepdim=True)))
     # The kept prefix can end in the -inf tail (rounding leaves the mass just below top_p): every
     # finite token is then kept, and a top-k threshold (the caller's maximum) still holds.
     return thr
@@ -170,7 +174,8 @@ def winners(score: "torch.Tensor", z_threshold: "torch.Tensor | None", z: "torch
     return score.argmax(-1)
 
 
-def scores(logits: "torch.Tensor", states: "torch.Tensor", tokens: "torch.Tensor", params: DrawParams) -> tuple["torch.Tensor", "torch.Tensor | None", "torch.Tensor"]:
+def scores(logits: "torch.Tensor", states: "torch.Tensor", tokens: "torch.Tensor",
+    params: DrawParams) -> tuple["torch.Tensor", "torch.Tensor | None", "torch.Tensor"]:
     """(z, support threshold, score = z - log E) for logits [N, V], row states [N] (`row_state`) and
     token words [V]; the score is not masked to the support."""
     z = tempered(logits, params)
@@ -203,8 +208,9 @@ class Replay:
     choice: "torch.Tensor | None" = None  # bool: more than one token would pass here (with a draw margin given)
 
 
-def replay(logits: "torch.Tensor", seeds, positions, tokens: "torch.Tensor", sampling, top_p_slack: float = 0.0, logit_slack: float = 0.0,
-           slack_rel: float = 0.0, draw_margin: float | None = None, draw_margin_rel: float = 0.0) -> Replay:
+def replay(logits: "torch.Tensor", seeds, positions, tokens: "torch.Tensor", sampling, top_p_slack: float = 0.0,
+           logit_slack: float = 0.0, slack_rel: float = 0.0, draw_margin: float | None = None,
+           draw_margin_rel: float = 0.0) -> Replay:
     """Replay the draws of claimed `tokens` [T] under `logits` [T, V] (row t produced token t).
 
     `seeds`: one int (a completion) or [T]; `positions`: [T] (usually arange(T), or an offset slice of
@@ -237,7 +243,8 @@ def replay(logits: "torch.Tensor", seeds, positions, tokens: "torch.Tensor", sam
         thr = wide = own
     score = z
     if not params.all_greedy:
-        score = log_exponentials(row_state(seed_state(seeds), positions), token_words(torch.arange(vocab, device=device))).neg_().add_(z)
+        score = log_exponentials(row_state(seed_state(seeds), positions), token_words(torch.arange(vocab,
+            device=device))).neg_().add_(z)
     win = winners(score, thr, z)
     exact = win if thr is own else winners(score, own, z)
     margin = score.gather(1, win.view(-1, 1)) - score.gather(1, tokens)
@@ -246,7 +253,8 @@ def replay(logits: "torch.Tensor", seeds, positions, tokens: "torch.Tensor", sam
     if draw_margin is not None:
         to_score = 1.0 / (sampling.temperature if sampling.temperature > 0 else 1.0)
         scale = torch.maximum(logits.float().gather(1, win.view(-1, 1)).abs(), logits.float().abs())
-        passes = score >= score.gather(1, win.view(-1, 1)) - scale.mul_(draw_margin_rel).add_(draw_margin).mul_(to_score)
+        passes = score >= score.gather(1, win.view(-1,
+            1)) - scale.mul_(draw_margin_rel).add_(draw_margin).mul_(to_score)
         if wide is not None:
             passes &= z >= wide
         choice = passes.sum(-1) > 1

@@ -51,7 +51,8 @@ def model_turn_count(env_mask: np.ndarray) -> int:
     return int(m.size and (m[0] == 0)) + int(np.count_nonzero((m[1:] == 0) & (m[:-1] == 1)))
 
 
-def check_episode(env_mask: np.ndarray | None, turn_finish_reasons: list | None, n: int, where: str, finish_reason: Any = None) -> int:
+def check_episode(env_mask: np.ndarray | None, turn_finish_reasons: list | None, n: int, where: str,
+    finish_reason: Any = None) -> int:
     """A multi-turn completion's shape: one mask value (0 or 1) per token, model tokens first and last
     (an episode starts with a model turn and ends after one), one finish reason per model turn. Returns the
     number of model tokens, which the logprobs and proofs cover."""
@@ -60,9 +61,11 @@ def check_episode(env_mask: np.ndarray | None, turn_finish_reasons: list | None,
     if env_mask.size != n:
         raise ValueError(f"{where}env_mask has {env_mask.size} values for {n} tokens")
     if env_mask.size and int(env_mask.max()) > 1:
-        raise ValueError(f"{where}env_mask values must be 0 (model) or 1 (environment), got {int(env_mask.max())} at index {int(np.argmax(env_mask > 1))}")
+        raise ValueError(f"{where}env_mask values must be 0 (model) or 1 (environment), got {int(env_mask.max())} at "
+            f"index {int(np.argmax(env_mask > 1))}")
     if env_mask[0] != 0 or env_mask[-1] != 0:
-        raise ValueError(f"{where}an episode starts and ends with a model turn (env_mask[0] and env_mask[-1] must be 0)")
+        raise ValueError(
+            f"{where}an episode starts and ends with a model turn (env_mask[0] and env_mask[-1] must be 0)")
     turns = model_turn_count(env_mask)
     if turns > limits.MAX_EPISODE_TURNS:
         raise ValueError(f"{where}{turns} model turns exceed {limits.MAX_EPISODE_TURNS}")
@@ -74,8 +77,8 @@ def check_episode(env_mask: np.ndarray | None, turn_finish_reasons: list | None,
 
 
 def check_completions(comps: list[Any], info: ValidationInfo, numbered: bool = True) -> None:
-    """Every rule of Completion (`comps` are protocol.models.Completion), over many completions at once: one numpy pass per value rule; the
-    error names the first completion that breaks one (`completion {i}: ` when `numbered`).
+    """Every rule of Completion (`comps` are protocol.models.Completion), over many completions at once: one numpy pass
+    per value rule; the error names the first completion that breaks one (`completion {i}: ` when `numbered`).
 
     From JSON, token ids and logprobs arrive as their decoded bytes (deferred PackedArrays) and leave as
     read-only views of one array per kind, made here in one numpy call each."""
@@ -101,7 +104,8 @@ def check_completions(comps: list[Any], info: ValidationInfo, numbered: bool = T
             raise ValueError(f"{where(i)}completion has no tokens")
         what = "tokens"
         if c.env_mask is not None or c.turn_finish_reasons is not None:
-            n = check_episode(c.env_mask, c.turn_finish_reasons, n, where(i), c.finish_reason)  # logprobs and proofs cover model tokens only
+            # logprobs and proofs cover model tokens only
+            n = check_episode(c.env_mask, c.turn_finish_reasons, n, where(i), c.finish_reason)
             what = "model tokens"
         if n_lp != n:
             raise ValueError(f"{where(i)}{n} {what} but {n_lp} logprobs")
@@ -110,7 +114,8 @@ def check_completions(comps: list[Any], info: ValidationInfo, numbered: bool = T
     if from_json:
         ends = list(itertools.accumulate(counts))
         lp_ends = list(itertools.accumulate(lp_counts))  # an episode's logprobs cover its model tokens only
-        for c, a, b, la, lb in zip(comps, [0, *ends], ends, [0, *lp_ends], lp_ends):  # all checked above: set without re-validation
+        # all checked above: set without re-validation
+        for c, a, b, la, lb in zip(comps, [0, *ends], ends, [0, *lp_ends], lp_ends):
             c.__dict__["token_ids"], c.__dict__["logprobs"] = ids[a:b], lps[la:lb]
     else:
         ids = np.concatenate([c.token_ids for c in comps])

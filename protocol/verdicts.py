@@ -68,7 +68,8 @@ class RewardStatus(str, Enum):
 # worker's choice, so (like RejectionCode.tool_failed) this never charges the worker: the completion's
 # GRPO group is dropped instead of trained with a made-up 0 (orchestrator.buffer.build_groups).
 # A reward that raised or gave no usable number (error) is the same: the scorer failed on the policy's text.
-UNSCORED_REWARD_STATUS = frozenset({RewardStatus.error, RewardStatus.timed_out, RewardStatus.crashed, RewardStatus.skipped})
+UNSCORED_REWARD_STATUS = frozenset({RewardStatus.error, RewardStatus.timed_out, RewardStatus.crashed,
+    RewardStatus.skipped})
 
 
 class Verdict(WireModel):
@@ -85,7 +86,8 @@ class Verdict(WireModel):
     # logits: numerical noise, held per worker to the rate noise explains.
     near_ties: int = 0
     max_draw_margin: float = 0.0
-    near_tie_allowance: float = 0.0  # the near ties noise explains here: the dtype's rate x the positions that offered a choice
+    # the near ties noise explains here: the dtype's rate x the positions that offered a choice
+    near_tie_allowance: float = 0.0
     # Trusted side only (never serialized, so never sent or stored as JSON): per completion, the
     # verifier's tempered logprobs of its tokens, the behaviour logprobs the trainer uses. None when the
     # submission was not spot-checked.

@@ -41,7 +41,8 @@ def _tensor_bytes(t: "torch.Tensor") -> bytes:
     return bytes(t.detach().to("cpu").contiguous().numpy().tobytes())
 
 
-def pack_adapter(tensors: Mapping[str, "torch.Tensor"], config: Mapping[str, Any], base_hash: str) -> dict[str, "torch.Tensor"]:
+def pack_adapter(tensors: Mapping[str, "torch.Tensor"], config: Mapping[str, Any], base_hash: str) -> dict[str,
+    "torch.Tensor"]:
     """The state dict to publish for an adapter (tensors by peft name, `config` as adapter_config.json)."""
     if not tensors:
         raise ValueError("an adapter version needs at least one tensor")
@@ -96,7 +97,8 @@ def write_peft_dir(state: Mapping[str, "torch.Tensor"], out: Path) -> Path:
     tensors, config, _ = unpack_adapter(state)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(out / PEFT_WEIGHTS_FILE), metadata={"format": "pt"})
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(out / PEFT_WEIGHTS_FILE),
+        metadata={"format": "pt"})
     (out / PEFT_CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
     return out
 

@@ -68,7 +68,8 @@ def apply_steps(state: dict, state_hash: str, steps: list[Step], read: "callable
     return state
 
 
-def write_folder(state: dict, manifest: PolicyManifest, temp: Path, final: Path, shard_bytes: int, durable: bool) -> None:
+def write_folder(state: dict, manifest: PolicyManifest, temp: Path, final: Path, shard_bytes: int,
+    durable: bool) -> None:
     """Write `state` as safetensors shards + the signed manifest into `temp`, then rename it to `final`."""
     from shardcast.weights import plan_shards, serialize_shard, shard_file_name, split_aliases
 

@@ -31,7 +31,16 @@ from pathlib import Path
 
 from protocol.manifests import PolicyManifest
 from shardcast import assemble
-from shardcast.client_folders import already_verified, check_space, finish_full, prune_folders, read_delta, signed_folders, staging_folder, write_version
+from shardcast.client_folders import (
+    already_verified,
+    check_space,
+    finish_full,
+    prune_folders,
+    read_delta,
+    signed_folders,
+    staging_folder,
+    write_version,
+)
 from shardcast.config import DEFAULTS
 from shardcast.file_fetch import FileJob, ShardcastError, StaleManifest
 from shardcast.plan import Plan, Step, explain_no_path, plan_path
@@ -135,7 +144,8 @@ class ShardcastClient:
             deadline = time.monotonic() + self.pool.policy.pull_deadline_s
             listings = self.pool.list_versions() or self.pool.list_versions(fallback=True)
             if version is not None:
-                manifest = self.pool.fetch_manifest(version, prefer=[u for u, vs in listings.items() if version in vs], model_hash=model_hash)
+                manifest = self.pool.fetch_manifest(version, prefer=[u for u, vs in listings.items() if version in vs],
+                    model_hash=model_hash)
                 return self._pull_manifest(manifest, listings, deadline)
             errors: list[str] = []
 
@@ -166,7 +176,8 @@ class ShardcastClient:
                 raise ShardcastError(f"no server lists any version (reachable: {sorted(listings)} of {self.pool.urls})")
             raise ShardcastError("no listed version could be fetched: " + " | ".join(errors[:5]))
 
-    def _pull_manifest(self, manifest: PolicyManifest, listings: dict[str, list[int]], deadline: float) -> PulledVersion:
+    def _pull_manifest(self, manifest: PolicyManifest, listings: dict[str, list[int]],
+        deadline: float) -> PulledVersion:
         pulled = self._get(manifest, listings, deadline)
         self._prune(keep=pulled.version)
         return pulled
@@ -210,7 +221,8 @@ class ShardcastClient:
             seconds = time.perf_counter() - t0
             log.info(
                 "pulled version %d via %s: %.2f MB on the wire (full %.2f MB) in %.2fs",
-                target.version, " > ".join(pulled.steps), pulled.wire_bytes / 1e6, target.full_bytes / 1e6, seconds, extra={"version": target.version},
+                target.version, " > ".join(pulled.steps), pulled.wire_bytes / 1e6, target.full_bytes / 1e6, seconds,
+                extra={"version": target.version},
             )
             return pulled
         raise ShardcastError(f"version {target.version}: every path failed")
@@ -220,14 +232,16 @@ class ShardcastClient:
         steps = [f"held {plan.start[0]}"] if plan.start else []
         if not plan.steps:  # held already
             state = self._base(plan.start, held, manifests, need_state=False)
-            return PulledVersion(target.version, final if final.is_dir() else self._write(target, state), target, state, 0, steps)
+            return PulledVersion(target.version, final if final.is_dir() else self._write(target, state), target,
+                state, 0, steps)
         # Every file of the path at once (deltas are small; an anchor's shards are many).
         jobs = []
         for step in plan.steps:
             manifest = manifests.get(step.version) or target
             folder = staging_folder(self.dest_root, manifest)
             holders = frozenset(u for u, vs in listings.items() if step.version in vs) or None
-            jobs += [FileJob(step.version, f, folder, holders, manifest.created_at) for f in step.files if not already_verified(folder / f.name, f)]
+            jobs += [FileJob(step.version, f, folder, holders, manifest.created_at) for f in step.files
+                if not already_verified(folder / f.name, f)]
         try:
             check_space(self.dest_root, target, plan, jobs)
             self.pool.download_files(jobs, deadline=deadline)
@@ -236,7 +250,8 @@ class ShardcastClient:
                 raise
             for step in plan.steps:  # free the space; nothing half-written stays
                 shutil.rmtree(self.dest_root / partial_dir_name(step.version), ignore_errors=True)
-            raise e if isinstance(e, DiskFullError) else DiskFullError(errno.ENOSPC, f"no space left on device under {self.dest_root}") from None
+            raise e if isinstance(e, DiskFullError) else DiskFullError(errno.ENOSPC,
+                f"no space left on device under {self.dest_root}") from None
         wire = sum(j.entry.size for j in jobs)
         first, rest = plan.steps[0], list(plan.steps[1:])
         if first.delta is None:  # a full download: a complete version folder of its own
@@ -255,7 +270,8 @@ class ShardcastClient:
         from shardcast.delta import DeltaBaseMismatch, DeltaError
 
         try:
-            state = assemble.apply_steps(state, start[1], rest, functools.partial(read_delta, self.dest_root), self.delta_workers)
+            state = assemble.apply_steps(state, start[1], rest, functools.partial(read_delta, self.dest_root),
+                self.delta_workers)
         except DeltaBaseMismatch as e:
             raise self._bad_base(start, f"held version {start[0]} is not the base it claims: {e}") from None
         except DeltaError as e:
@@ -263,9 +279,11 @@ class ShardcastClient:
             # had a wrong base: stop trusting the held weights. A later step's base was checked: avoid it.
             bad: Step = e.step  # type: ignore[attr-defined]
             if bad is rest[0]:
-                raise self._bad_base(start, f"version {bad.version}'s delta did not yield its signed result from held {start[0]}: {e}") from None
+                raise self._bad_base(start,
+                    f"version {bad.version}'s delta did not yield its signed result from held {start[0]}: {e}") from None
             (self.dest_root / partial_dir_name(bad.version) / bad.delta.file).unlink(missing_ok=True)
-            raise _Replan(f"delta {bad.delta.file} of version {bad.version}: {e}", avoid=(bad.version, bad.delta.file)) from None
+            raise _Replan(f"delta {bad.delta.file} of version {bad.version}: {e}", avoid=(bad.version,
+                bad.delta.file)) from None
         steps += [f"delta {s.version}" for s in rest]
         for s in rest:  # intermediate versions' delta files are spent
             if s.version != target.version:
@@ -318,7 +336,8 @@ class ShardcastClient:
     def _held(self) -> dict[int, tuple[str, str]]:
         """version -> (model hash, where): the weights in memory, and version folders on disk whose signed
         manifest checks out (their bytes are checked when a plan uses them)."""
-        self._local_manifests: dict[int, PolicyManifest] = signed_folders(self.dest_root, self.pool.public_key, self.run_id)
+        self._local_manifests: dict[int, PolicyManifest] = signed_folders(self.dest_root, self.pool.public_key,
+            self.run_id)
         held: dict[int, tuple[str, str]] = {v: (m.model_hash, "disk") for v, m in self._local_manifests.items()}
         if self._state is not None:
             held[self._state[0]] = (self._state[1], "memory")
@@ -373,12 +392,14 @@ class ShardcastClient:
 
 
 class _Replan(Exception):
-    def __init__(self, msg: str, drop_held: int | None = None, avoid: tuple[int, str] | None = None, reheld: tuple[int, str] | None = None):
+    def __init__(self, msg: str, drop_held: int | None = None, avoid: tuple[int, str] | None = None, reheld: tuple[int,
+        str] | None = None):
         super().__init__(msg)
         self.drop_held, self.avoid, self.reheld = drop_held, avoid, reheld
 
 
 def describe_stats(stats: dict[str, ServerStats]) -> str:
     return json.dumps(
-        {u: {"MB": round(s.bytes / 1e6, 1), "MB/s": round((s.throughput or 0) / 1e6, 1), "failures": s.failures, "slow": s.slow, "banned": s.banned} for u, s in stats.items()}
+        {u: {"MB": round(s.bytes / 1e6, 1), "MB/s": round((s.throughput or 0) / 1e6, 1), "failures": s.failures,
+        "slow": s.slow, "banned": s.banned} for u, s in stats.items()}
     )

@@ -74,7 +74,8 @@ def check_space(dest_root: Path, target: PolicyManifest, plan: Plan, jobs: list[
     need = sum(j.entry.size for j in jobs) + (target.full_bytes if plan.steps[-1].delta is not None else 0)
     free = shutil.disk_usage(dest_root).free
     if free < need:
-        raise DiskFullError(errno.ENOSPC, f"version {target.version} needs {need} more bytes, {dest_root} has {free} free")
+        raise DiskFullError(errno.ENOSPC,
+            f"version {target.version} needs {need} more bytes, {dest_root} has {free} free")
 
 
 def read_delta(dest_root: Path, step: Step) -> bytes:
@@ -99,7 +100,8 @@ def write_version(dest_root: Path, target: PolicyManifest, state: dict, shard_by
     final = dest_root / complete_dir_name(target.version)
     free = shutil.disk_usage(dest_root).free
     if free < target.full_bytes:
-        raise DiskFullError(errno.ENOSPC, f"version {target.version} needs {target.full_bytes} bytes, {dest_root} has {free} free")
+        raise DiskFullError(errno.ENOSPC,
+            f"version {target.version} needs {target.full_bytes} bytes, {dest_root} has {free} free")
     try:
         assemble.write_folder(state, target, dest_root / f".tmp-v{target.version:010d}", final, shard_bytes, durable)
     except OSError as e:
@@ -114,7 +116,8 @@ def prune_folders(dest_root: Path, keep: int, keep_versions: int, writer: thread
     """Delete older version folders beyond `keep_versions` (never `keep`, the one just pulled), staging
     folders below `keep`, and temp folders unless `writer` is writing one. Returns the versions deleted."""
     deleted = []
-    done = sorted(int(p.name[1:]) for p in dest_root.iterdir() if p.is_dir() and p.name.startswith("v") and p.name[1:].isdigit())
+    done = sorted(int(p.name[1:]) for p in dest_root.iterdir() if p.is_dir() and p.name.startswith("v")
+        and p.name[1:].isdigit())
     for v in done[: max(0, len(done) - keep_versions)]:
         if v != keep:
             shutil.rmtree(dest_root / complete_dir_name(v), ignore_errors=True)

@@ -245,7 +245,8 @@ class Http:
         while True:
             left = stall_at - time.monotonic()
             if left <= 0:
-                raise TransferFailed(f"{url}: no byte for {self.stall_timeout_s:.1f}s (or past the deadline)", slow=True)
+                raise TransferFailed(f"{url}: no byte for {self.stall_timeout_s:.1f}s (or past the deadline)",
+                    slow=True)
             if poller.poll(max(1, int(1000 * (min(left, BATCH_WAIT_S) if batch > 1 else left)))):
                 return
             if batch > 1 and _queued_bytes(conn.sock) > 0:
@@ -256,7 +257,8 @@ class Http:
         try:
             n = conn.sock.recv_into(view)
         except socket.timeout:
-            raise TransferFailed(f"{url}: no byte for {self.stall_timeout_s:.1f}s (or past the deadline)", slow=True) from None
+            raise TransferFailed(f"{url}: no byte for {self.stall_timeout_s:.1f}s (or past the deadline)",
+                slow=True) from None
         except OSError as e:
             raise TransferFailed(f"{url}: {e!r}") from None
         if n == 0:
@@ -285,7 +287,8 @@ class Http:
                 raise TransferFailed(f"{url}: malformed header line {line[:100]!r}")
             headers[name.strip().lower()] = value.strip()
         if "transfer-encoding" in headers:
-            raise TransferFailed(f"{url}: Transfer-Encoding {headers['transfer-encoding'][:40]!r} is not accepted; a Content-Length is")
+            raise TransferFailed(f"{url}: Transfer-Encoding {headers['transfer-encoding'][:40]!r} is not accepted; a "
+                f"Content-Length is")
         return Response(self, url, conn, int(parts[1]), headers, bytes(buf[end + 4 : got]))
 
     def _idle(self, url: str, conn: _Conn) -> None:

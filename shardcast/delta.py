@@ -130,11 +130,13 @@ def encode_delta(
     b_tensors, b_aliases = _canonical(base)
     n_tensors, n_aliases = _canonical(new)
     if list(b_tensors) != list(n_tensors) or b_aliases != n_aliases:
-        raise DeltaError(f"tensor names or tying differ: {sorted(set(b_tensors) ^ set(n_tensors))[:5]}; publish a full version")
+        raise DeltaError(f"tensor names or tying differ: {sorted(set(b_tensors) ^ set(n_tensors))[:5]}; publish a "
+            f"full version")
     for name, b in b_tensors.items():
         n = n_tensors[name]
         if b.dtype != n.dtype or tuple(b.shape) != tuple(n.shape):
-            raise DeltaError(f"tensor {name!r} changed from {b.dtype} {tuple(b.shape)} to {n.dtype} {tuple(n.shape)}; publish a full version")
+            raise DeltaError(f"tensor {name!r} changed from {b.dtype} {tuple(b.shape)} to {n.dtype} {tuple(n.shape)}; "
+                f"publish a full version")
 
     def one(name: str) -> tuple[str, int, bytes | None]:
         # A compressor per tensor: they are not thread-safe, and making one costs ~20 us.
@@ -230,7 +232,8 @@ def apply_delta(
     sections = sections_of(delta, header)
 
     def one(t: TensorEntry) -> "torch.Tensor":
-        return _decode_tensor(tensors[t.name], t, sections[t.offset : t.offset + t.length], zstandard.ZstdDecompressor())
+        return _decode_tensor(tensors[t.name], t, sections[t.offset : t.offset + t.length],
+            zstandard.ZstdDecompressor())
 
     out = dict(zip(tensors, _map(one, header.tensors, workers)))
     result = {name: out[aliases.get(name, name)] for name in base}

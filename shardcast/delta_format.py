@@ -31,7 +31,8 @@ MAGIC = b"SWDELTA1"
 FORMAT = "swarmrl-delta"
 FORMAT_VERSION = 1
 TRAILER_BYTES = 32
-MAX_HEADER_BYTES = 64 << 20  # ~300k tensors (MoE checkpoints with unfused experts reach ~100k); callers also cap it by the base
+# ~300k tensors (MoE checkpoints with unfused experts reach ~100k); callers also cap it by the base
+MAX_HEADER_BYTES = 64 << 20
 MAX_NAME_CHARS = 1024
 MAX_NDIM = 16
 SPARSE_MAX_NUMEL = 1 << 32  # gaps are uint32, and their uint64 running sum cannot wrap
@@ -74,7 +75,8 @@ class DeltaHeader:
 
 def pack_delta(base_hash: str, result_hash: str, entries: list[dict], frames: list[bytes]) -> bytes:
     """Frame a header and its sections, sha256 trailer last."""
-    header = {"format": FORMAT, "version": FORMAT_VERSION, "base_hash": base_hash, "result_hash": result_hash, "tensors": entries}
+    header = {"format": FORMAT, "version": FORMAT_VERSION, "base_hash": base_hash, "result_hash": result_hash,
+        "tensors": entries}
     head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     if len(head) > MAX_HEADER_BYTES:
         raise DeltaError(f"header of {len(head)} bytes exceeds {MAX_HEADER_BYTES}")
@@ -158,7 +160,8 @@ def _parse_entry(e, offset: int, sections: int) -> TensorEntry:
     if not isinstance(e, dict):
         raise DeltaError("a tensor entry is not an object")
     enc = e.get("enc")
-    keys = {"same": set(), "xor": {"offset", "length"}, "sparse": {"count", "offset", "length"}}.get(enc) if isinstance(enc, str) else None
+    keys = {"same": set(), "xor": {"offset", "length"}, "sparse": {"count", "offset",
+        "length"}}.get(enc) if isinstance(enc, str) else None
     if keys is None or set(e) != {"name", "dtype", "shape", "enc"} | keys:
         raise DeltaError(f"bad tensor entry fields: {sorted(map(str, e))[:8]}")
     name, dtype, shape = e["name"], e["dtype"], e["shape"]

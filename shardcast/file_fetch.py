@@ -92,12 +92,15 @@ class FileFetch:
         pauses = backoff_delays(0.1, 2.0)  # after every server was tried once (protocol.retry)
         while True:
             if time.monotonic() >= self.deadline:
-                raise ShardcastError(f"file {entry.name} of version {version} not verified before its deadline: {'; '.join(errors[-4:])}")
+                raise ShardcastError(
+                    f"file {entry.name} of version {version} not verified before its deadline: {'; '.join(errors[-4:])}")
             # While relays only say "not yet", wait for them a little before falling back to the origin.
             patient = waiting_since is not None and time.monotonic() - waiting_since < pool.policy.stall_timeout_s
-            server = pool.sources.choose(tried | lacking, allow_fallback=not patient) or pool.sources.choose(lacking) or pool.sources.choose(set())
+            server = pool.sources.choose(tried | lacking,
+                allow_fallback=not patient) or pool.sources.choose(lacking) or pool.sources.choose(set())
             if server is None:
-                raise ShardcastError(f"file {entry.name} of version {version}: every server is banned ({'; '.join(errors[-4:])})")
+                raise ShardcastError(
+                    f"file {entry.name} of version {version}: every server is banned ({'; '.join(errors[-4:])})")
             try:
                 self._transfer(server)
                 os.replace(self.part, self.final)
@@ -105,10 +108,12 @@ class FileFetch:
                 return
             except BadServer as e:
                 errors.append(f"{server.url}: {e}")
-                other = pool.other_manifest(server.url, version, self.job.signed_at) if self.job.signed_at is not None else None
+                other = pool.other_manifest(server.url, version,
+                    self.job.signed_at) if self.job.signed_at is not None else None
                 if other is not None and other.created_at > self.job.signed_at:
                     raise StaleManifest(version, server.url) from None
-                if other is not None:  # it holds the version as first published (a relay that mirrored it before): stale, not lying
+                # it holds the version as first published (a relay that mirrored it before): stale, not lying
+                if other is not None:
                     lacking.add(server.url)
                     pool.sources.record_failure(server.url, "transfer")
                 else:
@@ -131,12 +136,15 @@ class FileFetch:
                 if e.missing:
                     lacking.add(server.url)
                     if lacking >= {s.url for s in pool.sources.usable()}:  # every server says 404: pruned
-                        raise ShardcastError(f"file {entry.name} of version {version}: no server has it ({'; '.join(errors[-4:])})")
-                pool.sources.record_failure(server.url, "slow" if e.slow else "missing" if e.missing else "transfer", getattr(e, "rate", None))
+                        raise ShardcastError(
+                            f"file {entry.name} of version {version}: no server has it ({'; '.join(errors[-4:])})")
+                pool.sources.record_failure(server.url, "slow" if e.slow else "missing" if e.missing else "transfer",
+                    getattr(e, "rate", None))
             tried.add(server.url)
             attempts += 1
             if attempts > pool.retries + len(pool.urls):
-                raise ShardcastError(f"file {entry.name} of version {version} failed {attempts} times: {'; '.join(errors[-4:])}")
+                raise ShardcastError(
+                    f"file {entry.name} of version {version} failed {attempts} times: {'; '.join(errors[-4:])}")
             if tried >= {s.url for s in pool.sources.usable(lacking)}:
                 tried.clear()  # every server tried once: go round again after a pause
                 time.sleep(min(next(pauses), max(0.0, self.deadline - time.monotonic())))
@@ -164,7 +172,8 @@ class FileFetch:
                 h, have = file_hash(entry)[0], 0
             if have < entry.size:
                 headers = {"Range": f"bytes={have}-"} if have else {}
-                resp = pool.http.request(url, api.SHARDCAST_SHARD.format(version=self.job.version, name=entry.name), self.deadline, headers)
+                resp = pool.http.request(url, api.SHARDCAST_SHARD.format(version=self.job.version, name=entry.name),
+                    self.deadline, headers)
                 have, h = self._check_head(url, resp, have, fd, h)
                 self.sources_of_part.add(url)
                 t0 = time.monotonic()  # rates count from the head: a relay may hold a request for a file on its way
@@ -188,7 +197,8 @@ class FileFetch:
         size = self.entry.size
         if resp.status not in (200, 206):
             resp.discard()
-            raise TransferFailed(f"HTTP {resp.status} for {self.entry.name}", missing=resp.status == 404, not_yet=resp.status == 503)
+            raise TransferFailed(f"HTTP {resp.status} for {self.entry.name}", missing=resp.status == 404,
+                not_yet=resp.status == 503)
         if resp.status == 200 and have:  # the server ignored Range: start over
             os.ftruncate(fd, 0)
             h = file_hash(self.entry)[0]
@@ -240,7 +250,9 @@ class FileFetch:
                     rate = (got - mark_got) / (now - mark_t)
                     floor = pool.sources.floor_rate(url)
                     if rate < floor:
-                        e = TransferFailed(f"{url}: {rate / 1e3:.1f} kB/s for {self.entry.name}, below {floor / 1e3:.1f} kB/s", slow=True)
+                        e = TransferFailed(
+                            f"{url}: {rate / 1e3:.1f} kB/s for {self.entry.name}, below {floor / 1e3:.1f} kB/s",
+                            slow=True)
                         e.rate = rate  # type: ignore[attr-defined]
                         raise e
                     mark_t, mark_got = now, got

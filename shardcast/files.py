@@ -17,7 +17,8 @@ from shardcast.store import DiskFullError
 
 def signed_entry(name: str, data: bytes | memoryview) -> ShardEntry:
     """What the origin signs for a file: size, sha256 (the ETag; what older receivers check) and blake3."""
-    return ShardEntry(name=name, sha256=hashlib.sha256(data).hexdigest(), size=len(data), blake3=blake3.blake3(data).hexdigest())
+    return ShardEntry(name=name, sha256=hashlib.sha256(data).hexdigest(), size=len(data),
+        blake3=blake3.blake3(data).hexdigest())
 
 
 def file_hash(entry: ShardEntry):

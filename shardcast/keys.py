@@ -83,10 +83,12 @@ def verify_manifest(manifest: PolicyManifest, public_key: str | Ed25519PublicKey
 def check_run(manifest: PolicyManifest, run_id: str) -> None:
     """Raise ManifestError unless a (verified) manifest belongs to this run."""
     if manifest.run_id != run_id:
-        raise ManifestError(f"manifest of version {manifest.version} belongs to run {manifest.run_id[:80]!r}, not {run_id!r}")
+        raise ManifestError(f"manifest of version {manifest.version} belongs to run {manifest.run_id[:80]!r}, not "
+            f"{run_id!r}")
 
 
-def parse_verified_manifest(body: bytes, public_key: str | Ed25519PublicKey, version: int | None = None, *, run_id: str) -> PolicyManifest:
+def parse_verified_manifest(body: bytes, public_key: str | Ed25519PublicKey, version: int | None = None, *,
+    run_id: str) -> PolicyManifest:
     """Parse untrusted manifest bytes; check the signature, the run and (if given) the version asked for."""
     try:
         manifest = PolicyManifest.model_validate_json(body)

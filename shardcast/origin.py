@@ -107,7 +107,8 @@ class Origin(VersionStore):
         return cls(
             root, signing_key, run_id=config.run_id, keep_versions=config.keep_versions, shard_bytes=config.shard_bytes,
             grace_s=config.delete_grace_s, deltas=config.deltas, anchor_every=config.anchor_every,
-            max_chain_fraction=config.max_chain_fraction, delta_level=config.delta_level, delta_workers=config.delta_workers,
+            max_chain_fraction=config.max_chain_fraction, delta_level=config.delta_level,
+            delta_workers=config.delta_workers,
         )
 
     def publish(self, version: int, state_dict: Mapping[str, "torch.Tensor"]) -> PolicyManifest:
@@ -119,7 +120,8 @@ class Origin(VersionStore):
             raise ValueError("cannot publish an empty state dict")
         t0 = time.perf_counter()
         new_hash = model_hash(state_dict)
-        prev = self._prev if self._prev is not None and self._prev.version < version and self.manifest(self._prev.version) is not None else None
+        prev = self._prev if self._prev is not None and self._prev.version < version and self.manifest(
+            self._prev.version) is not None else None
         delta = self._encode(prev, state_dict, new_hash)
         full = (
             prev is None or delta is None or version - prev.anchor_version >= self.anchor_every
@@ -137,8 +139,9 @@ class Origin(VersionStore):
                 refs.append(DeltaRef(base_version=prev.version, base_model_hash=prev.model_hash, file=name))
             manifest = sign_manifest(
                 PolicyManifest(
-                    run_id=self.run_id, version=version, model_hash=new_hash, anchor_version=version if full else prev.anchor_version,
-                    full_bytes=full_bytes, shards=entries, deltas=refs, created_at=time.time(),
+                    run_id=self.run_id, version=version, model_hash=new_hash, anchor_version=version if full
+                    else prev.anchor_version, full_bytes=full_bytes, shards=entries, deltas=refs,
+                    created_at=time.time(),
                 ),
                 self.signing_key,
             )
@@ -148,7 +151,9 @@ class Origin(VersionStore):
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if e.errno == errno.ENOSPC:
-                raise DiskFullError(errno.ENOSPC, f"no space left on device under {self.root} while publishing version {version}; nothing was published") from e
+                raise DiskFullError(errno.ENOSPC,
+                    f"no space left on device under {self.root} while publishing version {version}; nothing was "
+                    f"published") from e
             raise
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -159,8 +164,9 @@ class Origin(VersionStore):
         deleted = self.prune()
         log.info(
             "published version %d (%s): %.2f MB of files for a %.2f MB model in %.2fs",
-            version, "anchor" if full else f"delta from {prev.version}", manifest.total_bytes / 1e6, full_bytes / 1e6, time.perf_counter() - t0,
-            extra={"version": version, "deleted": deleted, "delta_bytes": len(delta) if delta is not None else None},
+            version, "anchor" if full else f"delta from {prev.version}", manifest.total_bytes / 1e6, full_bytes / 1e6,
+            time.perf_counter() - t0, extra={"version": version, "deleted": deleted, "delta_bytes": len(delta)
+            if delta is not None else None},
         )
         return manifest
 
@@ -188,7 +194,8 @@ class Origin(VersionStore):
         from shardcast.delta import DeltaError, encode_delta
 
         try:
-            return encode_delta(prev.state, state, level=self.delta_level, workers=self.delta_workers, base_hash=prev.model_hash, new_hash=new_hash)
+            return encode_delta(prev.state, state, level=self.delta_level, workers=self.delta_workers,
+                base_hash=prev.model_hash, new_hash=new_hash)
         except (DeltaError, TypeError) as e:  # a changed tensor set or an unsupported dtype: a full version
             log.warning("publishing a full version instead of a delta: %s", e)
             return None
@@ -207,7 +214,8 @@ class Origin(VersionStore):
             del data
         return entries
 
-    def _keep(self, version: int, model_hash: str, state: Mapping[str, "torch.Tensor"], anchor: int, full_bytes: int, chain: int) -> None:
+    def _keep(self, version: int, model_hash: str, state: Mapping[str, "torch.Tensor"], anchor: int, full_bytes: int,
+        chain: int) -> None:
         """Copy the published state for the next delta, into the previous copy's memory where shapes match
         (fresh memory is what costs most on these machines)."""
         if not self.deltas:
@@ -223,7 +231,8 @@ class Origin(VersionStore):
                 copy[name] = buf.copy_(t.detach())
             else:
                 copy[name] = t.detach().to("cpu", copy=True).contiguous()
-        self._prev = _Previous(version, model_hash, {n: copy[aliases.get(n, n)] for n in state}, anchor, full_bytes, chain)
+        self._prev = _Previous(version, model_hash, {n: copy[aliases.get(n, n)] for n in state}, anchor, full_bytes,
+            chain)
 
     @staticmethod
     def _account(manifest: PolicyManifest, delta: bytes | None) -> None:

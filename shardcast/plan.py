@@ -70,7 +70,8 @@ def plan_path(
             if base is None or (v, d.file) in avoid:
                 continue
             f = m.file(d.file)
-            options.append((base[0] + f.size, base[1] + 1, (d.base_version, d.base_model_hash), Step(v, m.model_hash, (f,), d)))
+            options.append((base[0] + f.size, base[1] + 1, (d.base_version, d.base_model_hash), Step(v, m.model_hash,
+                (f,), d)))
         if options:
             best[key] = min(options, key=lambda o: (o[0], o[1]))
     key = (target.version, target.model_hash)

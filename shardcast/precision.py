@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     import torch
 
 
-def cast_for_publishing(master: Mapping[str, "torch.Tensor"], dtype: "torch.dtype | None" = None) -> dict[str, "torch.Tensor"]:
+def cast_for_publishing(master: Mapping[str, "torch.Tensor"], dtype: "torch.dtype | None" = None) -> dict[str,
+    "torch.Tensor"]:
     """Floating-point tensors cast to `dtype` (default bf16, round to nearest even), others copied as they are.
 
     Every returned tensor is a fresh copy (the optimizer keeps mutating the master in place), and tied

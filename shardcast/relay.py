@@ -68,7 +68,8 @@ class Relay:
     ):
         self.store = RelayStore(root, keep_versions, grace_s, public_key_b64, run_id)
         self.follow = run_id is None
-        self.upstream = ServerPool(upstream_urls, public_key_b64, run_id=run_id or "", parallelism=parallelism, policy=policy)
+        self.upstream = ServerPool(upstream_urls, public_key_b64, run_id=run_id or "", parallelism=parallelism,
+            policy=policy)
         self.poll_interval_s = poll_interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -138,7 +139,8 @@ class Relay:
         latest: PolicyManifest | None = None
         for url, newest in ((u, max(vs)) for u, vs in listed.items() if vs):
             try:
-                body = pool.http.get_small(url, api.SHARDCAST_MANIFEST.format(version=newest), MAX_MANIFEST_BYTES, time.monotonic() + pool.policy.request_timeout_s)
+                body = pool.http.get_small(url, api.SHARDCAST_MANIFEST.format(version=newest), MAX_MANIFEST_BYTES,
+                    time.monotonic() + pool.policy.request_timeout_s)
                 manifest = PolicyManifest.model_validate_json(body)
                 verify_manifest(manifest, pool.public_key)
             except Exception as e:  # noqa: BLE001 - a bad upstream answer: ask the next one
@@ -182,9 +184,11 @@ class Relay:
         entries = sorted((s for s in manifest.shards if s.name in missing), key=lambda s: s.name not in delta_files)
         jobs = [FileJob(version, s, folder, frozenset(holders), manifest.created_at) for s in entries]
         try:
-            self.upstream.download_files(jobs, on_verified=lambda j: self.store.add_shard(version, j.entry.name), ordered=True)
+            self.upstream.download_files(jobs, on_verified=lambda j: self.store.add_shard(version, j.entry.name),
+                ordered=True)
         except StaleManifest:  # re-published upstream since we listed it: list it again next sync
-            log.warning("version %d was re-published upstream: dropping what this relay has of it", version, extra={"version": version})
+            log.warning("version %d was re-published upstream: dropping what this relay has of it", version,
+                extra={"version": version})
             self.store.drop(version)
             raise
 

@@ -18,7 +18,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING
 
-from prometheus_client import Counter, generate_latest, CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
 from protocol.manifests import VersionList
 from shardcast.config import DEFAULTS
@@ -45,7 +45,8 @@ class _HTTPServer(ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 1024
 
-    def __init__(self, address, store: VersionStore, shard_wait_s: float, max_connections: int, max_per_address: int, head_timeout_s: float):
+    def __init__(self, address, store: VersionStore, shard_wait_s: float, max_connections: int, max_per_address: int,
+        head_timeout_s: float):
         self.store = store
         self.shard_wait_s = shard_wait_s
         self.max_connections = max_connections
@@ -68,7 +69,8 @@ class _HTTPServer(ThreadingHTTPServer):
         # One thread per connection: cap them, in all and per client address, so a flood of idle connections
         # cannot exhaust the host, and one client cannot take every slot from the others.
         with self._conn_lock:
-            over = len(self.open_connections) > self.max_connections or self.per_address.get(client_address[0], 0) > self.max_per_address
+            over = len(self.open_connections) > self.max_connections or self.per_address.get(client_address[0],
+                0) > self.max_per_address
         if over:
             REQUESTS.labels("refused", "503").inc()
             try:
@@ -157,13 +159,15 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _not_allowed(self):
         self.close_connection = True  # a request body we do not read must not be taken for the next request
-        self._error(405, "invalid_request", f"method {self.command[:20]!r} is not allowed; this API is read-only", route="other")
+        self._error(405, "invalid_request", f"method {self.command[:20]!r} is not allowed; this API is read-only",
+            route="other")
 
     def send_error(self, code, message=None, explain=None):
         """The stdlib's protocol-level errors (bad request line, URI too long...) as our JSON ErrorBody."""
         self.close_connection = True
         try:
-            self._error(code, "not_found" if code == 404 else "invalid_request", message or "bad request", route="malformed")
+            self._error(code, "not_found" if code == 404 else "invalid_request", message or "bad request",
+                route="malformed")
         except OSError:  # the client is gone (or its head deadline passed): nobody to tell
             pass
 
@@ -289,12 +293,13 @@ def _parse_range(header: str, size: int) -> tuple[int, int] | None:
 class ShardServer:
     """A running shard server on its own thread. `url` is its base URL; `stop()` shuts it and its connections."""
 
-    def __init__(self, store: VersionStore, host: str = "127.0.0.1", port: int = 0, shard_wait_s: float = 0.0, max_connections: int = 512,
-                 max_per_address: int = 64, head_timeout_s: float = 10.0):
+    def __init__(self, store: VersionStore, host: str = "127.0.0.1", port: int = 0, shard_wait_s: float = 0.0,
+                 max_connections: int = 512, max_per_address: int = 64, head_timeout_s: float = 10.0):
         self._httpd = _HTTPServer((host, port), store, shard_wait_s, max_connections, max_per_address, head_timeout_s)
         self.host, self.port = self._httpd.server_address[:2]
         self.url = f"http://{self.host}:{self.port}"
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1}, name=f"shardcast-server-{self.port}", daemon=True)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1},
+            name=f"shardcast-server-{self.port}", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -314,6 +319,7 @@ def serve_origin(origin: "Origin", host: str = DEFAULTS.host, port: int = 0) -> 
     return ShardServer(origin, host, port)
 
 
-def serve_relay(relay: "Relay", host: str = DEFAULTS.host, port: int = 0, shard_wait_s: float = DEFAULTS.relay_shard_wait_s) -> ShardServer:
+def serve_relay(relay: "Relay", host: str = DEFAULTS.host, port: int = 0,
+    shard_wait_s: float = DEFAULTS.relay_shard_wait_s) -> ShardServer:
     """A relay's server waits up to `shard_wait_s` for a listed shard still being mirrored, then 503s."""
     return ShardServer(relay.store, host, port, shard_wait_s)

@@ -60,7 +60,8 @@ class ServerStats:
 
 
 class Sources:
-    def __init__(self, urls: Iterable[str], fallback_urls: Iterable[str] = (), policy: TransferPolicy | None = None, explore: float = 0.1, seed: int | None = None):
+    def __init__(self, urls: Iterable[str], fallback_urls: Iterable[str] = (), policy: TransferPolicy | None = None,
+        explore: float = 0.1, seed: int | None = None):
         primary = [u.rstrip("/") for u in urls]
         fallback = [u.rstrip("/") for u in fallback_urls if u.rstrip("/") not in primary]
         if not primary and not fallback:

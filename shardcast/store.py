@@ -64,7 +64,8 @@ def lock_folder(root: Path, wait_s: float, what: str) -> int:
             if time.monotonic() >= deadline:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
                 os.close(fd)
-                raise FolderInUse(f"{root} is in use by another {what} (pid {holder}); one process per folder") from None
+                raise FolderInUse(
+                    f"{root} is in use by another {what} (pid {holder}); one process per folder") from None
             time.sleep(0.1)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -233,7 +234,8 @@ class VersionStore:
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise ShardUnavailable(503, "rate_limited", f"shard {name!r} of version {version} is not verified here yet", retry_after_s=1.0)
+                    raise ShardUnavailable(503, "rate_limited",
+                        f"shard {name!r} of version {version} is not verified here yet", retry_after_s=1.0)
                 self._changed.wait(left)
             f = open(e.path / name, "rb")
             e.active += 1

@@ -85,7 +85,8 @@ class ServerPool:
                     self.sources.record_failure(url, "slow")
                 log.info("cannot list versions on %s: %s", url, e)
 
-        threads = [threading.Thread(target=one, args=(s.url,), daemon=True) for s in self.sources.usable() if fallback or not s.fallback]
+        threads = [threading.Thread(target=one, args=(s.url,), daemon=True) for s in self.sources.usable() if fallback
+            or not s.fallback]
         for t in threads:
             t.start()
         for t in threads:
@@ -102,7 +103,8 @@ class ServerPool:
                 manifest = self.manifest_from(url, version)
                 if model_hash is None or manifest.model_hash == model_hash:
                     return manifest
-                errors.append(f"{url}: version {version} has model hash {manifest.model_hash[:12]}, not the announced {model_hash[:12]}")
+                errors.append(f"{url}: version {version} has model hash {manifest.model_hash[:12]}, not the announced "
+                    f"{model_hash[:12]}")
             except ManifestError as e:
                 self.ban(url, str(e))
                 errors.append(f"{url}: {e}")
@@ -110,12 +112,15 @@ class ServerPool:
                 if e.slow:
                     self.sources.record_failure(url, "slow")
                 errors.append(f"{url}: {e}")
-        raise ShardcastError(f"no server gave a valid signed manifest for version {version} of run {self.run_id}: " + "; ".join(errors[-6:]))
+        raise ShardcastError(
+            f"no server gave a valid signed manifest for version {version} of run {self.run_id}: " + "; ".join(
+            errors[-6:]))
 
     def manifest_from(self, url: str, version: int) -> PolicyManifest:
         """`version`'s manifest as `url` serves it, signature, run and version checked (raises ManifestError
         or TransferFailed)."""
-        body = self.http.get_small(url, api.SHARDCAST_MANIFEST.format(version=version), MAX_MANIFEST_BYTES, time.monotonic() + self.policy.request_timeout_s)
+        body = self.http.get_small(url, api.SHARDCAST_MANIFEST.format(version=version), MAX_MANIFEST_BYTES,
+            time.monotonic() + self.policy.request_timeout_s)
         return parse_verified_manifest(body, self.public_key, version, run_id=self.run_id)
 
     def other_manifest(self, url: str, version: int, signed_at: float) -> PolicyManifest | None:
@@ -184,7 +189,8 @@ class ServerPool:
                     failure.append(e)
                     return
 
-        threads = [threading.Thread(target=worker, name=f"shardcast-dl-{i}", daemon=True) for i in range(min(self.parallelism, max(1, len(jobs))))]
+        threads = [threading.Thread(target=worker, name=f"shardcast-dl-{i}", daemon=True)
+            for i in range(min(self.parallelism, max(1, len(jobs))))]
         for t in threads:
             t.start()
         for t in threads:

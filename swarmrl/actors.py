@@ -86,7 +86,8 @@ def db_path(cfg: RunConfig) -> Path:
 
 
 def orchestrator_args(
-    cfg: RunConfig, verifier: Verifier, *, prompts: PromptSet | None = None, relay_urls: list[str] | None = None, manifest_public_key: str = "", **kwargs: Any
+    cfg: RunConfig, verifier: Verifier, *, prompts: PromptSet | None = None, relay_urls: list[str] | None = None,
+    manifest_public_key: str = "", **kwargs: Any
 ) -> dict[str, Any]:
     """The arguments of a run's orchestrator, over the run's SQLite file; prompts from the config unless given."""
     if prompts is None:
@@ -95,9 +96,10 @@ def orchestrator_args(
     held = held_out_data(data, cfg.eval) if cfg.eval.every_steps else None  # else a slice of the run's prompts
     eval_prompts = PromptSet.from_config(held, model_dir(cfg), cfg.seed).prompts if held is not None else None
     return dict(
-        config=cfg.orchestrator, db=Database(db_path(cfg)), prompts=prompts, verifier=verifier, shape=cfg.step_shape(), task_name=data.reward or data.task,
-        task_params=data.reward_params if data.reward else data.task_params, run_name=cfg.name, relay_urls=relay_urls,
-        manifest_public_key=manifest_public_key, run_id=cfg.shardcast.run_id, evaluation=cfg.eval, eval_prompts=eval_prompts, **kwargs,
+        config=cfg.orchestrator, db=Database(db_path(cfg)), prompts=prompts, verifier=verifier, shape=cfg.step_shape(),
+        task_name=data.reward or data.task, task_params=data.reward_params if data.reward else data.task_params,
+        run_name=cfg.name, relay_urls=relay_urls, manifest_public_key=manifest_public_key, run_id=cfg.shardcast.run_id,
+        evaluation=cfg.eval, eval_prompts=eval_prompts, **kwargs,
     )
 
 
@@ -119,7 +121,8 @@ class ShardcastWeights:
         self._paths: dict[int, Path] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"urls": self.urls, "public_key_b64": self.public_key_b64, "dest_root": self.dest_root, "run_id": self.run_id}
+        return {"urls": self.urls, "public_key_b64": self.public_key_b64, "dest_root": self.dest_root,
+            "run_id": self.run_id}
 
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__init__(d["urls"], d["public_key_b64"], d["dest_root"], d["run_id"])  # type: ignore[misc]
@@ -138,8 +141,8 @@ class ShardcastWeights:
 class VerifierActor:
     """One verifier process. Jobs travel as pickles (pydantic models, numpy arrays)."""
 
-    def __init__(self, config: Any, weights_for_version: Any, tokenizer_dir: str, num_threads: int = 1, cpus: list[int] | None = None,
-                 log_to: tuple[str, str] | None = None):
+    def __init__(self, config: Any, weights_for_version: Any, tokenizer_dir: str, num_threads: int = 1,
+                 cpus: list[int] | None = None, log_to: tuple[str, str] | None = None):
         import torch
 
         from verifier.service import Verifier as TrustedVerifier
@@ -190,10 +193,13 @@ class RayVerifierPool:
         a component has died too often). `run_dir`: each actor logs to logs/verifier-<i>.log there."""
         import ray
 
-        remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or None, max_restarts=max_restarts, max_task_retries=1)(VerifierActor)
-        n = num_actors or config.actor_bounds()[0]  # a pool that follows the load is swarmrl/verifier_pool.py (the driver's)
+        remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or None,
+            max_restarts=max_restarts, max_task_retries=1)(VerifierActor)
+        # a pool that follows the load is swarmrl/verifier_pool.py (the driver's)
+        n = num_actors or config.actor_bounds()[0]
         actors = [
-            remote.remote(config, weights_for_version, tokenizer_dir, cpus=cpus, log_to=(run_dir, f"verifier-{i}") if run_dir else None)
+            remote.remote(config, weights_for_version, tokenizer_dir, cpus=cpus, log_to=(run_dir, f"verifier-{i}")
+            if run_dir else None)
             for i in range(n)
         ]
         ray.get([a.ping.remote() for a in actors])  # surface constructor errors now
@@ -248,13 +254,15 @@ class OrchestratorActor(Orchestrator):
     with max_concurrency > 1 (see `start_orchestrator_actor`), so a trainer blocked in `take_batch` does
     not stop `status`; no method is async (that would make Ray run them all on one event loop)."""
 
-    def __init__(self, config: RunConfig, verifier_actors: list[Any], *, relay_urls: list[str] | None = None, manifest_public_key: str = "", origin_url: str = ""):
+    def __init__(self, config: RunConfig, verifier_actors: list[Any], *, relay_urls: list[str] | None = None,
+        manifest_public_key: str = "", origin_url: str = ""):
         component_logging(RunDir(config.run_dir), "orchestrator", config.log_level)
         pin_to_cpus(config.resources.cpu_affinity.get("orchestrator"))
         # The run's verifier.timeout_s, not the pool's default: a call stuck on a dying actor is split
         # and retried after it, so it bounds how long a verifier crash can hold verification back.
         self.pool = RayVerifierPool(verifier_actors, timeout_s=config.verifier.timeout_s)
-        super().__init__(**orchestrator_args(config, self.pool, relay_urls=relay_urls, manifest_public_key=manifest_public_key, origin_url=origin_url))
+        super().__init__(**orchestrator_args(config, self.pool, relay_urls=relay_urls,
+            manifest_public_key=manifest_public_key, origin_url=origin_url))
         self.set_verifier_actors(len(verifier_actors), 0)
         self.server = OrchestratorServer(self).start()
         self.started_at = time.time()
@@ -276,7 +284,8 @@ class OrchestratorActor(Orchestrator):
         self.server.stop()
 
 
-def start_orchestrator_actor(config: RunConfig, verifier_actors: list[Any], *, max_restarts: int = -1, **kwargs: Any) -> Any:
+def start_orchestrator_actor(config: RunConfig, verifier_actors: list[Any], *, max_restarts: int = -1,
+    **kwargs: Any) -> Any:
     """The orchestrator actor, named after the run and pinned to the driver's node: on a cluster that is
     the head, where the public API's Service points. Ray restarts it when it dies, on the same port (the
     config's, which the driver fixed); no call is retried, because taking a batch is not idempotent."""
@@ -285,6 +294,7 @@ def start_orchestrator_actor(config: RunConfig, verifier_actors: list[Any], *, m
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     actor = ray.remote(
-        num_cpus=0, max_concurrency=8, scheduling_strategy=here, name=orchestrator_actor_name(config), max_restarts=max_restarts, max_task_retries=0,
+        num_cpus=0, max_concurrency=8, scheduling_strategy=here, name=orchestrator_actor_name(config),
+        max_restarts=max_restarts, max_task_retries=0,
     )(OrchestratorActor)
     return actor.remote(config, verifier_actors, **kwargs)

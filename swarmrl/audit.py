@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import tomllib
 
 from protocol.batches import Lineage
 from trainer import checkpoint as ckpt
@@ -66,7 +67,8 @@ def audit_run(run_dir: Path, db_path: Path | None = None) -> Audit:
     try:
         meta = {k: float(v) for k, v in con.execute("SELECT key, value FROM meta")}
         a.accepted = int(con.execute(
-            "SELECT COALESCE(SUM(json_array_length(json_extract(verdict, '$.rewards'))), 0) FROM submissions WHERE status='accepted'"
+            "SELECT COALESCE(SUM(json_array_length(json_extract(verdict, '$.rewards'))), 0) FROM submissions WHERE "
+            "status='accepted'"
         ).fetchone()[0])
         # Which lineage batches hold each group.
         in_lineage: dict[int, int] = {}
@@ -135,7 +137,8 @@ def _judge(a: Audit, kept: int) -> None:
     if not a.versions_consecutive:
         a.problems.append("the announced versions are not consecutive from 0")
     if a.versions and a.checkpoint_version < a.versions - 1:
-        a.problems.append(f"version {a.versions - 1} was announced but the last checkpoint is version {a.checkpoint_version}")
+        a.problems.append(f"version {a.versions - 1} was announced but the last checkpoint is version "
+            f"{a.checkpoint_version}")
     if a.metrics_versions_repeat:
         a.problems.append(f"{a.metrics_versions_repeat} metrics.jsonl rows repeat a version")
     if a.reconcile_conflicts:

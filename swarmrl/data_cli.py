@@ -15,13 +15,17 @@ app = typer.Typer(help="Datasets: offline difficulty filtering.", no_args_is_hel
 @app.command("filter", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def filter_(
     ctx: typer.Context,
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="run config (TOML): its [data], sampling, engine and reward"),
+    config: Optional[Path] = typer.Option(None, "--config", "-c",
+    help="run config (TOML): its [data], sampling, engine and reward"),
     out: Path = typer.Option(..., "--out", help="folder to write the kept rows to (datasets.save_to_disk)"),
     samples: int = typer.Option(8, "--samples", "-k", min=1, max=64, help="samples per prompt"),
-    min_pass: float = typer.Option(0.0, "--min-pass", min=0.0, max=1.0, help="keep prompts whose pass rate is at least this"),
+    min_pass: float = typer.Option(0.0, "--min-pass", min=0.0, max=1.0,
+    help="keep prompts whose pass rate is at least this"),
     max_pass: float = typer.Option(1.0, "--max-pass", min=0.0, max=1.0, help="... and at most this"),
-    pass_threshold: float = typer.Option(1.0, "--pass-threshold", min=0.0, max=1.0, help="a sample passes when its reward is at least this"),
-    model: Optional[Path] = typer.Option(None, "--model", help="the model to sample (default: model.path, or the run folder's base model)"),
+    pass_threshold: float = typer.Option(1.0, "--pass-threshold", min=0.0, max=1.0,
+    help="a sample passes when its reward is at least this"),
+    model: Optional[Path] = typer.Option(None, "--model",
+    help="the model to sample (default: model.path, or the run folder's base model)"),
 ) -> None:
     """Sample every prompt of [data] k times with the model, score the samples with the task's trusted
     reward, and keep the prompts whose pass rate lies in [--min-pass, --max-pass] (INTELLECT-2's offline
@@ -55,5 +59,6 @@ def filter_(
         console.print(f"[red]data error:[/] {exc}")
         raise typer.Exit(1) from None
     scored = [r for r in res.rates if r is not None]
-    typer.echo(f"kept {res.kept} of {len(res.rates)} prompts (pass rate in [{min_pass}, {max_pass}]; {res.too_long} too long); "
+    typer.echo(f"kept {res.kept} of {len(res.rates)} prompts (pass rate in [{min_pass}, {max_pass}]; {res.too_long} "
+        f"too long); "
                f"mean pass rate {sum(scored) / max(1, len(scored)):.3f}; wrote {out}")

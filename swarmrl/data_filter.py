@@ -35,7 +35,8 @@ class FilterResult:
     too_long: int
 
 
-def pass_rates(cfg: RunConfig, model_dir: str | Path, samples: int, pass_threshold: float = 1.0, prompts_per_batch: int = 32) -> tuple[list[dict[str, Any]], list[float | None], int]:
+def pass_rates(cfg: RunConfig, model_dir: str | Path, samples: int, pass_threshold: float = 1.0,
+    prompts_per_batch: int = 32) -> tuple[list[dict[str, Any]], list[float | None], int]:
     """(rows, pass rate per row or None if the prompt is too long, rows too long) for cfg.data's dataset."""
     from inference_worker.engine import RolloutEngine
     from protocol.models import TaskLease, TaskPrompt
@@ -50,7 +51,8 @@ def pass_rates(cfg: RunConfig, model_dir: str | Path, samples: int, pass_thresho
     tok = load_tokenizer(model_dir)
     chat = use_chat_template(data, tok)
     max_tokens = cfg.orchestrator.sampling.max_tokens
-    limit = min(data.max_prompt_tokens or limits.MAX_PROMPT_TOKENS, limits.MAX_PROMPT_TOKENS, cfg.worker.engine.max_model_len - max_tokens)
+    limit = min(data.max_prompt_tokens or limits.MAX_PROMPT_TOKENS, limits.MAX_PROMPT_TOKENS,
+        cfg.worker.engine.max_model_len - max_tokens)
     encoded = [encode_prompt(item, tok, chat) for item in items]
     todo = [i for i, ids in enumerate(encoded) if 0 < ids.size <= limit]
     too_long = len(rows) - len(todo)
@@ -68,15 +70,19 @@ def pass_rates(cfg: RunConfig, model_dir: str | Path, samples: int, pass_thresho
         step = min(prompts_per_batch, limits.MAX_PROMPTS_PER_TASK)
         for start in range(0, len(todo), step):
             batch = todo[start:start + step]
-            prompts = [TaskPrompt(prompt_id=f"row-{i}", token_ids=encoded[i], seeds=[int(s) for s in rng.integers(0, 2**63, samples)]) for i in batch]
+            prompts = [TaskPrompt(prompt_id=f"row-{i}", token_ids=encoded[i], seeds=[int(s) for s in rng.integers(0,
+                2**63, samples)]) for i in batch]
             lease = TaskLease(
-                lease_id=f"filter-{start}", prompts=prompts, samples_per_prompt=samples, sampling=cfg.orchestrator.sampling,
-                policy_version=0, min_policy_version=0, deadline=time.time() + 86400,
+                lease_id=f"filter-{start}", prompts=prompts, samples_per_prompt=samples,
+                sampling=cfg.orchestrator.sampling, policy_version=0, min_policy_version=0,
+                deadline=time.time() + 86400,
             )
             completions = engine.generate(lease)
             # Decoded as the verifier decodes (ids past the tokenizer's vocabulary are padding: nothing).
-            texts = [tok.decode([t for t in c.token_ids.tolist() if t < vocab], skip_special_tokens=True) for c in completions]
-            results = pool.score_many([RewardRequest(task, items[batch[c.prompt_index]], text, params) for c, text in zip(completions, texts)])
+            texts = [tok.decode([t for t in c.token_ids.tolist() if t < vocab], skip_special_tokens=True)
+                for c in completions]
+            results = pool.score_many([RewardRequest(task, items[batch[c.prompt_index]], text, params) for c,
+                text in zip(completions, texts)])
             passed = np.zeros(len(batch))
             for c, r in zip(completions, results):
                 passed[c.prompt_index] += r.reward >= pass_threshold
@@ -89,7 +95,8 @@ def pass_rates(cfg: RunConfig, model_dir: str | Path, samples: int, pass_thresho
     return rows, rates, too_long
 
 
-def filter_dataset(cfg: RunConfig, model_dir: str | Path, out: str | Path, samples: int, min_pass: float, max_pass: float, pass_threshold: float = 1.0) -> FilterResult:
+def filter_dataset(cfg: RunConfig, model_dir: str | Path, out: str | Path, samples: int, min_pass: float,
+    max_pass: float, pass_threshold: float = 1.0) -> FilterResult:
     """Score, keep rows with min_pass <= pass rate <= max_pass, and write them (plus the rate) to `out`."""
     import datasets
 
@@ -97,9 +104,11 @@ def filter_dataset(cfg: RunConfig, model_dir: str | Path, out: str | Path, sampl
         raise ValueError(f"need 0 <= min_pass <= max_pass <= 1, got {min_pass}, {max_pass}")
     rows, rates, too_long = pass_rates(cfg, model_dir, samples, pass_threshold)
     column = cfg.data.pass_rate_column
-    kept = [{**row, column: rate} for row, rate in zip(rows, rates) if rate is not None and min_pass <= rate <= max_pass]
+    kept = [{**row, column: rate} for row, rate in zip(rows, rates) if rate is not None
+        and min_pass <= rate <= max_pass]
     if not kept:
-        raise DataError(f"no prompt's pass rate lies in [{min_pass}, {max_pass}] (rates: {sorted(r for r in rates if r is not None)})")
+        raise DataError(
+            f"no prompt's pass rate lies in [{min_pass}, {max_pass}] (rates: {sorted(r for r in rates if r is not None)})")
     datasets.Dataset.from_list(kept).save_to_disk(str(out))
     log.info("data filter done", extra={"rows": len(rows), "kept": len(kept), "too_long": too_long, "out": str(out)})
     return FilterResult(kept, rates, len(kept), too_long)

@@ -68,14 +68,18 @@ def ensure_model(cfg: RunConfig, rd: RunDir) -> Path:
     if m.init_arch and not (rd.model_dir / "config.json").exists():
         from trainer.model_shapes import init_model as make_arch
 
-        log.info("making the base model", extra={"arch": m.init_arch, "layers": m.init_layers, "hidden": m.init_hidden, "pretrain_steps": m.init_pretrain_steps})
-        make_arch(rd.model_dir, m.init_arch, m.init_seed, not m.tie_embeddings, m.init_layers, m.init_hidden, pretrain_steps=m.init_pretrain_steps)
+        log.info("making the base model", extra={"arch": m.init_arch, "layers": m.init_layers, "hidden": m.init_hidden,
+            "pretrain_steps": m.init_pretrain_steps})
+        make_arch(rd.model_dir, m.init_arch, m.init_seed, not m.tie_embeddings, m.init_layers, m.init_hidden,
+            pretrain_steps=m.init_pretrain_steps)
     elif not (rd.model_dir / "config.json").exists():
         from trainer.tiny_model import init_model
 
-        log.info("making the base model", extra={"size": m.init_size, "pretrain_steps": m.init_pretrain_steps, "pretrain_target": m.init_pretrain_target})
-        init_model(rd.model_dir, m.init_size, m.init_seed, m.tie_embeddings, m.init_pretrain_steps, tool_format=m.init_tool_format,
-                   pretrain_target=m.init_pretrain_target, pretrain_max_steps=m.init_pretrain_max_steps)
+        log.info("making the base model", extra={"size": m.init_size, "pretrain_steps": m.init_pretrain_steps,
+            "pretrain_target": m.init_pretrain_target})
+        init_model(rd.model_dir, m.init_size, m.init_seed, m.tie_embeddings, m.init_pretrain_steps,
+                   tool_format=m.init_tool_format, pretrain_target=m.init_pretrain_target,
+                   pretrain_max_steps=m.init_pretrain_max_steps)
         made = rd.read_json(rd.model_dir / "swarmrl_model.json")
         log.info("made the base model", extra={k: made.get(k) for k in ("pretrain_steps", "pretrain_echo_accuracy")})
     return rd.model_dir
@@ -140,7 +144,8 @@ class Run:
         rd.write_config(dump_toml(cfg))
         self.tracker = make_trackers(cfg.tracking, rd, cfg.name, cfg.model_dump(mode="json"))
         if not cfg.shardcast.run_id:  # made once per run folder; every component checks manifests against it
-            cfg = self.cfg = cfg.model_copy(update={"shardcast": cfg.shardcast.model_copy(update={"run_id": rd.run_id(cfg.name)})})
+            cfg = self.cfg = cfg.model_copy(update={"shardcast": cfg.shardcast.model_copy(update={"run_id": rd.run_id(
+                cfg.name)})})
         model_dir = ensure_model(cfg, rd)
         key_path = Path(cfg.shardcast.signing_key_path or rd.signing_key)
         self._started_ray = not ray.is_initialized() and not cfg.ray_address
@@ -156,23 +161,27 @@ class Run:
         info["origin_url"] = cfg.shardcast.advertise_origin_url or info["origin_url"]
         self.progress.version = info["version"]
         self.progress.recorded_version = max((int(r.get("version", 0)) for r in rd.read_metrics()), default=0)
-        self.progress.recorded_eval_version = max((int(r.get("policy_version", -1)) for r in rd.read_evals()), default=-1)
+        self.progress.recorded_eval_version = max((int(r.get("policy_version", -1)) for r in rd.read_evals()),
+            default=-1)
         self.supervisor.watch_actor("trainer", None, rd.logs / "trainer.log", info["pid"], info["started_at"])
 
         for i in range(cfg.shardcast.num_relays):
-            self.supervisor.watch_process(f"relay-{i}", lambda i=i: start_relay(info["origin_url"], info["public_key"], rd, i, cfg, port=ports[f"relay-{i}"]))
+            self.supervisor.watch_process(f"relay-{i}", lambda i=i: start_relay(info["origin_url"], info["public_key"],
+                rd, i, cfg, port=ports[f"relay-{i}"]))
         relay_urls = list(cfg.shardcast.advertise_relay_urls) + [r.url for r in self.supervisor.processes("relay-")]
         relay_urls = relay_urls or [info["origin_url"]]
 
         lo, hi = cfg.verifier.actor_bounds()
         log.info("starting verifier pool", extra={"min_actors": lo, "max_actors": hi})
-        weights = ShardcastWeights([info["origin_url"]], info["public_key"], str(rd.verifier_weights), cfg.shardcast.run_id)
+        weights = ShardcastWeights([info["origin_url"]], info["public_key"], str(rd.verifier_weights),
+            cfg.shardcast.run_id)
         res = cfg.resources
         self.pool = VerifierPool(
-            cfg.verifier, weights, str(model_dir), num_cpus=res.verifier_cpus, num_gpus=res.verifier_gpus, resources=res.verifier_resources,
-            cpus=res.cpu_affinity.get("verifier"), run_dir=str(rd.root),
+            cfg.verifier, weights, str(model_dir), num_cpus=res.verifier_cpus, num_gpus=res.verifier_gpus,
+            resources=res.verifier_resources, cpus=res.cpu_affinity.get("verifier"), run_dir=str(rd.root),
         )
-        self.scaler = VerifierAutoscaler(lo, hi, cfg.verifier.scale_up_cooldown_s, cfg.verifier.scale_down_idle_s, cfg.verifier.target_drain_s)
+        self.scaler = VerifierAutoscaler(lo, hi, cfg.verifier.scale_up_cooldown_s, cfg.verifier.scale_down_idle_s,
+            cfg.verifier.target_drain_s)
         self.pool.grow(lo)
         try:
             ready = self.pool.wait_live(lo)  # the first min_actors: a constructor error surfaces now
@@ -180,7 +189,8 @@ class Run:
             raise RunFailed(f"the verifier pool could not start: {exc}") from exc
 
         log.info("starting orchestrator")
-        self.orch = start_orchestrator_actor(cfg, self.pool.handles(), relay_urls=relay_urls, manifest_public_key=info["public_key"], origin_url=cfg.shardcast.public_origin_url or info["origin_url"])
+        self.orch = start_orchestrator_actor(cfg, self.pool.handles(), relay_urls=relay_urls,
+            manifest_public_key=info["public_key"], origin_url=cfg.shardcast.public_origin_url or info["origin_url"])
         self.url = ray.get(self.orch.url.remote())
         self.progress.reward_totals = ray.get(self.orch.reward_totals.remote())  # a resumed run starts from here
         pid, started_at = ray.get(self.orch.ping.remote())
@@ -204,7 +214,8 @@ class Run:
         if old is None:
             return None
         recorded = self.rd.read_json(self.rd.pids_path)
-        self._leftover_pids = frozenset(int(v) for k, v in recorded.items() if k not in ("driver", "url") and isinstance(v, int))
+        self._leftover_pids = frozenset(int(v) for k, v in recorded.items() if k not in ("driver", "url")
+            and isinstance(v, int))
         self.progress.events.append(f"resumed after the previous driver (pid {old.get('pid')}) died")
         return float(old.get("heartbeat_at", old.get("started_at", time.time())))
 
@@ -275,7 +286,8 @@ class Run:
             for step in self.trainers.call("finish", timeout_s=300):
                 self._record(step["metrics"], step["staleness"])
         except Exception as exc:  # a resumed run reconciles whatever this left in flight
-            log.warning("could not finish the trainer's last steps (%s); a resumed run settles them", type(exc).__name__)
+            log.warning("could not finish the trainer's last steps (%s); a resumed run settles them",
+                type(exc).__name__)
         self._record_evals()
 
     def _record_evals(self) -> None:
@@ -292,7 +304,8 @@ class Run:
         for r in results:
             self.rd.append_eval({"time": round(time.time(), 3), "step": p.step, **r.model_dump()})
             p.recorded_eval_version, p.last_eval = r.policy_version, r
-            log.info("evaluation", extra={"policy_version": r.policy_version, "avg_reward": r.avg_reward, "pass_at": r.pass_at})
+            log.info("evaluation", extra={"policy_version": r.policy_version, "avg_reward": r.avg_reward,
+                "pass_at": r.pass_at})
 
     def _orch(self, method: str, default: Any, timeout_s: float = 10.0) -> Any:
         """An orchestrator call for display or bookkeeping: it may be restarting; then `default`."""
@@ -354,7 +367,8 @@ class Run:
         p.last_metrics = record
         self.tracker.log(p.step, record)
         self._record_evals()
-        log.info("step", extra={"step": p.step, "version": p.version, "reward": None if p.reward is None else round(p.reward, 3)})
+        log.info("step", extra={"step": p.step, "version": p.version, "reward": None if p.reward is None
+            else round(p.reward, 3)})
 
     def _wait_for_trainer(self, exc: Exception) -> None:
         """The trainer process died. Ray restarts it (a group of ranks: we restart them all) from its last
@@ -425,18 +439,20 @@ class Run:
                 f"- wall time: {minutes:.1f} min",
                 f"- mean reward: first step {first if first is None else round(first, 3)}, last {None if p.reward is None else round(p.reward, 3)}",
                 f"- acceptance rate: {st.acceptance_rate:.3f}" if st else "- acceptance rate: n/a",
-                f"- submissions accepted / rejected: {st.submissions_accepted} / {st.submissions_rejected}" if st else "",
-                f"- groups dropped for zero signal: {st.groups_dropped_zero_signal}" if st else "",
+                f"- submissions accepted / rejected: {st.submissions_accepted} / {st.submissions_rejected}" if st
+                else "", f"- groups dropped for zero signal: {st.groups_dropped_zero_signal}" if st else "",
                 f"- rewards not computed (no strike; their groups dropped): {reward_failures_line(st)}" if st else "",
-                f"- tokens accepted as near ties of the seeded draw: {st.near_tie_tokens} of {st.verified_tokens}" if st else "",
-                f"- staleness histogram (version gap: samples): {st.staleness_histogram}" if st else "",
+                f"- tokens accepted as near ties of the seeded draw: {st.near_tie_tokens} of {st.verified_tokens}"
+                if st else "", f"- staleness histogram (version gap: samples): {st.staleness_histogram}" if st else "",
                 f"- {eval_line(p.last_eval)}" if p.last_eval is not None else "",
                 f"- async_level: {self.cfg.orchestrator.async_level}, workers: {self.cfg.num_workers}",
-                *(f"- restarts of {name} this session: {n} ({lost:.1f} s lost)" for name, (n, lost) in sorted(p.restarts.items())),
+                *(f"- restarts of {name} this session: {n} ({lost:.1f} s lost)" for name, (n,
+                lost) in sorted(p.restarts.items())),
                 *self.memory.summary_lines(),
                 *(f"- event: {e}" for e in p.events),
                 "",
-                "Files: config.toml, metrics.jsonl, eval.jsonl (with eval.every_steps), reward.png, memory.json, checkpoints/, logs/.",
+                "Files: config.toml, metrics.jsonl, eval.jsonl (with eval.every_steps), reward.png, memory.json, "
+                "checkpoints/, logs/.",
             ]
         )
         self.rd.write_json(self.rd.root / "memory.json", self.memory.report())

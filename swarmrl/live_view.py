@@ -24,15 +24,19 @@ def render(run: Any) -> Table:
     if st is not None:
         table.add_row("rollout tokens/s", f"{st.rollout_tokens_per_s:,.0f}")
         table.add_row("trained samples/s", f"{st.trained_samples_per_s:.2f}")
-        table.add_row("acceptance", f"{st.acceptance_rate:.1%}  ({st.submissions_accepted} ok / {st.submissions_rejected} rejected)")
-        table.add_row("staleness (gap: samples)", ", ".join(f"{k}: {v}" for k, v in sorted(st.staleness_histogram.items())) or "—")
-        table.add_row("buffer", f"{st.buffer_depth} samples; {st.groups_dropped_zero_signal} zero-signal groups dropped")
+        table.add_row("acceptance",
+            f"{st.acceptance_rate:.1%}  ({st.submissions_accepted} ok / {st.submissions_rejected} rejected)")
+        table.add_row("staleness (gap: samples)", ", ".join(f"{k}: {v}" for k,
+            v in sorted(st.staleness_histogram.items())) or "—")
+        table.add_row("buffer",
+            f"{st.buffer_depth} samples; {st.groups_dropped_zero_signal} zero-signal groups dropped")
         if st.reward_failures:
             table.add_row("rewards not computed", reward_failures_line(st))
         table.add_row("workers online", str(st.workers_online))
         table.add_row("verifiers", verifiers_line(st))
         if st.eval_latest is not None or st.evals_open:
-            table.add_row("eval (held out)", (eval_line(st.eval_latest) if st.eval_latest else "—") + f"; {st.evals_open} open")
+            table.add_row("eval (held out)", (eval_line(st.eval_latest) if st.eval_latest
+                else "—") + f"; {st.evals_open} open")
         if st.restarts:  # over the whole run, driver restarts included
             table.add_row("restarts (time lost)", restarts_line(st.restarts))
     last = p.last_metrics
@@ -57,7 +61,8 @@ def eval_line(r: Any) -> str:
 def verifiers_line(st: Any) -> str:
     """The pool, its queue and its throughput: a queue that grows while in/s > verified/s is the bottleneck."""
     return (f"{st.verifier_actors} live, {st.verifier_actors_pending} pending; queue {st.verify_queue} "
-            f"({st.verify_in_per_s:.2f}/s in, {st.verify_out_per_s:.2f}/s verified, {st.verify_tokens_per_s:,.0f} tok/s)")
+            f"({st.verify_in_per_s:.2f}/s in, {st.verify_out_per_s:.2f}/s verified, {st.verify_tokens_per_s:,.0f} "
+            f"tok/s)")
 
 
 def reward_failures_line(st: Any) -> str:

@@ -81,7 +81,8 @@ class MemoryPeaks:
         """GiB per component: its own peak and the sum of its child processes' peaks; and the machine's."""
         names = sorted(set(self.own) | set(self.children))
         return {
-            "components": {n: {"peak_gib": round(self.own.get(n, 0) / GIB, 2), "children_peak_gib": round(sum(self.children.get(n, {}).values()) / GIB, 2),
+            "components": {n: {"peak_gib": round(self.own.get(n, 0) / GIB, 2),
+                               "children_peak_gib": round(sum(self.children.get(n, {}).values()) / GIB, 2),
                                "child_processes": len(self.children.get(n, {}))} for n in names},
             "tree_peak_gib": round(self.total_peak / GIB, 2),
             "machine_gib": round(psutil.virtual_memory().total / GIB, 1),
@@ -89,7 +90,9 @@ class MemoryPeaks:
 
     def summary_lines(self) -> list[str]:
         r = self.report()
-        parts = [f"{n} {c['peak_gib']:.2f}" + (f" (+{c['children_peak_gib']:.2f} in {c['child_processes']} child processes)" if c["child_processes"] else "")
+        parts = [f"{n} {c['peak_gib']:.2f}" + (f" (+{c['children_peak_gib']:.2f} in {c['child_processes']} child "
+            f"processes)" if c["child_processes"] else "")
                  for n, c in r["components"].items()]
         return [f"- peak memory, GiB (each process's resident high-water mark): {'; '.join(parts)}",
-                f"- peak memory of all of the run's processes at once: {r['tree_peak_gib']:.2f} GiB of {r['machine_gib']} GiB (memory.json)"]
+                f"- peak memory of all of the run's processes at once: {r['tree_peak_gib']:.2f} GiB of "
+                f"{r['machine_gib']} GiB (memory.json)"]

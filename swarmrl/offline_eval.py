@@ -43,17 +43,20 @@ def resolve_model(path: Path, base_model: Path | None = None) -> tuple[Path, Pat
         return path, None, None
     if any(path.glob("*.safetensors")):
         if base_model is None or not (Path(base_model) / "config.json").is_file():
-            raise ValueError(f"{path} holds weights only (a published version): pass --base-model, a folder with its config and tokenizer")
+            raise ValueError(f"{path} holds weights only (a published version): pass --base-model, a folder with its "
+                f"config and tokenizer")
         manifest = path / "manifest.json"  # a shardcast version folder says which version it is
         version = json.loads(manifest.read_text()).get("version") if manifest.is_file() else None
         return Path(base_model), path, None if version is None else int(version)
-    raise ValueError(f"{path} is neither a checkpoint, a run folder, a transformers folder nor a folder of safetensors weights")
+    raise ValueError(f"{path} is neither a checkpoint, a run folder, a transformers folder nor a folder of "
+        f"safetensors weights")
 
 
 def eval_prompts(cfg: RunConfig, model_dir: Path, data: Path | None = None, limit: int = 0) -> list[Prompt]:
     """`data` if given, else the run's held-out prompts: eval.path / eval.split, or its seeded held-out slice
     (what training evaluates)."""
-    source = cfg.data.model_copy(update={"path": str(data), "split": cfg.eval.split or cfg.data.split}) if data else held_out_data(cfg.data, cfg.eval)
+    source = cfg.data.model_copy(update={"path": str(data), "split": cfg.eval.split
+        or cfg.data.split}) if data else held_out_data(cfg.data, cfg.eval)
     if source is not None:
         prompts = PromptSet.from_config(source, model_dir, cfg.seed).prompts
     else:
@@ -69,8 +72,8 @@ def sample_seeds(seed: int, prompt_id: str, k: int) -> list[int]:
 
 
 def evaluate(
-    cfg: RunConfig, checkpoint: Path, *, samples: int, data: Path | None = None, base_model: Path | None = None, num_prompts: int = 0,
-    seed: int = 0, engine: Any = None,
+    cfg: RunConfig, checkpoint: Path, *, samples: int, data: Path | None = None, base_model: Path | None = None,
+    num_prompts: int = 0, seed: int = 0, engine: Any = None,
 ) -> tuple[EvalResult, dict[str, Any]]:
     """Generate `samples` completions per prompt with the checkpoint, score them with the trusted reward and
     summarize. Returns the result and what was evaluated (model, prompts, timings)."""
@@ -93,30 +96,36 @@ def evaluate(
     for start in range(0, len(prompts), per_lease):
         chunk = prompts[start : start + per_lease]
         lease = TaskLease(
-            lease_id=f"eval-{start}", samples_per_prompt=samples, sampling=sampling, policy_version=version or 0, min_policy_version=0,
-            deadline=time.time() + 86400.0,
-            prompts=[TaskPrompt(prompt_id=p.prompt_id, token_ids=p.token_ids, seeds=sample_seeds(seed, p.prompt_id, samples)) for p in chunk],
+            lease_id=f"eval-{start}", samples_per_prompt=samples, sampling=sampling, policy_version=version or 0,
+            min_policy_version=0, deadline=time.time() + 86400.0,
+            prompts=[TaskPrompt(prompt_id=p.prompt_id, token_ids=p.token_ids, seeds=sample_seeds(seed, p.prompt_id,
+            samples)) for p in chunk],
         )
         out = engine.generate(lease)
         for j, p in enumerate(chunk):
             completions.append((p, sorted((c for c in out if c.prompt_index == j), key=lambda c: c.sample_index)))
     generated = time.perf_counter() - started
     tokenizer = load_tokenizer(model_dir)
-    eos = set(eos_token_ids(model_dir)) | ({int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set())
+    eos = set(eos_token_ids(model_dir)) | ({int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None
+        else set())
     data_cfg = cfg.data
-    task, params = (data_cfg.reward, data_cfg.reward_params) if data_cfg.reward else (data_cfg.task, data_cfg.task_params)
-    requests = [RewardRequest(task, p.item, decode_completion(tokenizer, eos, c.token_ids), params, p.prompt_id) for p, cs in completions for c in cs]
+    task, params = (data_cfg.reward, data_cfg.reward_params) if data_cfg.reward else (data_cfg.task,
+        data_cfg.task_params)
+    requests = [RewardRequest(task, p.item, decode_completion(tokenizer, eos, c.token_ids), params, p.prompt_id) for p,
+        cs in completions for c in cs]
     with RewardPool(cfg.verifier.rewards) as pool:
         scored = pool.score_many(requests)
     rewards = iter(r.reward for r in scored)
     per_prompt = [([next(rewards) for _ in cs], [int(c.token_ids.size) for c in cs]) for _, cs in completions]
     pass_ks = sorted({k for k in [*cfg.eval.pass_at, samples] if 1 <= k <= samples})
     result = summarize(
-        version or 0, per_prompt, planned=len(prompts), k=samples, pass_ks=pass_ks, threshold=cfg.eval.pass_threshold, complete=True,
-        finished_at=time.time(),
+        version or 0, per_prompt, planned=len(prompts), k=samples, pass_ks=pass_ks, threshold=cfg.eval.pass_threshold,
+        complete=True, finished_at=time.time(),
     )
     info = {
-        "model": str(model_dir), "weights": None if weights_dir is None else str(weights_dir), "data": str(data or cfg.eval.path or cfg.eval.split or "held-out slice"),
-        "task": task, "seed": seed, "prompt_ids": [p.prompt_id for p in prompts], "generate_s": round(generated, 3), "reward_errors": sum(r.status.value != "ok" for r in scored),
+        "model": str(model_dir), "weights": None if weights_dir is None else str(weights_dir), "data": str(data
+        or cfg.eval.path or cfg.eval.split or "held-out slice"),
+        "task": task, "seed": seed, "prompt_ids": [p.prompt_id for p in prompts], "generate_s": round(generated, 3),
+        "reward_errors": sum(r.status.value != "ok" for r in scored),
     }
     return result, info

@@ -122,7 +122,8 @@ def port_holders(port: int) -> list[tuple[int, str]]:
     return out
 
 
-def wait_until_free(host: str, port: int, timeout_s: float = 60.0, leftovers: frozenset[int] = frozenset(), grace_s: float = 15.0) -> None:
+def wait_until_free(host: str, port: int, timeout_s: float = 60.0, leftovers: frozenset[int] = frozenset(),
+    grace_s: float = 15.0) -> None:
     """Wait for a port that a process of a killed run may still hold (Ray's actors die with their driver,
     a few seconds later). `leftovers`: the pids that the killed driver of this run folder recorded
     (pids.json); one of them still holding the port after `grace_s` is SIGKILLed. Only those: a process
@@ -135,7 +136,9 @@ def wait_until_free(host: str, port: int, timeout_s: float = 60.0, leftovers: fr
         if leftovers and time.monotonic() > kill_at:
             for pid, cmd in port_holders(port):
                 if pid in leftovers:
-                    log.warning("pid %d of the previous driver's run still holds port %d after %.0f s; killing it (%s)", pid, port, grace_s, cmd[:80])
+                    log.warning(
+                        "pid %d of the previous driver's run still holds port %d after %.0f s; killing it (%s)", pid,
+                        port, grace_s, cmd[:80])
                     try:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
@@ -149,7 +152,8 @@ def wait_until_free(host: str, port: int, timeout_s: float = 60.0, leftovers: fr
             except OSError:
                 if time.monotonic() > deadline:
                     held = "; ".join(f"pid {pid}: {cmd}" for pid, cmd in port_holders(port)) or "no process of ours"
-                    raise RunFailed(f"port {port} on {host} is still in use after {timeout_s:.0f} s (another run of this config?); "
+                    raise RunFailed(f"port {port} on {host} is still in use after {timeout_s:.0f} s (another run of "
+                        f"this config?); "
                                     f"held by {held}") from None
         time.sleep(0.5)
 
@@ -189,7 +193,8 @@ def start_relay(origin_url: str, public_key: str, rd: RunDir, index: int, cfg: R
     ]
     if port:
         wait_until_free(sc.host, port)
-    popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_path.open("ab"), env=child_env(1), text=True, preexec_fn=_child_setup(cfg, "relays"))
+    popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_path.open("ab"), env=child_env(1), text=True,
+        preexec_fn=_child_setup(cfg, "relays"))
     assert popen.stdout is not None
     line = popen.stdout.readline()  # the relay announces {"url": ...} once it listens
     if not line:
@@ -209,7 +214,8 @@ def worker_command(url: str, model_dir: Path, work_dir: Path, index: int, cfg: R
         "--log-level", cfg.log_level,
     ]
     for key, value in cfg.worker.engine.model_dump().items():
-        cmd += [f"--engine.{key}", json.dumps(value) if value is None or isinstance(value, (list, dict)) else str(value)]
+        cmd += [f"--engine.{key}", json.dumps(value) if value is None or isinstance(value, (list, dict))
+            else str(value)]
     for key in ("max_prompts_per_lease", "num_threads"):
         cmd += [f"--{key}", str(getattr(cfg.worker, key))]
     return cmd
@@ -221,6 +227,7 @@ def start_worker(url: str, model_dir: Path, rd: RunDir, index: int, cfg: RunConf
     cmd = worker_command(url, model_dir, rd.workers / f"worker-{index}", index, cfg)
     out = log_path.open("ab")
     env = child_env(max(1, cfg.worker.num_threads))
-    env["SWARMRL_JOIN_TOKEN"] = cfg.orchestrator.join_tokens[0].get_secret_value()  # not in argv, which any local user can read
+    # not in argv, which any local user can read
+    env["SWARMRL_JOIN_TOKEN"] = cfg.orchestrator.join_tokens[0].get_secret_value()
     popen = subprocess.Popen(cmd, stdout=out, stderr=out, env=env, preexec_fn=_child_setup(cfg, "workers"))
     return Proc(f"worker-{index}", popen, log_path)

@@ -140,7 +140,8 @@ class RunDir:
         # 60 s window, which lags a short run).
         window = 5
         rate = [
-            sum(r.get("samples/trained", 0.0) for r in rows[max(1, i - window + 1) : i + 1]) / (r["time"] - rows[max(0, i - window)]["time"])
+            sum(r.get("samples/trained", 0.0) for r in rows[max(1, i - window + 1) : i + 1]) / (r["time"] - rows[max(0,
+            i - window)]["time"])
             if i and r["time"] > rows[max(0, i - window)]["time"] else float("nan")
             for i, r in enumerate(rows)
         ]

@@ -17,7 +17,8 @@ import typer
 
 from shardcast.config import DEFAULTS
 
-app = typer.Typer(name="shardcast", help="Signed, sharded, relayed broadcast of policy weights.", no_args_is_help=True, add_completion=False)
+app = typer.Typer(name="shardcast", help="Signed, sharded, relayed broadcast of policy weights.", no_args_is_help=True,
+    add_completion=False)
 
 
 def _announce(**fields) -> None:
@@ -40,7 +41,8 @@ def _logging(level: str) -> None:
 
 
 @app.command()
-def keygen(out: Path = typer.Option(..., "--out", help="where to write the new ed25519 private key (PEM, 0600)")) -> None:
+def keygen(out: Path = typer.Option(..., "--out",
+    help="where to write the new ed25519 private key (PEM, 0600)")) -> None:
     """Make a run signing key and print its public key."""
     from shardcast.keys import generate_signing_key, public_key_b64
 
@@ -64,9 +66,11 @@ def origin(
     port: int = typer.Option(0, help="0 picks a free port"),
     keep_versions: int = typer.Option(DEFAULTS.keep_versions, min=1),
     shard_bytes: int = typer.Option(DEFAULTS.shard_bytes, min=1 << 10),
-    publish: Optional[Path] = typer.Option(None, help="publish this folder's *.safetensors (e.g. an HF model dir) before serving"),
+    publish: Optional[Path] = typer.Option(None,
+    help="publish this folder's *.safetensors (e.g. an HF model dir) before serving"),
     version: int = typer.Option(0, min=0, help="version number for --publish"),
-    grace_s: float = typer.Option(DEFAULTS.delete_grace_s, min=0, help="keep a superseded version until nobody touched it this long"),
+    grace_s: float = typer.Option(DEFAULTS.delete_grace_s, min=0,
+    help="keep a superseded version until nobody touched it this long"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     """Serve the origin (and optionally publish a model folder first)."""
@@ -75,7 +79,8 @@ def origin(
     from shardcast.origin import Origin
     from shardcast.server import serve_origin
 
-    store = Origin(root, load_or_generate_signing_key(key), run_id=run_id, keep_versions=keep_versions, shard_bytes=shard_bytes, grace_s=grace_s)
+    store = Origin(root, load_or_generate_signing_key(key), run_id=run_id, keep_versions=keep_versions,
+        shard_bytes=shard_bytes, grace_s=grace_s)
     if publish is not None:
         from shardcast.weights import load_version_dir
 
@@ -90,14 +95,18 @@ def relay(
     upstream: list[str] = typer.Option(..., help="upstream server URL (origin or relay); repeat for several"),
     root: Path = typer.Option(..., help="folder for mirrored versions"),
     public_key: str = typer.Option(..., help="the run's public key (base64 raw ed25519)"),
-    run_id: Optional[str] = typer.Option(None, help=RUN_ID_HELP + "; default: follow the run of the newest version upstream signs"),
+    run_id: Optional[str] = typer.Option(None,
+    help=RUN_ID_HELP + "; default: follow the run of the newest version upstream signs"),
     host: str = typer.Option(DEFAULTS.host),
     port: int = typer.Option(0),
     keep_versions: int = typer.Option(DEFAULTS.keep_versions, min=1),
     poll_interval_s: float = typer.Option(DEFAULTS.relay_poll_interval_s, min=0.01),
-    parallelism: int = typer.Option(DEFAULTS.relay_parallelism, min=1, max=64, help="shards fetched at once from upstream"),
-    shard_wait_s: float = typer.Option(DEFAULTS.relay_shard_wait_s, min=0, help="hold a request for a listed shard still on its way this long, then 503"),
-    grace_s: float = typer.Option(DEFAULTS.delete_grace_s, min=0, help="keep a superseded version until nobody touched it this long"),
+    parallelism: int = typer.Option(DEFAULTS.relay_parallelism, min=1, max=64,
+    help="shards fetched at once from upstream"),
+    shard_wait_s: float = typer.Option(DEFAULTS.relay_shard_wait_s, min=0,
+    help="hold a request for a listed shard still on its way this long, then 503"),
+    grace_s: float = typer.Option(DEFAULTS.delete_grace_s, min=0,
+    help="keep a superseded version until nobody touched it this long"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     """Mirror upstream versions (verifying every manifest and shard) and serve them."""
@@ -111,7 +120,8 @@ def relay(
     except FolderInUse as e:
         raise typer.BadParameter(str(e), param_hint="--root") from None
     try:
-        r = Relay(upstream, root, public_key, run_id=run_id, keep_versions=keep_versions, poll_interval_s=poll_interval_s, parallelism=parallelism, grace_s=grace_s)
+        r = Relay(upstream, root, public_key, run_id=run_id, keep_versions=keep_versions,
+            poll_interval_s=poll_interval_s, parallelism=parallelism, grace_s=grace_s)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--public-key") from None
     server = serve_relay(r, host, port, shard_wait_s=shard_wait_s)
@@ -132,7 +142,8 @@ def pull(
     server: list[str] = typer.Option(..., help="shard server URL (relays); repeat for several"),
     public_key: str = typer.Option(..., help="the run's public key (base64 raw ed25519)"),
     run_id: str = typer.Option(..., help=RUN_ID_HELP),
-    fallback: list[str] = typer.Option([], help="server used only when the others fail or are too slow (the origin); repeat for several"),
+    fallback: list[str] = typer.Option([],
+    help="server used only when the others fail or are too slow (the origin); repeat for several"),
     dest: Path = typer.Option(..., help="folder that receives v<version>/"),
     version: Optional[int] = typer.Option(None, min=0, help="default: the newest"),
     parallelism: int = typer.Option(DEFAULTS.client_parallelism, min=1, max=64),
@@ -148,7 +159,8 @@ def pull(
 
     try:
         client = ShardcastClient(
-            server, public_key, dest, run_id=run_id, fallback_urls=fallback, parallelism=parallelism, retries=retries, keep_versions=keep_versions, keep_state=False,
+            server, public_key, dest, run_id=run_id, fallback_urls=fallback, parallelism=parallelism, retries=retries,
+            keep_versions=keep_versions, keep_state=False,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--public-key") from None
@@ -157,4 +169,5 @@ def pull(
     except (ShardcastError, ManifestError, DiskFullError) as e:
         sys.stderr.write(f"shardcast pull failed: {e}\n")
         raise typer.Exit(1) from None
-    _announce(version=pulled.version, path=str(pulled.path), model_hash=pulled.manifest.model_hash, wire_bytes=pulled.wire_bytes, steps=pulled.steps)
+    _announce(version=pulled.version, path=str(pulled.path), model_hash=pulled.manifest.model_hash,
+        wire_bytes=pulled.wire_bytes, steps=pulled.steps)

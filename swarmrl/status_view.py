@@ -37,14 +37,16 @@ def render_status(st: RunStatus, console: Any = None) -> None:
         ("async level", st.async_level),
         ("workers online", st.workers_online),
         ("buffer depth", st.buffer_depth),
-        ("acceptance rate", f"{st.acceptance_rate:.1%} ({st.submissions_accepted} accepted, {st.submissions_rejected} rejected)"),
+        ("acceptance rate",
+        f"{st.acceptance_rate:.1%} ({st.submissions_accepted} accepted, {st.submissions_rejected} rejected)"),
         ("mean reward", "–" if st.mean_reward is None else f"{st.mean_reward:.3f}"),
         ("rollout tokens/s", f"{st.rollout_tokens_per_s:.1f}"),
         ("trained samples/s", f"{st.trained_samples_per_s:.2f}"),
         ("zero-signal groups dropped", st.groups_dropped_zero_signal),
         ("rewards not computed", reward_failures_line(st)),
         ("stale samples dropped", st.samples_dropped_stale),
-        ("verification queue", f"{st.verify_queue} ({st.verify_in_per_s:.2f}/s in, {st.verify_out_per_s:.2f}/s verified)"),
+        ("verification queue",
+        f"{st.verify_queue} ({st.verify_in_per_s:.2f}/s in, {st.verify_out_per_s:.2f}/s verified)"),
         ("verified tokens/s", f"{st.verify_tokens_per_s:.1f}"),
         ("verifier actors", f"{st.verifier_actors} live, {st.verifier_actors_pending} pending"),
         ("near-tie tokens", f"{st.near_tie_tokens} of {st.verified_tokens} verified"),
@@ -55,7 +57,8 @@ def render_status(st: RunStatus, console: Any = None) -> None:
 
         rows.append(("eval (held out)", eval_line(st.eval_latest)))
     if st.restarts:
-        rows.append(("restarts (time lost)", ", ".join(f"{n} {r.count} ({r.seconds_lost:.0f} s)" for n, r in st.restarts.items())))
+        rows.append(("restarts (time lost)", ", ".join(f"{n} {r.count} ({r.seconds_lost:.0f} s)" for n,
+            r in st.restarts.items())))
     if st.finished:
         rows.append(("finished", "yes"))
     if st.error:

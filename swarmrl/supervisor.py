@@ -82,7 +82,8 @@ class Supervisor:
     def watch_process(self, name: str, start: Callable[[], Proc]) -> Proc:
         proc = start()
         with self._lock:
-            self.components[name] = Component(name, proc.log_path, proc=proc, start=start, pid=proc.popen.pid, started_at=time.time())
+            self.components[name] = Component(name, proc.log_path, proc=proc, start=start, pid=proc.popen.pid,
+                started_at=time.time())
         return proc
 
     def unwatch(self, name: str) -> None:
@@ -117,7 +118,8 @@ class Supervisor:
             c.restarts.append(now)
             c.seconds_lost += lost
             c.pid, c.started_at, c.down_since, c.last_ok = pid, started_at, None, now
-        log.warning("%s restarted", name, extra={"pid": pid, "seconds_lost": round(lost, 2), "restarts": len(c.restarts)})
+        log.warning("%s restarted", name, extra={"pid": pid, "seconds_lost": round(lost, 2),
+            "restarts": len(c.restarts)})
         try:
             self.on_restart(name, lost)
         except Exception:  # counting must not take the run down
@@ -183,7 +185,9 @@ class Supervisor:
         log.warning("%s exited with code %s; restarting it", c.name, c.proc.popen.returncode)
         with self._lock:
             if not self.policy.allows(c.restarts, time.time()):
-                self._fail(c, f"{c.name} died {len(c.restarts) + 1} times within {self.policy.window_s:.0f} s (last exit code {c.proc.popen.returncode})")
+                self._fail(c,
+                    f"{c.name} died {len(c.restarts) + 1} times within {self.policy.window_s:.0f} s (last exit code "
+                    f"{c.proc.popen.returncode})")
                 return
         c.proc = c.start()
         self.restarted(c.name, c.proc.popen.pid, time.time(), down_since)

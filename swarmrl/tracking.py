@@ -27,14 +27,16 @@ class TrackingConfig(BaseModel):
     tensorboard_dir: str = Field("", description="empty: <run folder>/tensorboard")
     wandb_project: str = "swarmrl"
     wandb_entity: str = ""
-    wandb_mode: Literal["online", "offline"] = Field("offline", description="offline writes the run folder without network; `wandb sync` uploads it")
+    wandb_mode: Literal["online", "offline"] = Field("offline",
+        description="offline writes the run folder without network; `wandb sync` uploads it")
     wandb_dir: str = Field("", description="empty: the run folder (wandb writes ./wandb/ in it)")
 
     @field_validator("backends")
     @classmethod
     def _jsonl_always(cls, v: list[str]) -> list[str]:
         if "jsonl" not in v:
-            raise ValueError("'jsonl' must be one of the backends: metrics.jsonl is the run's own record (reward.png, audit, resume)")
+            raise ValueError("'jsonl' must be one of the backends: metrics.jsonl is the run's own record (reward.png, "
+                "audit, resume)")
         return list(dict.fromkeys(v))
 
 
@@ -79,12 +81,14 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
-    def __init__(self, project: str, name: str, directory: str | Path, mode: str, entity: str = "", config: dict[str, Any] | None = None):
+    def __init__(self, project: str, name: str, directory: str | Path, mode: str, entity: str = "", config: dict[str,
+        Any] | None = None):
         import wandb  # optional (`swarmrl[tracking]`): imported only when chosen
 
         Path(directory).mkdir(parents=True, exist_ok=True)
         self.wandb = wandb
-        self.run = wandb.init(project=project, entity=entity or None, name=name, dir=str(directory), mode=mode, config=config or {}, reinit="create_new")
+        self.run = wandb.init(project=project, entity=entity or None, name=name, dir=str(directory), mode=mode,
+            config=config or {}, reinit="create_new")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         self.run.log(scalars(metrics), step=step)
@@ -119,11 +123,13 @@ class Trackers:
         self.trackers = []
 
 
-def make_trackers(config: TrackingConfig, run_dir: Any, name: str, run_config: dict[str, Any] | None = None) -> Trackers:
+def make_trackers(config: TrackingConfig, run_dir: Any, name: str, run_config: dict[str,
+    Any] | None = None) -> Trackers:
     """The configured backends for the run folder `run_dir` (a RunDir)."""
     trackers: list[Tracker] = [JsonlTracker(run_dir)]
     if "tensorboard" in config.backends:
         trackers.append(TensorBoardTracker(config.tensorboard_dir or run_dir.root / "tensorboard"))
     if "wandb" in config.backends:
-        trackers.append(WandbTracker(config.wandb_project, name, config.wandb_dir or run_dir.root, config.wandb_mode, config.wandb_entity, run_config))
+        trackers.append(WandbTracker(config.wandb_project, name, config.wandb_dir or run_dir.root, config.wandb_mode,
+            config.wandb_entity, run_config))
     return Trackers(trackers)

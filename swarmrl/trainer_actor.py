@@ -35,7 +35,8 @@ class RayBatchSource:
         from trainer.batch_loop import SourceUnavailable
 
         try:
-            return ray.get(getattr(self.orchestrator, method).remote(*args, **kwargs), timeout=timeout_s or self.timeout_s)
+            return ray.get(getattr(self.orchestrator, method).remote(*args, **kwargs), timeout=timeout_s
+                or self.timeout_s)
         except (RayActorError, GetTimeoutError) as exc:
             raise SourceUnavailable(f"orchestrator.{method}: {type(exc).__name__}") from exc
 
@@ -51,7 +52,8 @@ class RayBatchSource:
     def commit_batches(self, batches: dict[str, int], published: dict[int, str]) -> dict[int, int]:
         return self._call("commit_batches", batches, published)
 
-    def reconcile_trainer(self, lineage: list[list[int]], from_versions: dict[str, int], published: dict[int, str], superseded: dict[int, str] | None = None) -> dict[str, int]:
+    def reconcile_trainer(self, lineage: list[list[int]], from_versions: dict[str, int], published: dict[int, str],
+        superseded: dict[int, str] | None = None) -> dict[str, int]:
         return self._call("reconcile_trainer", lineage, from_versions, published, superseded)
 
 
@@ -91,16 +93,19 @@ class TrainerActor:
         world = self.config.trainer.world_size
         if world > 1:  # torchrun's variables: trainer.distributed.init_from_env forms the group from them
             # Ray gives each rank's actor only its own GPUs, so its device is cuda:0 (LOCAL_RANK 0).
-            os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank), WORLD_SIZE=str(world), LOCAL_RANK="0")
+            os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                WORLD_SIZE=str(world), LOCAL_RANK="0")
         if self.rank == 0:
             self._start_leader()
         else:
             from trainer.train import Trainer
 
-            self.trainer = Trainer(self.config.trainer, Path(self.model_dir), RunDir(self.run_dir).root, publish=_published_by_rank_0,
-                                   defer_io=True, sampling_temperature=self.config.orchestrator.sampling.temperature)
+            self.trainer = Trainer(self.config.trainer, Path(self.model_dir), RunDir(self.run_dir).root,
+                                   publish=_published_by_rank_0, defer_io=True,
+                                   sampling_temperature=self.config.orchestrator.sampling.temperature)
         self.started_at = time.time()
-        log.info("trainer rank started", extra={"rank": self.rank, "world_size": world, "version": self.trainer.version})
+        log.info("trainer rank started", extra={"rank": self.rank, "world_size": world,
+            "version": self.trainer.version})
         return os.getpid()
 
     def follow(self) -> int:
@@ -118,8 +123,10 @@ class TrainerActor:
 
         config, rd = self.config, RunDir(self.run_dir)
         # LoRA versions are whole adapters (megabytes): no delta chains between them.
-        shardcast_config = config.shardcast.model_copy(update={"deltas": False}) if config.trainer.lora.enabled else config.shardcast
-        self.origin = Origin.from_config(rd.origin_dir, load_or_generate_signing_key(Path(self.key_path)), shardcast_config)
+        shardcast_config = config.shardcast.model_copy(update={
+            "deltas": False}) if config.trainer.lora.enabled else config.shardcast
+        self.origin = Origin.from_config(rd.origin_dir, load_or_generate_signing_key(Path(self.key_path)),
+            shardcast_config)
         self.server = serve_origin(self.origin, config.shardcast.host, config.shardcast.origin_port)
         self.trainer = Trainer(config.trainer, Path(self.model_dir), rd.root, publish=self._publish, defer_io=True,
                                sampling_temperature=config.orchestrator.sampling.temperature)
@@ -176,7 +183,8 @@ class TrainerActor:
             loop.finish()
         if trained is None:
             ranks.heartbeat(self.trainer)  # the other ranks, waiting for the next call, hear from rank 0
-        return {"trained": trained is not None, "committed": [self._result(r) for r in loop.committed()], "version": self.trainer.version, "pid": os.getpid()}
+        return {"trained": trained is not None, "committed": [self._result(r) for r in loop.committed()],
+            "version": self.trainer.version, "pid": os.getpid()}
 
     def finish(self) -> list[dict[str, Any]]:
         """Make every trained step durable and committed (the end of the run); returns those steps."""
@@ -200,7 +208,8 @@ class TrainerActor:
             orchestrator = ray.get_actor(orchestrator_actor_name(self.config))
             self.loop = BatchLoop(
                 self.trainer, RayBatchSource(orchestrator), self.config.trainer.samples_per_step,
-                versions=self._versions, superseded=self.superseded, background=self.config.trainer.background_checkpoints,
+                versions=self._versions, superseded=self.superseded,
+                background=self.config.trainer.background_checkpoints,
             )
         return self.loop
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import typer
 
-app = typer.Typer(name="trainer", help="Trainer checkpoints: list, inspect, export.", no_args_is_help=True, add_completion=False)
+app = typer.Typer(name="trainer", help="Trainer checkpoints: list, inspect, export.", no_args_is_help=True,
+    add_completion=False)
 
 
 def _resolve(path: Path) -> Path:

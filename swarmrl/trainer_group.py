@@ -54,7 +54,8 @@ class TrainerGroup:
         res = self.cfg.resources
         if self.world_size == 1:
             # max_restarts=-1: Ray always restarts a dead actor; the supervisor decides when it died too often.
-            actor = ray.remote(num_cpus=0, num_gpus=res.trainer_gpus, resources=res.trainer_resources or None, max_restarts=-1, max_task_retries=0)
+            actor = ray.remote(num_cpus=0, num_gpus=res.trainer_gpus, resources=res.trainer_resources or None,
+                max_restarts=-1, max_task_retries=0)
             self.actors = [actor(TrainerActor).remote(*self.args)]
             return self
         if self.placement_group is None:
@@ -62,8 +63,10 @@ class TrainerGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.actors = [
-            ray.remote(num_cpus=0, num_gpus=res.trainer_gpus, resources=res.trainer_resources or None, max_restarts=0, max_task_retries=0)(TrainerActor)
-            .options(scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank))
+            ray.remote(num_cpus=0, num_gpus=res.trainer_gpus, resources=res.trainer_resources or None, max_restarts=0,
+            max_task_retries=0)(TrainerActor)
+            .options(scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group,
+            placement_group_bundle_index=rank))
             .remote(*self.args, rank=rank)
             for rank in range(self.world_size)
         ]
@@ -82,11 +85,13 @@ class TrainerGroup:
 
         res = self.cfg.resources
         bundle = {"CPU": 1.0, **({"GPU": res.trainer_gpus} if res.trainer_gpus else {}), **res.trainer_resources}
-        pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy=res.trainer_placement, name=f"swarmrl-trainer:{self.cfg.name}")
+        pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy=res.trainer_placement,
+            name=f"swarmrl-trainer:{self.cfg.name}")
         ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
         if not ready:
             ray.util.remove_placement_group(pg)
-            raise RunFailed(f"the cluster could not place {self.world_size} trainer ranks of {bundle} ({res.trainer_placement}) within {timeout_s:.0f} s")
+            raise RunFailed(f"the cluster could not place {self.world_size} trainer ranks of {bundle} "
+                f"({res.trainer_placement}) within {timeout_s:.0f} s")
         return pg
 
     def _wait_all(self, refs: list[Any], timeout_s: float) -> list[Any]:
@@ -131,7 +136,8 @@ class TrainerGroup:
     def restart(self, timeout_s: float = 600.0) -> None:
         """N > 1: kill every rank and start the group again (from the last durable checkpoint)."""
         self._kill()
-        if not self.cfg.ray_address and self.cfg.shardcast.origin_port:  # the old rank 0's origin must let go of its port first
+        # the old rank 0's origin must let go of its port first
+        if not self.cfg.ray_address and self.cfg.shardcast.origin_port:
             from swarmrl.processes import wait_until_free
 
             wait_until_free(self.cfg.shardcast.host, self.cfg.shardcast.origin_port)

@@ -18,8 +18,10 @@ def main() -> None:
 
 @app.command()
 def check(
-    bundle: Path = typer.Argument(..., help='JSON: {"lease": TaskLease, "submission": RolloutSubmission, "items": [{prompt, answer}], "task": "toy"}'),
-    model_dir: Path = typer.Option(..., help="transformers folder: weights of the claimed version, config and tokenizer"),
+    bundle: Path = typer.Argument(...,
+    help='JSON: {"lease": TaskLease, "submission": RolloutSubmission, "items": [{prompt, answer}], "task": "toy"}'),
+    model_dir: Path = typer.Option(...,
+    help="transformers folder: weights of the claimed version, config and tokenizer"),
     dtype: str = typer.Option("float32"),
 ) -> None:
     """Verify one saved submission against a model folder and print the verdict."""

@@ -57,7 +57,8 @@ class VerifierPool:
         self.cpus, self.run_dir = cpus, run_dir
         # max_restarts=-1: Ray restarts a dead actor every time (the driver's supervisor decides when it
         # died too often); max_task_retries=1: the call it had in flight runs again on the new process.
-        self.remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or None, max_restarts=max_restarts, max_task_retries=1)(VerifierActor)
+        self.remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or None,
+            max_restarts=max_restarts, max_task_retries=1)(VerifierActor)
         self.retire_after_s = config.timeout_s if retire_after_s is None else retire_after_s
         self.live: list[Member] = []
         self.pending: list[Member] = []
@@ -184,7 +185,8 @@ def scale(pool: VerifierPool, scaler: VerifierAutoscaler, orch: Any, supervisor:
         target = scaler.desired(load, now)
         if target != pool.size:
             log.info("resizing the verifier pool", extra={"from": pool.size, "to": target, "queue": load.queue,
-                                                          "in_per_s": round(load.arrivals_per_s, 2), "out_per_s": round(load.drained_per_s, 2)})
+                                                          "in_per_s": round(load.arrivals_per_s, 2),
+                                                          "out_per_s": round(load.drained_per_s, 2)})
         for name in pool.resize(target):
             supervisor.unwatch(name)
     orch.set_verifiers.remote(pool.handles(), len(pool.pending))

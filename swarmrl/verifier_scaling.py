@@ -5,7 +5,8 @@ Inputs, over the orchestrator's last-minute window (orchestrator/status.py): the
 submissions, how many arrive and how many get a verdict per second, and the actors live and pending
 (requested but not placed yet: on KubeRay the autoscaler is adding a node for them).
 
-- Grow while the queue (at least `min_queue_to_grow` long) grows faster than it drains, or holds more than `target_drain_s` of work: to as
+- Grow while the queue (at least `min_queue_to_grow` long) grows faster than it drains, or holds more than
+`target_drain_s` of work: to as
   many actors as arrivals plus draining the queue within `target_drain_s` need, at the per-actor rate
   measured now (the actors are saturated while a queue stands), at most doubling per decision. Never
   while actors are still pending (they are capacity already asked for) or within `up_cooldown_s` of
@@ -78,7 +79,8 @@ class VerifierAutoscaler:
             need = (load.arrivals_per_s + load.queue / self.target_drain_s) / self._per_actor_per_s
             return min(2 * max(load.live, 1), max(current + 1, math.ceil(need)))
         # An empty queue: shrink only after it stays empty, with the arrivals well within one actor fewer.
-        fits = self._per_actor_per_s <= 0 or load.arrivals_per_s <= (current - 1) * self._per_actor_per_s * self.shrink_utilisation
+        fits = self._per_actor_per_s <= 0 or load.arrivals_per_s <= (
+            current - 1) * self._per_actor_per_s * self.shrink_utilisation
         if current <= self.min_actors or not fits:
             self._idle_since = None
             return current

@@ -46,13 +46,14 @@ def make_bpe_tokenizer(chatml: bool = False, seed: int = 0):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(vocab_size=len(alphabet) + len(SPECIAL_TOKENS) + MERGES, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=alphabet, show_progress=False)
+    trainer = trainers.BpeTrainer(vocab_size=len(alphabet) + len(SPECIAL_TOKENS) + MERGES,
+                                  special_tokens=SPECIAL_TOKENS, initial_alphabet=alphabet, show_progress=False)
     tok.train_from_iterator(corpus(seed), trainer)
     if chatml:
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHATML_TOKENS])
     out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", bos_token="<|bos|>",
-                                  eos_token="<|im_end|>" if chatml else "<|eos|>", model_max_length=1024, clean_up_tokenization_spaces=False)
+                                  eos_token="<|im_end|>" if chatml else "<|eos|>", model_max_length=1024,
+                                  clean_up_tokenization_spaces=False)
     if chatml:
         out.chat_template = CHATML_TEMPLATE
     return out

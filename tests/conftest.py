@@ -46,4 +46,5 @@ def tool_model_dir(tmp_path_factory) -> Path:
     corpus, ~40 s here): it calls the tool after `ask:=` about a third of the time, so episodes have turns."""
     from trainer.tiny_model import init_model
 
-    return init_model(tmp_path_factory.mktemp("tiny-tool"), "tiny", seed=0, tie_embeddings=True, pretrain_steps=40, tool_format=True)
+    return init_model(tmp_path_factory.mktemp("tiny-tool"), "tiny", seed=0, tie_embeddings=True, pretrain_steps=40,
+        tool_format=True)

@@ -23,7 +23,14 @@ import httpx
 import numpy as np
 
 from protocol import api, limits
-from protocol.models import Completion, FinishReason, LeaseResponse, RolloutSubmission, SubmissionReceipt, WorkerRegistered
+from protocol.models import (
+    Completion,
+    FinishReason,
+    LeaseResponse,
+    RolloutSubmission,
+    SubmissionReceipt,
+    WorkerRegistered,
+)
 from trainer.tiny_model import vocab
 
 
@@ -58,7 +65,8 @@ class Adversary(threading.Thread):
         return WorkerRegistered.model_validate_json(r.content)
 
     def lease(self, prompts: int = 64):
-        r = self.post(api.LEASE.path, {"loaded_policy_version": self.version(), "max_prompts": prompts}, self.reg.secret)
+        r = self.post(api.LEASE.path, {"loaded_policy_version": self.version(), "max_prompts": prompts},
+            self.reg.secret)
         return LeaseResponse.model_validate_json(r.content).lease if r.status_code == 200 else None
 
     def version(self) -> int:
@@ -127,7 +135,8 @@ class Flooder(Adversary):
             while not self.stop.is_set():
                 statuses[http.post(api.SUBMIT.path, content=junk, headers=headers).status_code] += 1
                 lease = {"loaded_policy_version": 0}
-                statuses[http.post(api.LEASE.path, json=lease, headers={"Authorization": f"Bearer {forged[i % len(forged)]}"}).status_code] += 1
+                statuses[http.post(api.LEASE.path, json=lease,
+                    headers={"Authorization": f"Bearer {forged[i % len(forged)]}"}).status_code] += 1
                 i += 1
         with lock:
             self.statuses.update(statuses)
@@ -145,10 +154,13 @@ class SlowReward(Adversary):
                 self.stop.wait(0.5)
                 continue
             n, version = lease.sampling.max_tokens, lease.generation_version
-            comps = [Completion(prompt_index=p, sample_index=s, token_ids=np.full(n, z, np.int32), logprobs=np.full(n, -1.0, np.float32),
-                                finish_reason=FinishReason.length, proofs=[b"\x01" * limits.MAX_PROOF_BYTES] * math.ceil(n / limits.PROOF_CHUNK_TOKENS))
+            comps = [Completion(prompt_index=p, sample_index=s, token_ids=np.full(n, z, np.int32), logprobs=np.full(n,
+                -1.0, np.float32),
+                                finish_reason=FinishReason.length,
+                                proofs=[b"\x01" * limits.MAX_PROOF_BYTES] * math.ceil(n / limits.PROOF_CHUNK_TOKENS))
                      for p in range(len(lease.prompts)) for s in range(lease.samples_per_prompt)]
-            sub = RolloutSubmission(lease_id=lease.lease_id, policy_version=version, model_hash=self.model_hash(version), completions=comps)
+            sub = RolloutSubmission(lease_id=lease.lease_id, policy_version=version,
+                model_hash=self.model_hash(version), completions=comps)
             r = self.post(api.SUBMIT.path, None, self.reg.secret, content=sub.model_dump_json().encode())
             if r.status_code == 200:
                 self.verdicts.append(SubmissionReceipt.model_validate_json(r.content).submission_id)
@@ -166,12 +178,16 @@ class Cheater(Adversary):
                 continue
             rng = np.random.default_rng(len(self.statuses) + self.statuses.total())  # distinct content: not a replay
             comps = [Completion(prompt_index=0, sample_index=s, token_ids=rng.integers(5, 30, size=1), logprobs=[-1.0],
-                                finish_reason=FinishReason.length, proofs=[rng.bytes(8)]) for s in range(lease.samples_per_prompt)]
-            sub = RolloutSubmission(lease_id=lease.lease_id, policy_version=lease.generation_version, model_hash="f" * 64, completions=comps)
+                                finish_reason=FinishReason.length, proofs=[rng.bytes(8)])
+                                for s in range(lease.samples_per_prompt)]
+            sub = RolloutSubmission(lease_id=lease.lease_id, policy_version=lease.generation_version,
+                model_hash="f" * 64, completions=comps)
             self.post(api.SUBMIT.path, None, self.reg.secret, content=sub.model_dump_json().encode())
             self.stop.wait(0.5)
-        self.comeback = [self.post(api.REGISTER.path, {"name": f"{self.name}-{i}"}, self.token).status_code for i in range(3)]
+        self.comeback = [self.post(api.REGISTER.path, {"name": f"{self.name}-{i}"}, self.token).status_code
+            for i in range(3)]
         self.old_secret = [
-            self.post(api.HEARTBEAT.url("", worker_id=self.reg.worker_id), {"state": "idle"}, self.reg.secret).status_code,
+            self.post(api.HEARTBEAT.url("", worker_id=self.reg.worker_id), {"state": "idle"},
+            self.reg.secret).status_code,
             self.post(api.LEASE.path, {"loaded_policy_version": 0}, self.reg.secret).status_code,
         ]

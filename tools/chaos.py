@@ -92,7 +92,8 @@ class Chaos:
     def kill(self, target: str) -> Kill:
         base = self.steps()
         self.wait_for(lambda: self.steps() >= base + self.min_steps, f"{self.min_steps} steps before killing {target}")
-        self.wait_for(lambda: _alive(self.pids().get(target if target != "driver" else "driver", 0)), f"{target} to be running")
+        self.wait_for(lambda: _alive(self.pids().get(target if target != "driver" else "driver", 0)),
+            f"{target} to be running")
         time.sleep(self.rng.uniform(0, self.max_delay_s))
         pid = int(self.pids()[target]) if target != "driver" else self.driver.pid
         step = self.steps()
@@ -106,10 +107,13 @@ class Chaos:
             self.wait_for(lambda: self.pids().get("driver") == self.driver.pid, "the new driver to start")
             step = self.steps()
         else:
-            self.wait_for(lambda: self.pids().get(target) not in (None, pid) and _alive(self.pids()[target]), f"{target} to come back")
+            self.wait_for(lambda: self.pids().get(target) not in (None, pid) and _alive(self.pids()[target]),
+                f"{target} to come back")
         self.wait_for(lambda: self.steps() > step, f"a step after killing {target}")
-        k = Kill(target, pid, t_kill - self.t0, step, time.monotonic() - t_kill, wall=time.time() - (time.monotonic() - t_kill))
-        self.log(f"[chaos {time.monotonic() - self.t0:7.1f}s] {target} recovered: a step {k.recovery_s:.1f} s after the kill")
+        k = Kill(target, pid, t_kill - self.t0, step, time.monotonic() - t_kill,
+            wall=time.time() - (time.monotonic() - t_kill))
+        self.log(f"[chaos {time.monotonic() - self.t0:7.1f}s] {target} recovered: a step {k.recovery_s:.1f} s after "
+            f"the kill")
         self.kills.append(k)
         return k
 

@@ -75,7 +75,8 @@ def calibrate_draws(
     rows = []
     for model_name, model_dir in models.items():
         for dtype in dtypes:
-            engine = RolloutEngine(model_dir, EngineConfig(dtype=dtype, max_model_len=512))  # KV cache derived from the model
+            # KV cache derived from the model
+            engine = RolloutEngine(model_dir, EngineConfig(dtype=dtype, max_model_len=512))
             verifier = Verifier(VerifierConfig(dtype=dtype, keep_versions=1), lambda v: model_dir, model_dir)
             try:
                 for batch in batches:
@@ -86,7 +87,8 @@ def calibrate_draws(
                         row = _run_setting(setting, engine, verifier, task, model_dir, sampling, completions, rng)
                         row["seconds"] = round(time.perf_counter() - started, 1)
                         rows.append(row)
-                        progress(f"{setting.label}: {row['completions']} completions, {row['false_rejections']} rejected, "
+                        progress(f"{setting.label}: {row['completions']} completions, {row['false_rejections']} "
+                            f"rejected, "
                                  f"near ties {row['near_tie_tokens']}, max margin {row['max_margin_accepted']:.3g} "
                                  f"(strict {row['strict_max_margin']:.3g}), {row['seconds']} s")
             finally:
@@ -95,16 +97,17 @@ def calibrate_draws(
     return rows
 
 
-def _run_setting(setting: Setting, engine: RolloutEngine, verifier: Verifier, task, model_dir: Path, sampling: SamplingParams,
-                 n: int, rng: random.Random) -> dict:
+def _run_setting(setting: Setting, engine: RolloutEngine, verifier: Verifier, task, model_dir: Path,
+                 sampling: SamplingParams, n: int, rng: random.Random) -> dict:
     tol = verifier.tolerances
     row = {"model": setting.model, "dtype": setting.dtype, "batch": setting.batch, "sampling": setting.sampling,
-           "max_tokens": sampling.max_tokens, "completions": 0, "tokens": 0, "false_rejections": 0, "rejection_codes": {},
-           "rejection_examples": [], "near_tie_tokens": 0, "max_margin_accepted": 0.0, "strict_not_winner": 0, "strict_outside": 0,
-           "strict_max_margin": 0.0, "slack_outside": 0, "free_positions": 0, "band_positions": 0, "max_abs_logit": 0.0,
-           "max_margin_over_tolerance": 0.0, "deviations": 0, "outside_logit_gap": 0.0, "outside_mass_gap": 0.0,
-           "draw_margin": tol.draw_margin, "draw_margin_rel": tol.draw_margin_rel,
-           "draw_logit_slack": tol.draw_logit_slack, "draw_top_p_slack": tol.draw_top_p_slack, "max_logprob_diff": 0.0, "max_mean_logprob_diff": 0.0,
+           "max_tokens": sampling.max_tokens, "completions": 0, "tokens": 0, "false_rejections": 0,
+           "rejection_codes": {}, "rejection_examples": [], "near_tie_tokens": 0, "max_margin_accepted": 0.0,
+           "strict_not_winner": 0, "strict_outside": 0, "strict_max_margin": 0.0, "slack_outside": 0,
+           "free_positions": 0, "band_positions": 0, "max_abs_logit": 0.0, "max_margin_over_tolerance": 0.0,
+           "deviations": 0, "outside_logit_gap": 0.0, "outside_mass_gap": 0.0, "draw_margin": tol.draw_margin,
+           "draw_margin_rel": tol.draw_margin_rel, "draw_logit_slack": tol.draw_logit_slack,
+           "draw_top_p_slack": tol.draw_top_p_slack, "max_logprob_diff": 0.0, "max_mean_logprob_diff": 0.0,
            "logprob_max_abs_diff": tol.logprob_max_abs_diff, "logprob_max_mean_diff": tol.logprob_max_mean_diff}
     model = verifier.model(0)
     done = 0
@@ -118,11 +121,13 @@ def _run_setting(setting: Setting, engine: RolloutEngine, verifier: Verifier, ta
             lease = TaskLease(
                 lease_id=f"cal{done}", samples_per_prompt=1, sampling=sampling, policy_version=0, min_policy_version=0,
                 generation_version=0, deadline=time.time() + 3600,
-                prompts=[TaskPrompt(prompt_id=f"p{i}", token_ids=p, seeds=[rng.randrange(1 << 63)]) for i, p in enumerate(encode_prompts(model_dir, items))],
+                prompts=[TaskPrompt(prompt_id=f"p{i}", token_ids=p, seeds=[rng.randrange(1 << 63)]) for i,
+                p in enumerate(encode_prompts(model_dir, items))],
             )
             generated.append((lease, items, engine.generate(lease)))
             done += k
-        jobs = [VerifyJob(f"s{lease.lease_id}", RolloutSubmission(lease_id=lease.lease_id, policy_version=0, model_hash=version_hash(0), completions=comps),
+        jobs = [VerifyJob(f"s{lease.lease_id}", RolloutSubmission(lease_id=lease.lease_id, policy_version=0,
+            model_hash=version_hash(0), completions=comps),
                           lease, items, "toy", version_hash(0)) for lease, items, comps in generated]
         for (lease, _, comps), verdict in zip(generated, verifier.verify_many(jobs)):
             if verdict.status != VerdictStatus.accepted:
@@ -162,7 +167,8 @@ def _replay_noise(row: dict, model, lease: TaskLease, comps, tol) -> None:
         p = lease.prompts[c.prompt_index]
         n = c.token_ids.size
         logits = batch_logits[i, len(p.token_ids) - 1 : len(p.token_ids) - 1 + n].float()
-        seed, positions, tokens = p.seeds[c.sample_index], torch.arange(n), torch.from_numpy(c.token_ids.astype(np.int64))
+        seed, positions, tokens = p.seeds[c.sample_index], torch.arange(n), torch.from_numpy(c.token_ids.astype(
+            np.int64))
         strict = S.replay(logits, seed, positions, tokens, sampling)
         not_winner = strict.winner != tokens
         row["strict_not_winner"] += int(not_winner.sum())
@@ -173,7 +179,8 @@ def _replay_noise(row: dict, model, lease: TaskLease, comps, tol) -> None:
             row["outside_mass_gap"] = max(row["outside_mass_gap"], mass_gap)
         if not_winner.any():
             row["strict_max_margin"] = max(row["strict_max_margin"], float(strict.margin[not_winner].max()) * to_logits)
-        slack = S.replay(logits, seed, positions, tokens, sampling, tol.draw_top_p_slack, tol.draw_logit_slack, tol.draw_margin_rel)
+        slack = S.replay(logits, seed, positions, tokens, sampling, tol.draw_top_p_slack, tol.draw_logit_slack,
+            tol.draw_margin_rel)
         row["slack_outside"] += int((~slack.inside).sum())
         row["max_abs_logit"] = max(row["max_abs_logit"], float(logits.abs().max()))
         if c.logprobs is not None:  # the verifier's logprob check, measured: reported raw logprob against ours
@@ -183,7 +190,8 @@ def _replay_noise(row: dict, model, lease: TaskLease, comps, tol) -> None:
             row["max_mean_logprob_diff"] = max(row["max_mean_logprob_diff"], float(diff.mean()))
         lost = (slack.winner != tokens) & (slack.margin > 0)
         if lost.any():
-            scale = torch.maximum(logits.gather(1, slack.winner[:, None]).abs(), logits.gather(1, tokens[:, None]).abs())[:, 0]
+            scale = torch.maximum(logits.gather(1, slack.winner[:, None]).abs(), logits.gather(1, tokens[:,
+                None]).abs())[:, 0]
             ratio = slack.margin * to_logits / (tol.draw_margin + tol.draw_margin_rel * scale)
             row["max_margin_over_tolerance"] = max(row["max_margin_over_tolerance"], float(ratio[lost].max()))
         row["deviations"] += int((slack.exact != tokens).sum())
@@ -192,13 +200,15 @@ def _replay_noise(row: dict, model, lease: TaskLease, comps, tol) -> None:
         row["band_positions"] += int(band.sum())
 
 
-def _outside_gaps(logits: torch.Tensor, tokens: torch.Tensor, outside: torch.Tensor, sampling: SamplingParams) -> tuple[float, float]:
+def _outside_gaps(logits: torch.Tensor, tokens: torch.Tensor, outside: torch.Tensor,
+    sampling: SamplingParams) -> tuple[float, float]:
     """How far outside the verifier's own support the honest tokens `outside` fell: the largest gap in
     raw logits below the support's smallest kept logit, and (top-p) the largest probability mass by which
     the mass before the token exceeded top-p. What the slacks must cover, measured."""
     rows = outside.nonzero().view(-1)
     lg, tok = logits[rows], tokens[rows]
-    params = S.DrawParams.build([sampling.temperature] * len(rows), [sampling.top_k] * len(rows), [sampling.top_p] * len(rows), lg.shape[1])
+    params = S.DrawParams.build([sampling.temperature] * len(rows), [sampling.top_k] * len(rows),
+        [sampling.top_p] * len(rows), lg.shape[1])
     z = S.tempered(lg, params)
     thr = S.support_threshold(z, params)
     zc = z.gather(1, tok[:, None])
@@ -206,21 +216,24 @@ def _outside_gaps(logits: torch.Tensor, tokens: torch.Tensor, outside: torch.Ten
     logit_gap = float(((thr - zc) * to_logits).max()) if thr is not None else 0.0
     mass_gap = 0.0
     if 0.0 < sampling.top_p < 1.0:
-        zk = z if params.k_index is None else z.masked_fill(z < torch.topk(z, params.k_max, -1).values.gather(-1, params.k_index), float("-inf"))
+        zk = z if params.k_index is None else z.masked_fill(z < torch.topk(z, params.k_max, -1).values.gather(-1,
+            params.k_index), float("-inf"))
         probs = torch.softmax(zk, -1)
         before = (probs * (zk > zc)).sum(-1)
         mass_gap = float((before - sampling.top_p).max())
     return logit_gap, mass_gap
 
 
-def _choices(logits: torch.Tensor, seed: int, positions: torch.Tensor, sampling: SamplingParams, tol) -> tuple[torch.Tensor, torch.Tensor]:
+def _choices(logits: torch.Tensor, seed: int, positions: torch.Tensor, sampling: SamplingParams,
+    tol) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position, how many tokens the verifier would accept there (`acceptable_tokens`), and whether
     one of those is in the boundary band (inside the widened support but not the tightened one)."""
     acceptable, band = acceptable_tokens(logits, seed, positions, sampling, tol)
     return acceptable.sum(-1), band.any(-1)
 
 
-def acceptable_tokens(logits: torch.Tensor, seed: int, positions: torch.Tensor, sampling: SamplingParams, tol) -> tuple[torch.Tensor, torch.Tensor]:
+def acceptable_tokens(logits: torch.Tensor, seed: int, positions: torch.Tensor, sampling: SamplingParams,
+    tol) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, V] masks: the tokens the verifier would accept at each position (the replayed winner of the
     tightened support, any token of the widened support that beats it, and any that loses to it by no more
     than the draw tolerance, as verifier/checks.check_draws), and those of them in the boundary band. More
@@ -235,7 +248,9 @@ def acceptable_tokens(logits: torch.Tensor, seed: int, positions: torch.Tensor, 
     wide = S.support_threshold(z, params, tol.draw_top_p_slack, -z_slack, tol.draw_margin_rel)
     best, winner = (score if tight is None else score.masked_fill(z < tight, float("-inf"))).max(-1, keepdim=True)
     scale = torch.maximum(logits.gather(1, winner).abs(), logits.abs())  # per (position, token), as check_draws
-    margin = (tol.draw_margin + tol.draw_margin_rel * scale) / (sampling.temperature if sampling.temperature > 0 else 1.0)  # score units
+    # score units
+    margin = (tol.draw_margin + tol.draw_margin_rel * scale) / (sampling.temperature if sampling.temperature > 0
+        else 1.0)
     acceptable = score >= best - margin
     if wide is not None:
         acceptable &= z >= wide
@@ -245,10 +260,10 @@ def acceptable_tokens(logits: torch.Tensor, seed: int, positions: torch.Tensor, 
 
 SETTING_KEYS = ("model", "dtype", "batch", "sampling", "max_tokens")
 TOLERANCE_KEYS = ("draw_margin", "draw_margin_rel", "draw_logit_slack", "draw_top_p_slack")
-SUMMED = ("completions", "tokens", "false_rejections", "near_tie_tokens", "strict_not_winner", "strict_outside", "slack_outside",
-          "free_positions", "band_positions", "deviations", "seconds")
-MAXED = ("max_margin_accepted", "strict_max_margin", "max_abs_logit", "max_margin_over_tolerance", "outside_logit_gap", "outside_mass_gap",
-         "max_logprob_diff", "max_mean_logprob_diff")
+SUMMED = ("completions", "tokens", "false_rejections", "near_tie_tokens", "strict_not_winner", "strict_outside",
+          "slack_outside", "free_positions", "band_positions", "deviations", "seconds")
+MAXED = ("max_margin_accepted", "strict_max_margin", "max_abs_logit", "max_margin_over_tolerance", "outside_logit_gap",
+         "outside_mass_gap", "max_logprob_diff", "max_mean_logprob_diff")
 
 
 def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
@@ -268,10 +283,12 @@ def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
             m[k] = round(m[k] + r[k], 1) if k == "seconds" else m[k] + r[k]
         for k in MAXED:
             m[k] = max(m.get(k, 0.0), r.get(k, 0.0))
-        m["rejection_codes"] = {c: m["rejection_codes"].get(c, 0) + r["rejection_codes"].get(c, 0) for c in {**m["rejection_codes"], **r["rejection_codes"]}}
+        m["rejection_codes"] = {c: m["rejection_codes"].get(c, 0) + r["rejection_codes"].get(c, 0)
+            for c in {**m["rejection_codes"], **r["rejection_codes"]}}
         m["rejection_examples"] = (m["rejection_examples"] + r["rejection_examples"])[:4]
         m["near_tie_share"] = m["near_tie_tokens"] / max(m["tokens"], 1)
-        for share, count in (("free_share", "free_positions"), ("band_share", "band_positions"), ("deviation_share", "deviations")):
+        for share, count in (("free_share", "free_positions"), ("band_share", "band_positions"), ("deviation_share",
+            "deviations")):
             m[share] = m[count] / max(m["tokens"], 1)
     return list(merged.values())
 
@@ -287,17 +304,22 @@ def read_results(out_dir: Path, stem: str = "verifier_draw_calibration") -> tupl
 
 def table_markdown(rows: list[dict]) -> str:
     lines = [
-        "| model | dtype | batch | sampling | completions | tokens | false rejections | near ties (share) | largest near-tie margin | "
-        "largest margin / tolerance | largest abs logit | strict: not winner / outside | strict: largest margin | outside by (logits / mass) | "
+        "| model | dtype | batch | sampling | completions | tokens | false rejections | near ties (share) | largest "
+        "near-tie margin | "
+        "largest margin / tolerance | largest abs logit | strict: not winner / outside | strict: largest margin | "
+        "outside by (logits / mass) | "
         "free positions | of which boundary band | largest logprob diff / limit | s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['dtype']} | {r['batch']} | {r['sampling']} | {r['completions']} | {r['tokens']:,} | {r['false_rejections']} | "
-            f"{r['near_tie_tokens']} ({r['near_tie_share']:.2e}) | {r['max_margin_accepted']:.2g} | {r['max_margin_over_tolerance']:.3f} | {r['max_abs_logit']:.2f} | "
+            f"| {r['model']} | {r['dtype']} | {r['batch']} | {r['sampling']} | {r['completions']} | {r['tokens']:,} | "
+            f"{r['false_rejections']} | "
+            f"{r['near_tie_tokens']} ({r['near_tie_share']:.2e}) | {r['max_margin_accepted']:.2g} | "
+            f"{r['max_margin_over_tolerance']:.3f} | {r['max_abs_logit']:.2f} | "
             f"{r['strict_not_winner']} / {r['strict_outside']} | {r['strict_max_margin']:.2g} | "
-            f"{r.get('outside_logit_gap', 0.0):.2g} / {r.get('outside_mass_gap', 0.0):.2g} | {r['free_share']:.2e} | {r.get('band_share', 0.0):.2e} | "
+            f"{r.get('outside_logit_gap', 0.0):.2g} / {r.get('outside_mass_gap', 0.0):.2g} | {r['free_share']:.2e} | "
+            f"{r.get('band_share', 0.0):.2e} | "
             f"{_logprob_cell(r)} | {r['seconds']} |"
         )
     return "\n".join(lines)
@@ -317,16 +339,25 @@ def write_results(rows: list[dict], out_dir: Path, meta: dict, stem: str = "veri
     path.write_text("\n".join([
         "# Seeded-draw calibration: honest vLLM output against the verifier's replay", "",
         "```", json.dumps(meta, indent=1), "```", "", table_markdown(rows), "",
-        "- false rejections: honest completions the real Verifier (shipped tolerances for the dtype) rejected, any reason.",
-        "- near ties: accepted tokens that lost the seed's draw on the verifier's logits by a margin within the tolerance,",
-        "  draw_margin + draw_margin_rel * |logit| (logits); 'largest margin / tolerance' is the headroom left (1 would reject).",
-        "- strict: the replay with no slack (support exactly the verifier's own), to show the raw noise the slacks absorb.",
-        "- free positions: where the verifier would accept more than one token (a rival within draw_margin of the winner, or a",
-        "  token of the boundary band the slacks admit that beats it), i.e. where a dishonest worker could choose and still pass:",
-        "  the price of the tolerances. 'of which boundary band': positions where one of those tokens is inside the support",
-        "  widened by the slacks but not the tightened one. Every accepted token that is not the exact draw on the verifier's",
+        "- false rejections: honest completions the real Verifier (shipped tolerances for the dtype) rejected, any "
+        "reason.",
+        "- near ties: accepted tokens that lost the seed's draw on the verifier's logits by a margin within the "
+        "tolerance,",
+        "  draw_margin + draw_margin_rel * |logit| (logits); 'largest margin / tolerance' is the headroom left (1 "
+        "would reject).",
+        "- strict: the replay with no slack (support exactly the verifier's own), to show the raw noise the slacks "
+        "absorb.",
+        "- free positions: where the verifier would accept more than one token (a rival within draw_margin of the "
+        "winner, or a",
+        "  token of the boundary band the slacks admit that beats it), i.e. where a dishonest worker could choose and "
+        "still pass:",
+        "  the price of the tolerances. 'of which boundary band': positions where one of those tokens is inside the "
+        "support",
+        "  widened by the slacks but not the tightened one. Every accepted token that is not the exact draw on the "
+        "verifier's",
         "  logits is counted as a near tie (a deviation), and a worker's deviations are held to what noise explains.",
-        "- outside by: how far outside the verifier's own support the honest tokens that fell outside it were (raw logits",
+        "- outside by: how far outside the verifier's own support the honest tokens that fell outside it were (raw "
+        "logits",
         "  below its smallest kept logit; probability mass past top-p): what the slacks must cover.",
         "",
     ]))

@@ -22,8 +22,9 @@ from verifier.proofs import build_proofs
 
 def _episode(c: Completion, ids, mask, logprobs, hidden: torch.Tensor, finishes) -> Completion:
     return c.model_copy(update=dict(
-        token_ids=np.asarray(ids, dtype=np.int32), env_mask=np.asarray(mask, dtype=np.uint8), logprobs=np.asarray(logprobs, dtype=np.float32),
-        proofs=build_proofs(hidden), turn_finish_reasons=list(finishes), finish_reason=finishes[-1]))
+        token_ids=np.asarray(ids, dtype=np.int32), env_mask=np.asarray(mask, dtype=np.uint8),
+        logprobs=np.asarray(logprobs, dtype=np.float32), proofs=build_proofs(hidden),
+        turn_finish_reasons=list(finishes), finish_reason=finishes[-1]))
 
 
 def multi_turn(c: Completion) -> bool:
@@ -41,7 +42,8 @@ def forged_observation(c: Completion, hidden: torch.Tensor, rng: np.random.Gener
 
 def truncated(c: Completion, hidden: torch.Tensor, rng: np.random.Generator | None = None) -> Completion:
     a, b = model_turns(np.asarray(c.env_mask))[0]
-    return _episode(c, np.asarray(c.token_ids)[:b], np.asarray(c.env_mask)[:b], np.asarray(c.logprobs)[: b - a], hidden[: b - a], c.turn_finish_reasons[:1])
+    return _episode(c, np.asarray(c.token_ids)[:b], np.asarray(c.env_mask)[:b], np.asarray(c.logprobs)[: b - a],
+        hidden[: b - a], c.turn_finish_reasons[:1])
 
 
 def extra_turn(c: Completion, hidden: torch.Tensor, rng: np.random.Generator) -> Completion:

@@ -39,10 +39,13 @@ def honest_episodes(model_dir: Path, n_prompts: int, samples: int, seed: int = 0
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     items = get_task("lookup").make_prompts(n_prompts, seed=seed)
-    prompts = [TaskPrompt(prompt_id=f"p{i}", token_ids=np.array([tok.bos_token_id] + tok.encode(it.prompt, add_special_tokens=False), dtype=np.int32),
-                          seeds=[(seed << 32) + 1000 * i + s for s in range(samples)], env_item=item_to_wire(it)) for i, it in enumerate(items)]
-    lease = TaskLease(lease_id="E", prompts=prompts, samples_per_prompt=samples, sampling=SamplingParams(temperature=1.0, max_tokens=24),
-                      policy_version=0, min_policy_version=0, deadline=time.time() + 3600, generation_version=0, environment="lookup")
+    prompts = [TaskPrompt(prompt_id=f"p{i}", token_ids=np.array([tok.bos_token_id] + tok.encode(it.prompt,
+        add_special_tokens=False), dtype=np.int32),
+                          seeds=[(seed << 32) + 1000 * i + s for s in range(samples)], env_item=item_to_wire(it))
+                          for i, it in enumerate(items)]
+    lease = TaskLease(lease_id="E", prompts=prompts, samples_per_prompt=samples,
+                      sampling=SamplingParams(temperature=1.0, max_tokens=24), policy_version=0, min_policy_version=0,
+                      deadline=time.time() + 3600, generation_version=0, environment="lookup")
     engine = RolloutEngine(model_dir, EngineConfig(dtype=dtype, max_model_len=128, kv_cache_bytes=64 << 20))
     try:
         completions, hidden = engine.generate_with_hidden(lease)
@@ -53,7 +56,8 @@ def honest_episodes(model_dir: Path, n_prompts: int, samples: int, seed: int = 0
 
 def verify(verifier: Verifier, lease, items, completions, sid: str):
     sub = RolloutSubmission(lease_id=lease.lease_id, policy_version=0, model_hash=HASH, completions=completions)
-    return verifier.verify(VerifyJob(submission_id=sid, submission=sub, lease=lease, items=items, task_name="lookup", expected_model_hash=HASH))
+    return verifier.verify(VerifyJob(submission_id=sid, submission=sub, lease=lease, items=items, task_name="lookup",
+        expected_model_hash=HASH))
 
 
 def run(model_dir: Path, trials: int, n_prompts: int = 40, samples: int = 16, seed: int = 0) -> dict:
@@ -72,8 +76,9 @@ def run(model_dir: Path, trials: int, n_prompts: int = 40, samples: int = 16, se
             honest["multi_turn"] += sum(multi_turn(c) for c in part)
             for r in v.rejections:
                 honest[f"code:{r.code.value}"] += 1
-        rows.append({"scenario": "honest episodes (submissions of 8)", "expect": "accept", "trials": honest["accepted"] + honest["rejected"],
-                     "accepted": honest["accepted"], "rejected": honest["rejected"],
+        rows.append({"scenario": "honest episodes (submissions of 8)", "expect": "accept",
+                     "trials": honest["accepted"] + honest["rejected"], "accepted": honest["accepted"],
+                     "rejected": honest["rejected"],
                      "detail": f"{honest['episodes']} episodes, {honest['multi_turn']} with a tool call",
                      "codes": {k[5:]: v for k, v in honest.items() if k.startswith("code:")}})
         multi = [(c, h) for c, h in zip(comps, hidden) if multi_turn(c)]
@@ -97,19 +102,23 @@ def run(model_dir: Path, trials: int, n_prompts: int = 40, samples: int = 16, se
                 else:
                     rejected += 1
                     codes[v.rejections[0].code.value] += 1
-            rows.append({"scenario": name, "expect": "reject", "trials": made, "accepted": accepted, "rejected": rejected,
-                         "detail": f"from {len(multi)} honest episodes with a tool call", "codes": dict(codes)})
+            rows.append({"scenario": name, "expect": "reject", "trials": made, "accepted": accepted,
+                         "rejected": rejected, "detail": f"from {len(multi)} honest episodes with a tool call",
+                         "codes": dict(codes)})
     finally:
         verifier.close()
-    return {"rows": rows, "prompts": n_prompts, "samples": samples, "generate_s": generated_s, "total_s": time.perf_counter() - started}
+    return {"rows": rows, "prompts": n_prompts, "samples": samples, "generate_s": generated_s,
+        "total_s": time.perf_counter() - started}
 
 
 def markdown(result: dict, meta: dict) -> str:
     lines = ["# verifier attack matrix: multi-turn episodes", "", "```", json.dumps(meta, indent=1), "```", "",
-             "| scenario | expect | trials | accepted | rejected | first rejection code | detail |", "|---|---|---|---|---|---|---|"]
+             "| scenario | expect | trials | accepted | rejected | first rejection code | detail |",
+             "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         codes = ", ".join(f"{k} {v}" for k, v in sorted(r["codes"].items()))
-        lines.append(f"| {r['scenario']} | {r['expect']} | {r['trials']} | {r['accepted']} | {r['rejected']} | {codes} | {r['detail']} |")
+        lines.append(f"| {r['scenario']} | {r['expect']} | {r['trials']} | {r['accepted']} | {r['rejected']} | "
+            f"{codes} | {r['detail']} |")
     lines += ["", NOTES]
     return "\n".join(lines) + "\n"
 
@@ -129,7 +138,8 @@ def make_tool_model(workdir: Path) -> Path:
 
 
 def write_results(result: dict, out: Path, trials: int) -> Path:
-    meta = {"trials": trials, "environment": "lookup", "model": "tiny, 40 steps of the tool corpus", "episodes": result["prompts"] * result["samples"],
+    meta = {"trials": trials, "environment": "lookup", "model": "tiny, 40 steps of the tool corpus",
+            "episodes": result["prompts"] * result["samples"],
             "command": f"python -m tools.calibrate --part episodes --trials {trials}",
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": round(result["total_s"], 1)}
     out.mkdir(parents=True, exist_ok=True)
@@ -140,7 +150,8 @@ def write_results(result: dict, out: Path, trials: int) -> Path:
 
 
 def main(model_dir: Path = typer.Option(None, help="a tiny model taught the tool format; default: make one"),
-         trials: int = typer.Option(100), out: Path = typer.Option(Path("bench/results")), prompts: int = 40, samples: int = 16) -> None:
+         trials: int = typer.Option(100), out: Path = typer.Option(Path("bench/results")), prompts: int = 40,
+         samples: int = 16) -> None:
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="swarmrl-episodes-") as tmp:

@@ -27,8 +27,8 @@ class HostileRelay:
     altered, in files whose name contains `flip_match`), 'huge_manifest' (a manifest claiming 1 GB), 'not_yet'
     (503 "still on its way" for every file, forever), 'listing' (lists `listing` instead of what it has)."""
 
-    def __init__(self, upstream: str, mode: str, rate: int = 1000, stall_after: int = 100_000, head_interval_s: float = 0.5, flip_match: str = "",
-                 listing: list[int] | None = None):
+    def __init__(self, upstream: str, mode: str, rate: int = 1000, stall_after: int = 100_000,
+                 head_interval_s: float = 0.5, flip_match: str = "", listing: list[int] | None = None):
         self.upstream, self.mode, self.rate, self.stall_after = upstream.rstrip("/"), mode, rate, stall_after
         self.head_interval_s, self.flip_match, self.listing = head_interval_s, flip_match, listing or []
         self.requests: list[str] = []
@@ -71,7 +71,8 @@ class HostileRelay:
             return
         if self.mode == "not_yet" and is_file:
             body = b'{"error":"timeout","detail":"still on its way"}'
-            return self._write(h, 503, {"Content-Length": str(len(body)), "Content-Type": "application/json", "Retry-After": "1"}, body)
+            return self._write(h, 503, {"Content-Length": str(len(body)), "Content-Type": "application/json",
+                "Retry-After": "1"}, body)
         if self.mode == "listing" and h.path == "/v1/versions":
             body = json.dumps({"versions": self.listing}).encode()
             return self._write(h, 200, {"Content-Length": str(len(body)), "Content-Type": "application/json"}, body)
@@ -86,7 +87,8 @@ class HostileRelay:
                 self.manifest_bytes_sent += 65536
             return
         if not is_file or up.status_code not in (200, 206):
-            return self._write(h, up.status_code, self._pass_headers(up, len(body)), body, drip=self.mode == "drip_head")
+            return self._write(h, up.status_code, self._pass_headers(up, len(body)), body,
+                drip=self.mode == "drip_head")
         out = self._pass_headers(up, len(body))
         if self.mode == "huge":
             out["Content-Length"] = str(1 << 40)
@@ -98,12 +100,14 @@ class HostileRelay:
 
     @staticmethod
     def _pass_headers(up: httpx.Response, length: int) -> dict[str, str]:
-        out = {"Content-Length": str(length), "Content-Type": up.headers.get("content-type", "application/octet-stream")}
+        out = {"Content-Length": str(length), "Content-Type": up.headers.get("content-type",
+            "application/octet-stream")}
         if "content-range" in up.headers:
             out["Content-Range"] = up.headers["content-range"]
         return out
 
-    def _write(self, h: BaseHTTPRequestHandler, status: int, headers: dict[str, str], body: bytes, drip: bool = False, stall: bool = False) -> None:
+    def _write(self, h: BaseHTTPRequestHandler, status: int, headers: dict[str, str], body: bytes, drip: bool = False,
+        stall: bool = False) -> None:
         head = f"HTTP/1.1 {status} X\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
         if self.mode == "drip_head":
             for b in head.encode():

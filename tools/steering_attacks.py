@@ -115,8 +115,9 @@ def _job(verifier: Verifier, lease, item, prompt_ids: np.ndarray, tokens: list[i
     ids = np.asarray(tokens, dtype=np.int64)
     ref = prefill(verifier.model(0), [(prompt_ids, ids)], [lease.sampling])[0]
     finish = FinishReason.stop if int(ids[-1]) in verifier.eos_ids else FinishReason.length
-    c = Completion(prompt_index=0, sample_index=0, token_ids=ids.astype(np.int32), logprobs=ref.stats.logprob.astype(np.float32),
-                   finish_reason=finish, proofs=proofs.build_proofs(ref.hidden))
+    c = Completion(prompt_index=0, sample_index=0, token_ids=ids.astype(np.int32),
+                   logprobs=ref.stats.logprob.astype(np.float32), finish_reason=finish,
+                   proofs=proofs.build_proofs(ref.hidden))
     sub = RolloutSubmission(lease_id=lease.lease_id, policy_version=0, model_hash=version_hash(0), completions=[c])
     return VerifyJob(f"steer{index}", sub, lease, [item], "toy", version_hash(0))
 
@@ -146,8 +147,8 @@ def paired(gains: list[float]) -> tuple[float, float]:
     return float(g.mean()), float(g.std(ddof=1) / math.sqrt(len(g))) if len(g) > 1 else 0.0
 
 
-def run_steering(model_dir: Path, dtypes: tuple[str, ...], samplings: tuple[str, ...], n: int, max_tokens: int, seed: int,
-                 burst: float, progress=print) -> list[dict]:
+def run_steering(model_dir: Path, dtypes: tuple[str, ...], samplings: tuple[str, ...], n: int, max_tokens: int,
+                 seed: int, burst: float, progress=print) -> list[dict]:
     rng = random.Random(seed)
     task = get_task("toy")
     rows = []
@@ -159,9 +160,11 @@ def run_steering(model_dir: Path, dtypes: tuple[str, ...], samplings: tuple[str,
                 sampling = SamplingParams(max_tokens=max_tokens, **SAMPLINGS[name])
                 items = task.make_prompts(n, rng.randrange(1 << 30))
                 prompt_ids = encode_prompts(model_dir, items)
-                row = {"dtype": dtype, "sampling": name, "samples": n, "tokens": 0, "choice_positions": 0, "deviation_rate": rate, "burst": burst}
+                row = {"dtype": dtype, "sampling": name, "samples": n, "tokens": 0, "choice_positions": 0,
+                    "deviation_rate": rate, "burst": burst}
                 gains = {"unbounded": [], "within_allowance": []}
-                stats = {k: {"deviations": 0, "tokens": 0, "accepted": 0, "counted": 0, "per_submission": []} for k in gains}
+                stats = {k: {"deviations": 0, "tokens": 0, "accepted": 0, "counted": 0, "per_submission": []}
+                    for k in gains}
                 allowance_left = 0.0
                 jobs = {k: [] for k in gains}
                 for i, (item, p) in enumerate(zip(items, prompt_ids)):
@@ -188,15 +191,18 @@ def run_steering(model_dir: Path, dtypes: tuple[str, ...], samplings: tuple[str,
                         st["per_submission"].append((v.near_ties, v.near_tie_allowance))
                     st["submitted"] = len(js)
                     mean, se = paired(gains[kind])
-                    row[kind] = {"reward_gain": mean, "reward_gain_se": se, "deviations": st["deviations"], "tokens": st["tokens"],
-                                 "deviation_share": st["deviations"] / max(st["tokens"], 1), "steered_submissions": len(js),
-                                 "accepted": st["accepted"], "counted_by_verifier": st["counted"],
-                                 **dict(zip(("ledger_strikes", "banned_after"), _ledger(st["per_submission"], burst, 3 * burst)))}
+                    row[kind] = {"reward_gain": mean, "reward_gain_se": se, "deviations": st["deviations"],
+                                 "tokens": st["tokens"], "deviation_share": st["deviations"] / max(st["tokens"], 1),
+                                 "steered_submissions": len(js), "accepted": st["accepted"],
+                                 "counted_by_verifier": st["counted"], **dict(zip(("ledger_strikes", "banned_after"),
+                                 _ledger(st["per_submission"], burst, 3 * burst)))}
                 row["choice_share"] = row["choice_positions"] / max(row["tokens"], 1)
                 rows.append(row)
                 u, b = row["unbounded"], row["within_allowance"]
-                progress(f"{dtype} {name}: choices {row['choice_share']:.2%}; unbounded gain {u['reward_gain']:+.4f} ± {u['reward_gain_se']:.4f}, "
-                         f"{u['accepted']}/{u['steered_submissions']} accepted, {u['ledger_strikes']} strikes, banned after {u['banned_after']}; "
+                progress(f"{dtype} {name}: choices {row['choice_share']:.2%}; unbounded gain {u['reward_gain']:+.4f} "
+                    f"± {u['reward_gain_se']:.4f}, "
+                         f"{u['accepted']}/{u['steered_submissions']} accepted, {u['ledger_strikes']} strikes, banned "
+                         f"after {u['banned_after']}; "
                          f"within allowance gain {b['reward_gain']:+.4f} ± {b['reward_gain_se']:.4f}")
         finally:
             verifier.close()
@@ -204,16 +210,21 @@ def run_steering(model_dir: Path, dtypes: tuple[str, ...], samplings: tuple[str,
 
 
 def table_markdown(rows: list[dict]) -> str:
-    lines = ["| dtype | sampling | samples | tokens | positions offering a second token | attacker | reward gain over the exact draws "
-             "(mean ± s.e.) | deviations (share of tokens) | steered submissions accepted | counted by the verifier | ledger strikes | "
+    lines = ["| dtype | sampling | samples | tokens | positions offering a second token | attacker | reward gain over "
+        "the exact draws "
+             "(mean ± s.e.) | deviations (share of tokens) | steered submissions accepted | counted by the verifier | "
+             "ledger strikes | "
              "banned after (steered submissions) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for kind in ("unbounded", "within_allowance"):
             a = r[kind]
-            lines.append(f"| {r['dtype']} | {r['sampling']} | {r['samples']} | {r['tokens']:,} | {r['choice_share']:.3%} | {kind.replace('_', ' ')} | "
-                         f"{a['reward_gain']:+.4f} ± {a['reward_gain_se']:.4f} | {a['deviations']} ({a['deviation_share']:.3%}) | "
-                         f"{a['accepted']} / {a['steered_submissions']} | {a['counted_by_verifier']} | {a['ledger_strikes']} | "
+            lines.append(f"| {r['dtype']} | {r['sampling']} | {r['samples']} | {r['tokens']:,} | "
+                f"{r['choice_share']:.3%} | {kind.replace('_', ' ')} | "
+                         f"{a['reward_gain']:+.4f} ± {a['reward_gain_se']:.4f} | {a['deviations']} "
+                         f"({a['deviation_share']:.3%}) | "
+                         f"{a['accepted']} / {a['steered_submissions']} | {a['counted_by_verifier']} | "
+                         f"{a['ledger_strikes']} | "
                          f"{a.get('banned_after') or 'not banned'} |")
     return "\n".join(lines)
 
@@ -225,18 +236,25 @@ def write_results(rows: list[dict], out_dir: Path, meta: dict, tag: str = "") ->
     (out_dir / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     path = out_dir / f"{stem}.md"
     path.write_text("\n".join([
-        "# Steering within the verifier's tolerances, toward the reward", "", "```", json.dumps(meta, indent=1), "```", "",
-        table_markdown(rows), "",
-        "- The attacker knows the verifier's logits (same weights, same reference model and dtype) and, at every position, the",
-        "  tokens the verifier accepts; where there are several it keeps the one whose completion (finished with the seed's",
+        "# Steering within the verifier's tolerances, toward the reward", "", "```", json.dumps(meta, indent=1), "```",
+        "", table_markdown(rows), "",
+        "- The attacker knows the verifier's logits (same weights, same reference model and dtype) and, at every "
+        "position, the",
+        "  tokens the verifier accepts; where there are several it keeps the one whose completion (finished with the "
+        "seed's",
         "  exact draws) scores best. 'within allowance' steers only while its deviations stay within the dtype's",
-        "  deviation_rate x the positions that offered a choice, what the orchestrator's ledger lets a worker keep up without",
+        "  deviation_rate x the positions that offered a choice, what the orchestrator's ledger lets a worker keep up "
+        "without",
         "  strikes.",
-        "- reward gain: steered minus exact-draw reward of the same lease seeds, per sample (the toy copy task's reward).",
-        "- ledger strikes / banned after: what orchestrator/draw_deviations.py does over the steered submissions, in order, with",
-        "  this burst and a ban at 3 bursts (the defaults). Submissions without a deviation are not sent here, so they do not",
+        "- reward gain: steered minus exact-draw reward of the same lease seeds, per sample (the toy copy task's "
+        "reward).",
+        "- ledger strikes / banned after: what orchestrator/draw_deviations.py does over the steered submissions, in "
+        "order, with",
+        "  this burst and a ban at 3 bursts (the defaults). Submissions without a deviation are not sent here, so "
+        "they do not",
         "  drain it: the real ledger would strike somewhat later.",
-        "- Logprob limits are not a steering channel: the trainer learns from the verifier's own logprobs, never the worker's,",
+        "- Logprob limits are not a steering channel: the trainer learns from the verifier's own logprobs, never the "
+        "worker's,",
         "  so a reported logprob moved within its limit changes no token and no reward (gain 0 by construction).", "",
     ]))
     return path

@@ -86,12 +86,14 @@ def _one_step(base: Path, out: Path, lr: float, seed: int = 0) -> Path:
     with torch.no_grad():  # toy prompts have equal lengths: one batched generate for all 8 x 4 samples
         prompts = [[1] + tok.encode(item.prompt, add_special_tokens=False) for item in items]
         batch = torch.tensor([p for p in prompts for _ in range(4)])
-        generated = model.generate(batch, do_sample=True, max_new_tokens=8, pad_token_id=0, eos_token_id=2, top_k=None, top_p=None)
+        generated = model.generate(batch, do_sample=True, max_new_tokens=8, pad_token_id=0, eos_token_id=2, top_k=None,
+            top_p=None)
     for row, out_ids in enumerate(generated):
         comp = out_ids[batch.shape[1]:].tolist()
         if 2 in comp:
             comp = comp[: comp.index(2) + 1]
-        rewards.append(task.reward(items[row // 4], tok.decode([t for t in comp if 2 < t < len(tok)], skip_special_tokens=True)))
+        rewards.append(task.reward(items[row // 4], tok.decode([t for t in comp if 2 < t < len(tok)],
+            skip_special_tokens=True)))
         ids.append(torch.tensor(prompts[row // 4] + comp))
         plen.append(batch.shape[1])
     r = torch.tensor(rewards).view(-1, 4)
@@ -141,10 +143,12 @@ def encode_prompts(tokenizer_dir: Path, items: list[TaskItem]) -> list[np.ndarra
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     bos = tok.bos_token_id
-    return [np.asarray(([bos] if bos is not None else []) + tok.encode(i.prompt, add_special_tokens=False), dtype=np.int32) for i in items]
+    return [np.asarray(([bos] if bos is not None else []) + tok.encode(i.prompt, add_special_tokens=False),
+        dtype=np.int32) for i in items]
 
 
-def lease_for(prompt_ids: np.ndarray, sampling: SamplingParams, seed: int | list[int], lease_id: str, version: int = 0) -> TaskLease:
+def lease_for(prompt_ids: np.ndarray, sampling: SamplingParams, seed: int | list[int], lease_id: str,
+    version: int = 0) -> TaskLease:
     seeds = seed if isinstance(seed, list) else [seed]
     return TaskLease(
         lease_id=lease_id,
@@ -179,12 +183,14 @@ def honest_jobs(model_dir: Path, n: int, sampling: SamplingParams, seed: int = 0
     verifier jobs: what the verifier-pool tests and benchmark verify."""
     items = get_task(task).make_prompts(n, seed)
     prompts = encode_prompts(model_dir, items)
-    engine = make_engine(model_dir, "float32", max_model_len=int(max(p.size for p in prompts)) + sampling.max_tokens + 16)
+    engine = make_engine(model_dir, "float32", max_model_len=int(max(p.size
+        for p in prompts)) + sampling.max_tokens + 16)
     try:
         rolls = generate(engine, prompts, sampling, list(range(seed * n, (seed + 1) * n)), batch=min(n, 32))
     finally:
         engine.close()
-    trials = [Trial("honest", r, lease_for(r.prompt_ids, sampling, seed * n + k, f"h{seed}-{k}"), it, expect_accept=True) for k, (r, it) in enumerate(zip(rolls, items))]
+    trials = [Trial("honest", r, lease_for(r.prompt_ids, sampling, seed * n + k, f"h{seed}-{k}"), it,
+        expect_accept=True) for k, (r, it) in enumerate(zip(rolls, items))]
     return [to_job(t, k) for k, t in enumerate(trials)]
 
 
@@ -224,7 +230,8 @@ def run_matrix(
         versions[1 + i] = models[f"stale_{lr:g}"]
     task = get_task("toy")
     result = MatrixResult()
-    honest_counts = honest_counts or {"long_t1_b32": 32, "long_t0.7_p0.9_k20_b32": 32, "short_t1_b32": 32, "mixed_b1": 6, "greedy_b1": 2}
+    honest_counts = honest_counts or {"long_t1_b32": 32, "long_t0.7_p0.9_k20_b32": 32, "short_t1_b32": 32,
+        "mixed_b1": 6, "greedy_b1": 2}
 
     engines: dict[str, RolloutEngine] = {}
 
@@ -256,7 +263,8 @@ def run_matrix(
             rolls = generate(eng, prompts, sampling, seeds, batch)
             result.timings[f"generate_{dtype}_{label}"] = time.perf_counter() - t
             for k, (it, r, sd) in enumerate(zip(items, rolls, seeds)):
-                trials_d.append(Trial(f"honest_{dtype}_{label}", r, lease_for(r.prompt_ids, sampling, sd, f"h{dtype[:4]}{label[:6]}{k}".replace(".", "")), it, expect_accept=True))
+                trials_d.append(Trial(f"honest_{dtype}_{label}", r, lease_for(r.prompt_ids, sampling, sd,
+                    f"h{dtype[:4]}{label[:6]}{k}".replace(".", "")), it, expect_accept=True))
         honest_by_dtype[dtype] = [t.rollout for t in trials_d]
         scenarios.append((f"honest {dtype}", dtype, trials_d, True))
 
@@ -280,7 +288,8 @@ def run_matrix(
             out.append(t)
         return out
 
-    def named(name: str, ts: list[Trial], dtype: str = "float32", asserted: bool = True, **kw) -> tuple[str, str, list[Trial], bool]:
+    def named(name: str, ts: list[Trial], dtype: str = "float32", asserted: bool = True, **kw) -> tuple[str, str,
+        list[Trial], bool]:
         for t in ts:
             t.name = name
             for k, v in kw.items():
@@ -339,7 +348,8 @@ def run_matrix(
         own = source[id(t.rollout)]
         donors = [d for d in pool if d is not own and len(d.rollout.token_ids) >= len(t.rollout.token_ids)
                   and not (np.array_equal(d.rollout.prompt_ids, own.rollout.prompt_ids)
-                           and np.array_equal(d.rollout.token_ids[: len(own.rollout.token_ids)], own.rollout.token_ids))]
+                           and np.array_equal(d.rollout.token_ids[: len(own.rollout.token_ids)],
+                           own.rollout.token_ids))]
         donor = donors[rng.randrange(len(donors))]
         t.proofs = proofs.build_proofs(donor.rollout.hidden)[:n]
         return t
@@ -381,14 +391,18 @@ def run_matrix(
     scenarios.append(named("replay for another prompt", replay))
     scenarios.extend(_draw_attacks(trials, rng, base, base32, engine, fresh, named, task))
     if "bfloat16" in dtypes:
-        scenarios.append(named("precision: bf16 claimed as fp32", fresh(trials, engine("base_bfloat16", base, "bfloat16"), honest=base32)))
-    scenarios.append(named("precision: fp16 claimed as fp32", fresh(trials, engine("base_float16", base, "float16"), honest=base32)))
+        scenarios.append(named("precision: bf16 claimed as fp32", fresh(trials, engine("base_bfloat16", base,
+            "bfloat16"), honest=base32)))
+    scenarios.append(named("precision: fp16 claimed as fp32", fresh(trials, engine("base_float16", base, "float16"),
+        honest=base32)))
     for i, lr in enumerate(stale_lrs):
-        scenarios.append(named(f"stale weights (one AdamW step, lr {lr:g})", fresh(trials, base32), asserted=False, policy_version=1 + i))
+        scenarios.append(named(f"stale weights (one AdamW step, lr {lr:g})", fresh(trials, base32), asserted=False,
+            policy_version=1 + i))
     if "bfloat16" in dtypes:  # the same attacks against a bf16 run (looser, calibrated tolerances)
         base16 = engine("base_bfloat16", base, "bfloat16")
         for i, lr in enumerate(stale_lrs):
-            scenarios.append(named(f"bf16 run: stale weights (lr {lr:g})", fresh(trials, base16), "bfloat16", False, policy_version=1 + i))
+            scenarios.append(named(f"bf16 run: stale weights (lr {lr:g})", fresh(trials, base16), "bfloat16", False,
+                policy_version=1 + i))
         for delta in (0.05, 0.2, 1.0):
             ts = fresh(trials, base16)
             for t in ts:
@@ -398,8 +412,10 @@ def run_matrix(
                 lp[i] = min(0.0, lp[i] + delta)
                 t.logprobs = lp.astype(np.float32)
             scenarios.append(named(f"bf16 run: one logprob raised by {delta:g}", ts, "bfloat16", delta >= 0.2))
-        scenarios.append(named("bf16 run: other weights", fresh(trials, engine("other_bfloat16", models["other"], "bfloat16"), honest=base16), "bfloat16"))
-        scenarios.append(named("bf16 run: prompt one token changed", fresh(trials, base16, prompt_edit=change_one, honest=base16), "bfloat16"))
+        scenarios.append(named("bf16 run: other weights", fresh(trials, engine("other_bfloat16", models["other"],
+            "bfloat16"), honest=base16), "bfloat16"))
+        scenarios.append(named("bf16 run: prompt one token changed", fresh(trials, base16, prompt_edit=change_one,
+            honest=base16), "bfloat16"))
 
     for eng in engines.values():
         eng.close()
@@ -416,7 +432,8 @@ def run_matrix(
         compared = [(t, v) for t, v in zip(ts, verdicts) if t.honest_tokens is not None]
         # Accepted attacks that sent other tokens than an honest worker would have (near ties only,
         # or the draw check would have rejected them): the attacks that changed what the trainer sees.
-        accepted_changed = sum(v.status == VerdictStatus.accepted and not np.array_equal(t.rollout.token_ids, t.honest_tokens)
+        accepted_changed = sum(v.status == VerdictStatus.accepted and not np.array_equal(t.rollout.token_ids,
+            t.honest_tokens)
                                for t, v in compared)
         codes: dict[str, int] = {}
         for v in verdicts:
@@ -472,7 +489,8 @@ def _draw_attacks(trials, rng, base: Path, base32: RolloutEngine, engine, fresh,
     def with_honest_evidence(t: Trial, tokens: np.ndarray, finish: FinishReason) -> Trial:
         """Proofs and logprobs computed honestly for tokens the worker chose."""
         r = prefill(ref, [(t.rollout.prompt_ids, tokens)], [t.lease.sampling])[0]
-        t.rollout = Rollout(t.rollout.prompt_ids, tokens.astype(np.int32), r.stats.logprob.astype(np.float32), finish, r.hidden)
+        t.rollout = Rollout(t.rollout.prompt_ids, tokens.astype(np.int32), r.stats.logprob.astype(np.float32), finish,
+            r.hidden)
         return t
 
     def until(n: int, make: Callable[[int], list[Trial]]) -> list[Trial]:
@@ -514,7 +532,8 @@ def _draw_attacks(trials, rng, base: Path, base32: RolloutEngine, engine, fresh,
     def greedy(n):
         honest = fresh(n, base32, samp)
         items_prompts = [t.rollout.prompt_ids for t in honest]
-        rolls = generate(base32, items_prompts, SamplingParams(temperature=0.0, max_tokens=samp.max_tokens), [0] * n, 32)
+        rolls = generate(base32, items_prompts, SamplingParams(temperature=0.0, max_tokens=samp.max_tokens), [0] * n,
+            32)
         return where_different(honest, rolls)
 
     # 5. Best of 4 samples drawn with the worker's own seeds (highest reward, then longest).
@@ -525,7 +544,8 @@ def _draw_attacks(trials, rng, base: Path, base32: RolloutEngine, engine, fresh,
         out = []
         for j, t in enumerate(honest):
             cands = rolls[j * k : (j + 1) * k]
-            best = max(cands, key=lambda r: (task.reward(t.item, tok.decode([int(x) for x in r.token_ids if 2 < x < len(tok)])), r.token_ids.size))
+            best = max(cands, key=lambda r: (task.reward(t.item, tok.decode([int(x) for x in r.token_ids
+                if 2 < x < len(tok)])), r.token_ids.size))
             if not np.array_equal(best.token_ids, t.rollout.token_ids):
                 t.rollout = best
                 out.append(t)
@@ -552,7 +572,8 @@ def _draw_attacks(trials, rng, base: Path, base32: RolloutEngine, engine, fresh,
         out = []
         for t in fresh(n, base32, samp):
             later = lease_for(t.rollout.prompt_ids, samp, rng.randrange(1 << 62), f"later{rng.randrange(1 << 40):x}")
-            if not np.array_equal(generate(base32, [t.rollout.prompt_ids], samp, [later.prompts[0].seeds[0]], 1)[0].token_ids, t.rollout.token_ids):
+            if not np.array_equal(generate(base32, [t.rollout.prompt_ids], samp, [later.prompts[0].seeds[0]],
+                1)[0].token_ids, t.rollout.token_ids):
                 t.lease = later
                 out.append(t)
         return out
@@ -563,7 +584,8 @@ def _draw_attacks(trials, rng, base: Path, base32: RolloutEngine, engine, fresh,
 
     def unseeded(n):
         honest = fresh(n, base32, bounded)
-        rolls = generate(own_sampler, [t.rollout.prompt_ids for t in honest], bounded, [t.lease.prompts[0].seeds[0] for t in honest], 32)
+        rolls = generate(own_sampler, [t.rollout.prompt_ids for t in honest], bounded, [t.lease.prompts[0].seeds[0]
+            for t in honest], 32)
         return where_different(honest, rolls)
 
     return [
@@ -583,7 +605,8 @@ def honest_noise(model_dir: Path, rollouts: list[Rollout], dtype: str) -> dict[s
     model = load_reference_model(model_dir, None, dtype)
     refs = prefill(model, [(r.prompt_ids, r.token_ids) for r in rollouts], [SamplingParams()] * len(rollouts))
     worst = {"exponent_mismatches": 0.0, "mantissa_mean": 0.0, "mantissa_median": 0.0, "logprob_max_abs_diff": 0.0,
-             "logprob_mean_abs_diff": 0.0, "hidden_max_abs_diff": 0.0, "chunks": 0.0, "completions": float(len(rollouts))}
+             "logprob_mean_abs_diff": 0.0, "hidden_max_abs_diff": 0.0, "chunks": 0.0,
+             "completions": float(len(rollouts))}
     for r, ref in zip(rollouts, refs):
         for c in proofs.check_proofs(proofs.build_proofs(r.hidden), ref.hidden, LOOSE):
             worst["exponent_mismatches"] = max(worst["exponent_mismatches"], c.exponent_mismatches)
@@ -593,13 +616,15 @@ def honest_noise(model_dir: Path, rollouts: list[Rollout], dtype: str) -> dict[s
         d = np.abs(r.logprobs.astype(np.float64) - ref.stats.logprob)
         worst["logprob_max_abs_diff"] = max(worst["logprob_max_abs_diff"], float(d.max()))
         worst["logprob_mean_abs_diff"] = max(worst["logprob_mean_abs_diff"], float(d.mean()))
-        worst["hidden_max_abs_diff"] = max(worst["hidden_max_abs_diff"], float((r.hidden.float() - ref.hidden.float()).abs().max()))
+        worst["hidden_max_abs_diff"] = max(worst["hidden_max_abs_diff"],
+            float((r.hidden.float() - ref.hidden.float()).abs().max()))
     return worst
 
 
 def _copy_trial(t: Trial) -> Trial:
     r = t.rollout
-    return Trial(t.name, Rollout(r.prompt_ids.copy(), r.token_ids.copy(), r.logprobs.copy(), r.finish_reason, r.hidden.clone()),
+    return Trial(t.name, Rollout(r.prompt_ids.copy(), r.token_ids.copy(), r.logprobs.copy(), r.finish_reason,
+        r.hidden.clone()),
                  t.lease, t.item, t.policy_version)
 
 
@@ -612,13 +637,15 @@ def _other_token(tok: int, rng: random.Random) -> int:
 
 
 def table_markdown(result: MatrixResult) -> str:
-    lines = ["| scenario | claimed dtype | trials | tokens | expected | accepted | rejected | detected (attacks) / accepted (honest) "
+    lines = ["| scenario | claimed dtype | trials | tokens | expected | accepted | rejected | detected (attacks) / "
+        "accepted (honest) "
              "| accepted with other tokens than the honest draw | rejection codes |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result.rows:
         codes = ", ".join(f"{k} {v}" for k, v in sorted(r["codes"].items()))
         other = "" if r.get("accepted_other_tokens") is None else f"{r['accepted_other_tokens']} of {r['accepted']}"
-        lines.append(f"| {r['scenario']} | {r['claimed_dtype']} | {r['trials']} | {r['tokens']} | {r['expect']} | {r['accepted']} | "
+        lines.append(f"| {r['scenario']} | {r['claimed_dtype']} | {r['trials']} | {r['tokens']} | {r['expect']} | "
+            f"{r['accepted']} | "
                      f"{r['rejected']} | {100 * r['rate']:.0f}% | {other} | {codes} |")
     return "\n".join(lines)
 
@@ -626,10 +653,13 @@ def table_markdown(result: MatrixResult) -> str:
 def write_results(result: MatrixResult, out_dir: Path, tag: str, meta: dict) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    md = [f"# verifier attack matrix ({tag})", "", "```", json.dumps(meta, indent=1), "```", "", table_markdown(result), "",
-          "## Largest honest deviation (vLLM CPU vs transformers, same dtype)", "", "```", json.dumps(result.honest_stats, indent=1), "```", ""]
+    md = [f"# verifier attack matrix ({tag})", "", "```", json.dumps(meta, indent=1), "```", "",
+          table_markdown(result), "", "## Largest honest deviation (vLLM CPU vs transformers, same dtype)", "", "```",
+          json.dumps(result.honest_stats, indent=1), "```", ""]
     path = out_dir / f"verifier_attacks_{tag}.md"
     path.write_text("\n".join(md))
-    (out_dir / f"verifier_attacks_{tag}.json").write_text(json.dumps({"meta": meta, "rows": result.rows, "honest_stats": result.honest_stats,
-                                                                        "timings": result.timings}, indent=1, default=str))
+    (out_dir / f"verifier_attacks_{tag}.json").write_text(json.dumps({"meta": meta, "rows": result.rows,
+                                                                        "honest_stats": result.honest_stats,
+                                                                        "timings": result.timings}, indent=1,
+                                                                        default=str))
     return path

@@ -28,14 +28,16 @@ class Rollout:
     hidden: torch.Tensor  # [T, H]
 
 
-def make_engine(model_dir: Path, dtype: str = "float32", max_model_len: int = 512, seeded_sampler: bool = True) -> RolloutEngine:
+def make_engine(model_dir: Path, dtype: str = "float32", max_model_len: int = 512,
+    seeded_sampler: bool = True) -> RolloutEngine:
     """An in-process engine that returns hidden states (proofs are left to the caller). Without the
     seeded sampler it draws with vLLM's own sampling: what a worker that ignores the seeds sends."""
-    return RolloutEngine(model_dir, EngineConfig(dtype=dtype, max_model_len=max_model_len, kv_cache_bytes=64 << 20, proofs=False,
-                                                 seeded_sampler=seeded_sampler))
+    return RolloutEngine(model_dir, EngineConfig(dtype=dtype, max_model_len=max_model_len, kv_cache_bytes=64 << 20,
+                                                 proofs=False, seeded_sampler=seeded_sampler))
 
 
-def batch_lease(prompts: list[np.ndarray], sampling: SamplingParams, seeds: list[int], lease_id: str = "tool", version: int = 0) -> TaskLease:
+def batch_lease(prompts: list[np.ndarray], sampling: SamplingParams, seeds: list[int], lease_id: str = "tool",
+    version: int = 0) -> TaskLease:
     """One lease of several prompts, one sample each (each sample its own seed)."""
     return TaskLease(
         lease_id=lease_id,
@@ -48,14 +50,16 @@ def batch_lease(prompts: list[np.ndarray], sampling: SamplingParams, seeds: list
     )
 
 
-def generate(engine: RolloutEngine, prompts: list[np.ndarray], sampling: SamplingParams, seeds: list[int], batch: int = 32) -> list[Rollout]:
+def generate(engine: RolloutEngine, prompts: list[np.ndarray], sampling: SamplingParams, seeds: list[int],
+    batch: int = 32) -> list[Rollout]:
     out: list[Rollout] = []
     for start in range(0, len(prompts), batch):
         part, part_seeds = prompts[start : start + batch], seeds[start : start + batch]
         completions, hidden = engine.generate_with_hidden(batch_lease(part, sampling, part_seeds))
         for c, h in zip(completions, hidden):
             prompt = np.asarray(part[c.prompt_index], dtype=np.int32)
-            out.append(Rollout(prompt, np.asarray(c.token_ids).copy(), np.asarray(c.logprobs).copy(), c.finish_reason, h))
+            out.append(Rollout(prompt, np.asarray(c.token_ids).copy(), np.asarray(c.logprobs).copy(), c.finish_reason,
+                h))
     return out
 
 

@@ -49,8 +49,8 @@ def perturbed(base: Path, out: Path, part: str, eps: float, seed: int = 0) -> Pa
     return out
 
 
-def run(bases: dict[str, Path], variants: list[tuple[str, str, float]], work: Path, trials: int, sampling: SamplingParams,
-        dtypes: tuple[str, ...], seed: int = 0, progress=print) -> list[dict]:
+def run(bases: dict[str, Path], variants: list[tuple[str, str, float]], work: Path, trials: int,
+        sampling: SamplingParams, dtypes: tuple[str, ...], seed: int = 0, progress=print) -> list[dict]:
     """`bases`: name -> model folder; `variants`: (base name, part, eps)."""
     rng = random.Random(seed)
     task = get_task("toy")
@@ -86,13 +86,15 @@ def run(bases: dict[str, Path], variants: list[tuple[str, str, float]], work: Pa
                 "tokens": int(sum(t.rollout.token_ids.size for t in ts)),
                 "tokens_differ": sum(not np.array_equal(t.rollout.token_ids, t.honest_tokens) for t in ts),
                 "accepted": len(accepted),
-                "accepted_other_tokens": sum(not np.array_equal(t.rollout.token_ids, t.honest_tokens) for t in accepted),
+                "accepted_other_tokens": sum(not np.array_equal(t.rollout.token_ids, t.honest_tokens)
+                for t in accepted),
                 "near_ties_accepted": int(sum(v.near_ties for v in verdicts if v.status == VerdictStatus.accepted)),
                 "codes": codes,
             }
             rows.append(row)
             progress(f"{dtype} {base_name} {part} x(1+{eps:g}N): {row['accepted']}/{trials} accepted, "
-                     f"{row['accepted_other_tokens']} of them with other tokens than the exact draw; differ {row['tokens_differ']}")
+                     f"{row['accepted_other_tokens']} of them with other tokens than the exact draw; differ "
+                     f"{row['tokens_differ']}")
     return rows
 
 
@@ -100,20 +102,25 @@ def write_results(rows: list[dict], out_dir: Path, meta: dict) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "verifier_wrong_weights.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = ["| dtype | base | perturbed | eps | trials | tokens | completions whose tokens differ from the true policy's | accepted | "
+    lines = ["| dtype | base | perturbed | eps | trials | tokens | completions whose tokens differ from the true "
+        "policy's | accepted | "
              "accepted with other tokens than the true policy's draw | near ties in accepted | rejection codes |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         codes = ", ".join(f"{k} {v}" for k, v in sorted(r["codes"].items()))
-        lines.append(f"| {r['dtype']} | {r['base']} | {r['part']} | {r['eps']:g} | {r['trials']} | {r['tokens']} | {r['tokens_differ']} | "
+        lines.append(f"| {r['dtype']} | {r['base']} | {r['part']} | {r['eps']:g} | {r['trials']} | {r['tokens']} | "
+            f"{r['tokens_differ']} | "
                      f"{r['accepted']} | {r['accepted_other_tokens']} | {r['near_ties_accepted']} | {codes} |")
     path = out_dir / "verifier_wrong_weights.md"
     path.write_text("\n".join([
         "# Wrong weights on the demo's short completions", "", "```", json.dumps(meta, indent=1), "```", "", *lines, "",
-        "- A worker whose weights are the policy's with one part scaled by 1 + eps * N(0, 1), drawing with the lease's seeds in",
+        "- A worker whose weights are the policy's with one part scaled by 1 + eps * N(0, 1), drawing with the "
+        "lease's seeds in",
         "  the real vLLM worker engine, judged by the real Verifier against the true policy.",
-        "- 'accepted with other tokens': accepted submissions whose tokens are not what the true policy's engine drew for the",
-        "  same lease seeds. Where this is 0, what passed is token for token an honest submission: the trainer learns from the",
+        "- 'accepted with other tokens': accepted submissions whose tokens are not what the true policy's engine drew "
+        "for the",
+        "  same lease seeds. Where this is 0, what passed is token for token an honest submission: the trainer learns "
+        "from the",
         "  verifier's logprobs of those tokens, so the wrong weights cannot move it.", "",
     ]))
     return path

@@ -46,7 +46,8 @@ def varlen_sdpa_attention(
     packed = attention_mask is None and query.shape[0] == 1 and query.shape[2] == key.shape[2] and query.shape[2] > 1
     if not packed:
         return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, position_ids=position_ids, **kwargs
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, position_ids=position_ids,
+            **kwargs
         )
     bounds = cu_seq_lens_q if cu_seq_lens_q is not None else segment_bounds(position_ids)
     bounds = bounds.tolist()

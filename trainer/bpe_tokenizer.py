@@ -57,7 +57,8 @@ class Corpus:
     budget: int = CORPUS_BUDGET
 
     def info(self) -> dict:
-        return {"name": self.name, "root": self.root, "files": self.n_files, "bytes": self.n_bytes, "budget": self.budget, "sha256": self.digest}
+        return {"name": self.name, "root": self.root, "files": self.n_files, "bytes": self.n_bytes,
+            "budget": self.budget, "sha256": self.digest}
 
 
 def stdlib_root() -> Path:
@@ -93,14 +94,16 @@ def read_corpus(root: Path | None = None, budget: int = CORPUS_BUDGET) -> Corpus
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("SWARMRL_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "swarmrl")
+    base = os.environ.get("SWARMRL_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME")
+        or os.path.expanduser("~/.cache"), "swarmrl")
     return Path(base) / "tokenizers"
 
 
 def _cache_key(corpus: Corpus, bpe_vocab: int) -> str:
     import tokenizers
 
-    parts = {"format": FORMAT, "corpus": corpus.digest, "bpe_vocab": bpe_vocab, "split": SPLIT_PATTERN, "tokenizers": tokenizers.__version__}
+    parts = {"format": FORMAT, "corpus": corpus.digest, "bpe_vocab": bpe_vocab, "split": SPLIT_PATTERN,
+        "tokenizers": tokenizers.__version__}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -111,11 +114,13 @@ def train_bpe(corpus: Corpus, bpe_vocab: int = BPE_VOCAB) -> str:
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        [pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=bpe_vocab, min_frequency=2, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[], show_progress=False
+        vocab_size=bpe_vocab, min_frequency=2, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[],
+        show_progress=False
     )
     tok.train_from_iterator(corpus.texts, trainer)
     return tok.to_str()
@@ -143,11 +148,13 @@ def pad_vocabulary(trained: str, vocab_size: int) -> str:
     if sorted(vocab.values()) != list(range(n)):
         raise ValueError("the trained vocabulary is not contiguous")
     if vocab_size < n + len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size {vocab_size} is smaller than the {n} learned tokens and {len(SPECIAL_TOKENS)} special tokens")
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the {n} learned tokens and {len(SPECIAL_TOKENS)} "
+            f"special tokens")
     added = []
     for i, s in enumerate(SPECIAL_TOKENS):
         vocab[s] = n + i
-        added.append({"id": n + i, "content": s, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True})
+        added.append({"id": n + i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
+            "normalized": False, "special": True})
     first = n + len(SPECIAL_TOKENS)
     for k, i in enumerate(range(first, vocab_size)):
         vocab[f"<|reserved_{k}|>"] = i  # no merge makes these strings: never produced by encoding
@@ -161,8 +168,8 @@ class BuiltTokenizer:
     info: dict = field(default_factory=dict)
 
 
-def build_tokenizer(vocab_size: int, bpe_vocab: int = BPE_VOCAB, cache_dir: Path | None = None, corpus: Corpus | None = None,
-                    model_max_length: int = 32768) -> BuiltTokenizer:
+def build_tokenizer(vocab_size: int, bpe_vocab: int = BPE_VOCAB, cache_dir: Path | None = None,
+                    corpus: Corpus | None = None, model_max_length: int = 32768) -> BuiltTokenizer:
     """A PreTrainedTokenizerFast of exactly `vocab_size` ids: EOS `<|im_end|>`, pad `<|pad|>`, no BOS (as Qwen),
     a ChatML chat template."""
     from tokenizers import Tokenizer

@@ -76,7 +76,8 @@ def rng_state() -> dict[str, Any]:
     """Every RNG's state as tensors and plain Python values only, so `torch.load(weights_only=True)` reads
     it back (numpy's key array travels as a list)."""
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": random.getstate(), "numpy": (name, keys.tolist(), pos, has_gauss, cached), "torch": torch.get_rng_state()}
+    state = {"python": random.getstate(), "numpy": (name, keys.tolist(), pos, has_gauss, cached),
+        "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -198,7 +199,8 @@ def read_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
     try:  # weights_only: a checkpoint is data; unpickling arbitrary objects from it could run code
         train_state = torch.load(path / "train_state.pt", weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise ValueError(f"{path}: train_state.pt holds more than tensors and plain values (an older swarmrl, or not ours): {exc}") from None
+        raise ValueError(f"{path}: train_state.pt holds more than tensors and plain values (an older swarmrl, or not "
+            f"ours): {exc}") from None
     trainer_state = json.loads((path / "trainer_state.json").read_text())
     return model_state, train_state, trainer_state
 
@@ -218,7 +220,8 @@ def export_checkpoint(path: Path, out_dir: Path) -> Path:
     if lora:  # a LoRA run's checkpoint holds base + adapter: export them merged
         from trainer.lora import merged_state
 
-        save_file(merged_state(load_file(str(src / MODEL_FILE)), lora["rank"], lora["alpha"]), str(tmp / MODEL_FILE), metadata={"format": "pt"})
+        save_file(merged_state(load_file(str(src / MODEL_FILE)), lora["rank"], lora["alpha"]), str(tmp / MODEL_FILE),
+            metadata={"format": "pt"})
     if out_dir.exists():
         out_dir.rmdir()
     tmp.rename(out_dir)

@@ -27,7 +27,8 @@ class LossConfig(BaseModel):
         # give different gradients: refuse the setting instead of silently picking one.
         if self.ratio_cap < 1 + self.epsilon_high:
             raise ValueError(
-                f"ratio_cap (delta = {self.ratio_cap}) must be >= 1 + epsilon_high ({1 + self.epsilon_high}): below that the "
+                f"ratio_cap (delta = {self.ratio_cap}) must be >= 1 + epsilon_high ({1 + self.epsilon_high}): below "
+                f"that the "
                 "negative-advantage cap acts inside the clip range"
             )
         return self
@@ -41,7 +42,8 @@ class LoraConfig(BaseModel):
     enabled: bool = Field(False, description="off: full fine-tuning (every version publishes the whole model)")
     rank: int = Field(8, ge=1, le=512, description="r; vLLM serves ranks up to its max_lora_rank (the worker picks it)")
     alpha: float = Field(16.0, gt=0, description="the adapter's update is scaled by alpha / rank")
-    dropout: float = Field(0.0, ge=0, lt=1, description="on the adapter input while training (0 keeps proximal logprobs exact)")
+    dropout: float = Field(0.0, ge=0, lt=1,
+        description="on the adapter input while training (0 keeps proximal logprobs exact)")
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         min_length=1, description="linear layers (by module name) that get an adapter",
@@ -64,19 +66,23 @@ class TrainerConfig(BaseModel):
     grad_clip: float = Field(1.0, gt=0)
     bf16: bool = Field(False, description="bf16 autocast (CPU and GPU)")
     publish_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="precision of the published weights (the master stays float32; bfloat16 deltas are ~10x smaller)"
+        "float32",
+        description="precision of the published weights (the master stays float32; bfloat16 deltas are ~10x smaller)"
     )
     max_staleness: int = Field(2, ge=0, description="samples older than this many versions are dropped")
     checkpoint_every: int = Field(10, ge=1)
     background_checkpoints: bool = Field(
-        True, description="write each step's checkpoint (and publish its versions) while the next step trains; false: in the step"
+        True, description="write each step's checkpoint (and publish its versions) while the next step trains; false: "
+        "in the step"
     )
     keep_checkpoints: int = Field(2, ge=1)
     num_threads: int = Field(0, ge=0, description="torch threads; 0 leaves torch's default")
     seed: int = 0
     device: str = Field("auto", description="auto: cuda if available, else cpu")
     attention: str = Field(
-        "varlen", description='varlen: per-sequence causal sdpa for packed rows (CPU); or a transformers attn_implementation, e.g. "flash_attention_2" on GPU'
+        "varlen",
+        description='varlen: per-sequence causal sdpa for packed rows (CPU); or a transformers attn_implementation, '
+        'e.g. "flash_attention_2" on GPU'
     )
     batching: Literal["packed", "padded"] = Field("packed", description="padded is the baseline the bench compares")
     mini_batches: int = Field(
@@ -85,5 +91,6 @@ class TrainerConfig(BaseModel):
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine schedule floor, as a fraction of lr")
     distributed: Literal["fsdp2", "ddp"] = Field("fsdp2", description="multi-process strategy when WORLD_SIZE > 1")
     world_size: int = Field(
-        1, ge=1, description="trainer ranks that `swarmrl run` places in one Ray placement group (data parallel, FSDP2); 1: one process"
+        1, ge=1, description="trainer ranks that `swarmrl run` places in one Ray placement group (data parallel, "
+        "FSDP2); 1: one process"
     )

@@ -92,7 +92,8 @@ def _decoder_layers(model: nn.Module) -> Sequence[nn.Module]:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    return model.module if hasattr(model, "module") and isinstance(model, nn.parallel.DistributedDataParallel) else model
+    return model.module if hasattr(model, "module") and isinstance(model,
+        nn.parallel.DistributedDataParallel) else model
 
 
 def split_for_rank(lengths: Sequence[int], env: DistEnv) -> list[int]:
@@ -122,14 +123,20 @@ def full_model_state(model: nn.Module, env: DistEnv, copy: bool = True) -> dict[
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k: v.detach().cpu().clone() if copy or v.device.type != "cpu" else v.detach() for k, v in unwrap(model).state_dict().items()}
+    return {k: v.detach().cpu().clone() if copy or v.device.type != "cpu" else v.detach() for k,
+        v in unwrap(model).state_dict().items()}
 
 
-def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_state: Mapping, optim_state: dict | None, env: DistEnv) -> None:
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_state: Mapping,
+    optim_state: dict | None, env: DistEnv) -> None:
     """Load full (unsharded) states: a model state from `full_model_state`, an optimizer state from a
     one-process checkpoint (a group's optimizer state comes in shards: `load_optimizer_shards`)."""
     if env.enabled:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         opts = StateDictOptions(full_state_dict=True, strict=False)
         set_model_state_dict(model, dict(model_state), options=opts)

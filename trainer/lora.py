@@ -48,7 +48,8 @@ def adapter_state(peft_model, base_hash: str, dtype: torch.dtype = torch.float32
 
     from shardcast.adapter import pack_adapter
 
-    tensors = {k: v.detach().to("cpu", dtype=dtype, copy=True) for k, v in get_peft_model_state_dict(peft_model).items()}
+    tensors = {k: v.detach().to("cpu", dtype=dtype, copy=True) for k,
+        v in get_peft_model_state_dict(peft_model).items()}
     return pack_adapter(tensors, adapter_config(peft_model), base_hash)
 
 

@@ -41,7 +41,8 @@ from trainer.config import LossConfig
 _MAX_LOG_RATIO = 20.0
 # The token-level sums `ppo_loss` returns in its stats (besides "importance_weight_max", a maximum, and
 # "kl" when kl_coef > 0): callers sum them over micro-batches and ranks and divide by "tokens".
-STAT_KEYS = ("tokens", "policy_loss", "clipped", "importance_weight", "importance_truncated", "mismatch_kl", "ratio", "entropy")
+STAT_KEYS = ("tokens", "policy_loss", "clipped", "importance_weight", "importance_truncated", "mismatch_kl", "ratio",
+    "entropy")
 
 
 def sequence_weights(completion_lengths: Sequence[int], config: LossConfig) -> np.ndarray:

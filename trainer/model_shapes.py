@@ -44,13 +44,16 @@ class Preset:
 # max_position_embeddings stays the real one: transformers computes rope angles per forward, and vLLM's
 # cos/sin cache (max_position x head_dim floats, one per rope kind) is 8-32 MB at these values.
 PRESETS: dict[str, Preset] = {
-    "qwen2.5-0.5b": Preset("Qwen2Config", 24, 896, 4864, 14, 2, 64, 151936, 32768, {"rope_type": "default", "rope_theta": 1e6}, 1e-6,
+    "qwen2.5-0.5b": Preset("Qwen2Config", 24, 896, 4864, 14, 2, 64, 151936, 32768, {"rope_type": "default",
+    "rope_theta": 1e6}, 1e-6,
                            {"use_sliding_window": False, "max_window_layers": 24}),
-    "qwen3-0.6b": Preset("Qwen3Config", 28, 1024, 3072, 16, 8, 128, 151936, 40960, {"rope_type": "default", "rope_theta": 1e6}, 1e-6,
+    "qwen3-0.6b": Preset("Qwen3Config", 28, 1024, 3072, 16, 8, 128, 151936, 40960, {"rope_type": "default",
+    "rope_theta": 1e6}, 1e-6,
                          {"use_sliding_window": False, "max_window_layers": 28, "attention_bias": False}),
     "llama-3.2-1b": Preset("LlamaConfig", 16, 2048, 8192, 32, 8, 64, 128256, 131072,
-                           {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                            "original_max_position_embeddings": 8192}, 1e-5, {"attention_bias": False, "mlp_bias": False}),
+                           {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, 1e-5,
+                            {"attention_bias": False, "mlp_bias": False}),
 }
 # The CLI's default with --arch. One step of 8 x 128 tokens at the real qwen3-0.6b shape took 98 s on 2 cores
 # at load average ~4 (peak RSS 13.8 GB: weights, gradients, AdamW states, logits): a small default keeps it minutes.
@@ -65,25 +68,28 @@ def shapes(arch: str, layers: int | None = None, hidden: int | None = None, inte
     if arch not in PRESETS:
         raise ValueError(f"unknown architecture {arch!r}; choose one of {sorted(PRESETS)}")
     p = PRESETS[arch]
-    s = dict(layers=layers or p.layers, hidden=p.hidden, heads=p.heads, kv_heads=p.kv_heads, head_dim=p.head_dim, intermediate=p.intermediate)
+    s = dict(layers=layers or p.layers, hidden=p.hidden, heads=p.heads, kv_heads=p.kv_heads, head_dim=p.head_dim,
+        intermediate=p.intermediate)
     if s["layers"] < 1:
         raise ValueError("layers must be at least 1")
     if hidden is not None and hidden != p.hidden:
         head_dim = min(p.head_dim, max(MIN_HEAD_DIM, hidden // p.heads))
         if hidden < MIN_HEAD_DIM or hidden % head_dim:
-            raise ValueError(f"hidden {hidden} must be a multiple of {head_dim} (the scaled head size), at least {MIN_HEAD_DIM}")
+            raise ValueError(f"hidden {hidden} must be a multiple of {head_dim} (the scaled head size), at least "
+                f"{MIN_HEAD_DIM}")
         heads = hidden // head_dim
         kv = max(1, heads * p.kv_heads // p.heads)
         while heads % kv:
             kv -= 1
-        s.update(hidden=hidden, heads=heads, kv_heads=kv, head_dim=head_dim, intermediate=-(-p.intermediate * hidden // p.hidden // 32) * 32)
+        s.update(hidden=hidden, heads=heads, kv_heads=kv, head_dim=head_dim,
+            intermediate=-(-p.intermediate * hidden // p.hidden // 32) * 32)
     if intermediate is not None:
         s["intermediate"] = intermediate
     return s
 
 
-def make_config(arch: str, untied: bool = False, layers: int | None = None, hidden: int | None = None, intermediate: int | None = None,
-                token_ids: dict[str, int] | None = None):
+def make_config(arch: str, untied: bool = False, layers: int | None = None, hidden: int | None = None,
+                intermediate: int | None = None, token_ids: dict[str, int] | None = None):
     """transformers' config of `arch` (scaled by the overrides). `token_ids`: the tokenizer's special ids."""
     import transformers
 
@@ -94,8 +100,8 @@ def make_config(arch: str, untied: bool = False, layers: int | None = None, hidd
         vocab_size=p.vocab, hidden_size=s["hidden"], intermediate_size=s["intermediate"], num_hidden_layers=s["layers"],
         num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], max_position_embeddings=p.max_position,
         rope_parameters=dict(p.rope), rms_norm_eps=p.rms_norm_eps, tie_word_embeddings=not untied, hidden_act="silu",
-        initializer_range=0.02, bos_token_id=ids.get(ENDOFTEXT), eos_token_id=ids.get(IM_END), pad_token_id=ids.get(PAD),
-        dtype="float32", **p.extra,
+        initializer_range=0.02, bos_token_id=ids.get(ENDOFTEXT), eos_token_id=ids.get(IM_END),
+        pad_token_id=ids.get(PAD), dtype="float32", **p.extra,
     )
     if p.config_class != "Qwen2Config":  # Qwen2 derives head_dim from hidden / heads
         kwargs["head_dim"] = s["head_dim"]
@@ -153,13 +159,15 @@ def pretrain(model, tok, text: str, steps: int, seed: int, batch_size: int = 8, 
 def mean_loss(model, tok, text: str, seed: int, batch_size: int = 4, seq_len: int = 128) -> float:
     """Next-token loss (float32) on corpus windows of their own generator (the same corpus, so not held out):
     ln(vocab) ~ 11.9 for a uniform model."""
-    ids = corpus_windows(text, tok, batch_size, seq_len, random.Random(f"eval-{seed}")).to(next(model.parameters()).device)
+    ids = corpus_windows(text, tok, batch_size, seq_len,
+        random.Random(f"eval-{seed}")).to(next(model.parameters()).device)
     return float(model(input_ids=ids, labels=ids).loss)
 
 
-def init_model(out: str | Path, arch: str, seed: int = 0, untied: bool = False, layers: int | None = None, hidden: int | None = None,
-               intermediate: int | None = None, pretrain_steps: int = 0, cache_dir: Path | None = None, batch_size: int = 8,
-               seq_len: int = 128, lr: float = 1e-3, tokenizer: BuiltTokenizer | None = None) -> Path:
+def init_model(out: str | Path, arch: str, seed: int = 0, untied: bool = False, layers: int | None = None,
+               hidden: int | None = None, intermediate: int | None = None, pretrain_steps: int = 0,
+               cache_dir: Path | None = None, batch_size: int = 8, seq_len: int = 128, lr: float = 1e-3,
+               tokenizer: BuiltTokenizer | None = None) -> Path:
     """Write a randomly initialised `arch` model (float32 safetensors) and its tokenizer to `out`, with
     `swarmrl_model.json` saying what was made. Deterministic for a seed (the same tokenizer bytes and weights).
     `tokenizer`: one built before (`build_tokenizer(PRESETS[arch].vocab)`), else built from the cache."""
@@ -186,18 +194,22 @@ def init_model(out: str | Path, arch: str, seed: int = 0, untied: bool = False, 
     try:
         model = model_class(config).float()
         info: dict = {"arch": arch, "config_class": p.config_class, "seed": seed, "tie_embeddings": not untied,
-                      "shapes": {**shapes(arch, layers, hidden, intermediate), "vocab": p.vocab, "max_position": p.max_position},
+                      "shapes": {**shapes(arch, layers, hidden, intermediate), "vocab": p.vocab,
+                      "max_position": p.max_position},
                       "real_shape": layers is None and hidden is None and intermediate is None,
                       "parameters": count_parameters(model), "pretrain_steps": 0}
         if pretrain_steps:
             text = "\n".join(read_corpus(Path(built.info["corpus"]["root"]), built.info["corpus"]["budget"]).texts)
             done = pretrain(model, tok, text, pretrain_steps, seed, batch_size, seq_len, lr)
-            info.update(pretrain_steps=pretrain_steps, pretrain_batch=[batch_size, seq_len], pretrain_lr=lr, pretrain_losses=done["losses"],
-                        pretrain_final_loss=done["losses"][-1], pretrain_step_s=done["step_s"],
-                        pretrain_eval_loss=round(mean_loss(model, tok, text, seed), 4))  # after the last update; uniform: ln(vocab)
+            info.update(pretrain_steps=pretrain_steps, pretrain_batch=[batch_size, seq_len], pretrain_lr=lr,
+                        pretrain_losses=done["losses"], pretrain_final_loss=done["losses"][-1],
+                        pretrain_step_s=done["step_s"],
+                        # after the last update; uniform: ln(vocab)
+                        pretrain_eval_loss=round(mean_loss(model, tok, text, seed), 4))
     finally:
         torch.random.set_rng_state(rng_state)
-    model.generation_config = GenerationConfig(bos_token_id=ids[ENDOFTEXT], eos_token_id=[ids[IM_END], ids[ENDOFTEXT]], pad_token_id=ids[PAD])
+    model.generation_config = GenerationConfig(bos_token_id=ids[ENDOFTEXT], eos_token_id=[ids[IM_END], ids[ENDOFTEXT]],
+        pad_token_id=ids[PAD])
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     tokenizer_info = {k: v for k, v in built.info.items() if k != "cache_hit"}

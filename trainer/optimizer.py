@@ -26,7 +26,8 @@ def lr_lambda(config: TrainerConfig) -> Callable[[int], float]:
     return f
 
 
-def make_optimizer(model: nn.Module, config: TrainerConfig) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+def make_optimizer(model: nn.Module, config: TrainerConfig) -> tuple[torch.optim.AdamW,
+    torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over the model's trainable parameters (all of them, or a LoRA's adapters), and its LR schedule."""
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],

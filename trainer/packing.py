@@ -115,7 +115,8 @@ def _cat(parts: list[np.ndarray], dtype) -> torch.Tensor:
     return torch.from_numpy(np.concatenate(parts).astype(dtype))
 
 
-def make_micro_batch(samples: Sequence[TrainSample], index: Sequence[int], seq_weights: np.ndarray, padded: bool) -> MicroBatch:
+def make_micro_batch(samples: Sequence[TrainSample], index: Sequence[int], seq_weights: np.ndarray,
+    padded: bool) -> MicroBatch:
     rows = list(_rows(samples, index, seq_weights))
     if padded:
         width = max(r["n_in"] for r in rows)
@@ -147,7 +148,8 @@ def make_micro_batch(samples: Sequence[TrainSample], index: Sequence[int], seq_w
         behaviour_logprobs=_cat([r["behaviour"] for r in rows], np.float32),
         advantages=_cat([r["advantages"] for r in rows], np.float32),
         weights=_cat([r["weights"] for r in rows], np.float32),
-        sample_index=torch.tensor(np.concatenate([np.full(len(r["targets"]), r["i"]) for r in rows]), dtype=torch.int64),
+        sample_index=torch.tensor(np.concatenate([np.full(len(r["targets"]), r["i"]) for r in rows]),
+        dtype=torch.int64),
         num_tokens=int(sum(r["n_in"] for r in rows)),
         num_sequences=len(rows),
         cu_seq_lens=cu_seq_lens,
@@ -197,7 +199,8 @@ def placeholder_micro_batch(mode: str) -> MicroBatch:
     )
 
 
-def plan_micro_batches(samples: list[TrainSample], config: TrainerConfig, env: dist_utils.DistEnv, device: torch.device) -> list[MicroBatch]:
+def plan_micro_batches(samples: list[TrainSample], config: TrainerConfig, env: dist_utils.DistEnv,
+    device: torch.device) -> list[MicroBatch]:
     """This rank's micro-batches for one optimizer step; every rank gets the same number."""
     weights = sequence_weights([s.num_completion_tokens for s in samples], config.loss)
     mine = dist_utils.split_for_rank([s.num_tokens for s in samples], env)

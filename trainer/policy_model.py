@@ -23,7 +23,8 @@ def load_model(model_dir: Path, device: torch.device, attention: str = "varlen")
     return model.to(device)
 
 
-def forward_logprobs(model: nn.Module, mb: MicroBatch, bf16: bool, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_logprobs(model: nn.Module, mb: MicroBatch, bf16: bool, temperature: float = 1.0) -> tuple[torch.Tensor,
+    torch.Tensor]:
     """Logprobs of the completion tokens under logits / temperature, the distribution the workers sampled
     from, and its entropy at those positions (fp32, 1-D, one per token)."""
     device = mb.input_ids.device
@@ -44,7 +45,8 @@ def forward_logprobs(model: nn.Module, mb: MicroBatch, bf16: bool, temperature: 
             )
             logits = out.logits[0]
         else:
-            out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask, use_cache=False)
+            out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask,
+                use_cache=False)
             logits = out.logits.flatten(0, 1)[mb.loss_positions]
     logits = logits.float()
     logp_all = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)

@@ -43,7 +43,8 @@ class TrainSample:
             raise ValueError(f"{where}: empty completion")
         if self.behaviour_logprobs.size != self.completion_ids.size:
             raise ValueError(
-                f"{where}: {self.behaviour_logprobs.size} behaviour logprobs for {self.completion_ids.size} completion tokens"
+                f"{where}: {self.behaviour_logprobs.size} behaviour logprobs for {self.completion_ids.size} "
+                f"completion tokens"
             )
         if not np.all(np.isfinite(self.behaviour_logprobs)) or np.any(self.behaviour_logprobs > 1e-4):
             raise ValueError(f"{where}: behaviour logprobs must be finite and <= 0")
@@ -56,7 +57,8 @@ class TrainSample:
         if self.loss_mask is not None:
             self.loss_mask = np.asarray(self.loss_mask, dtype=bool).reshape(-1)
             if self.loss_mask.size != self.completion_ids.size or not self.loss_mask.any():
-                raise ValueError(f"{where}: the loss mask needs one value per completion token and at least one model token")
+                raise ValueError(f"{where}: the loss mask needs one value per completion token and at least one model "
+                    f"token")
 
     @classmethod
     def trusted(

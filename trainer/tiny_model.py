@@ -21,9 +21,11 @@ PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 
 SIZES: dict[str, dict[str, int]] = {
     # ~0.1M params: fast enough for CI end-to-end runs.
-    "tiny": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1),
+    "tiny": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=1),
     # ~3M params: the demo's learner.
-    "small": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
+    "small": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2),
 }
 
 
@@ -199,7 +201,8 @@ def init_model(
     devnull_rng = torch.random.get_rng_state()
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).float()
-    info = {"size": size, "seed": seed, "tie_embeddings": tie_embeddings, "pretrain_steps": 0, **({"tool_format": True} if tool_format else {})}
+    info = {"size": size, "seed": seed, "tie_embeddings": tie_embeddings, "pretrain_steps": 0, **({"tool_format": True}
+        if tool_format else {})}
     if pretrain_steps or pretrain_target is not None:
         # One thread: where other jobs hold the cores, torch's threads spin waiting on each other. Side by side at
         # load 10 on 2 cores, 20 steps of the small model took 91 s with 2 threads and 9-11 s with 1, and a demo
@@ -208,12 +211,14 @@ def init_model(
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            done = pretrain(model, pretrain_steps, seed, target_accuracy=pretrain_target, max_steps=pretrain_max_steps, tool_format=tool_format)
+            done = pretrain(model, pretrain_steps, seed, target_accuracy=pretrain_target, max_steps=pretrain_max_steps,
+                tool_format=tool_format)
         finally:
             torch.set_num_threads(threads)
         info.update(pretrain_steps=done["steps"], pretrain_echo_accuracy=done["echo_accuracy"])
         if pretrain_target is not None:
-            info.update(pretrain_min_steps=pretrain_steps, pretrain_target=pretrain_target, pretrain_max_steps=pretrain_max_steps)
+            info.update(pretrain_min_steps=pretrain_steps, pretrain_target=pretrain_target,
+                pretrain_max_steps=pretrain_max_steps)
     torch.random.set_rng_state(devnull_rng)
     model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     model.save_pretrained(out, safe_serialization=True)

@@ -117,7 +117,8 @@ def check_logprob_max(diff: np.ndarray, max_abs_diff: float) -> Finding | None:
     if diff[worst] > max_abs_diff:
         return Finding(
             "logprob_mismatch",
-            f"reported logprobs disagree with the recomputation: |diff| {diff[worst]:.3g} at token {worst} (limit {max_abs_diff})",
+            f"reported logprobs disagree with the recomputation: |diff| {diff[worst]:.3g} at token {worst} (limit "
+            f"{max_abs_diff})",
             {"max_abs_diff": float(diff[worst]), "token_index": float(worst)},
         )
     return None
@@ -144,7 +145,8 @@ def check_logprob_mean(diff_sum: float, tokens: int, max_mean_diff: float) -> Fi
     if mean > limit:
         return Finding(
             "logprob_mismatch",
-            f"reported logprobs drift from the recomputation: mean |diff| {mean:.3g} over {tokens} tokens (limit {limit:.3g})",
+            f"reported logprobs drift from the recomputation: mean |diff| {mean:.3g} over {tokens} tokens (limit "
+            f"{limit:.3g})",
             {"mean_abs_diff": mean, "tokens": float(tokens), "limit": limit},
         )
     return None
@@ -184,7 +186,8 @@ def check_draws(draw: Draw, token_ids: np.ndarray, draw_margin: float, draw_marg
         t = int(np.argmax(outside))
         finding = Finding(
             "token_outside_support",
-            f"{int(outside.sum())} token(s) outside the lease's sampling support (temperature / top-k / top-p); first at token {t}",
+            f"{int(outside.sum())} token(s) outside the lease's sampling support (temperature / top-k / top-p); first "
+            f"at token {t}",
             {"token_index": float(t), "token": float(ids[t])},
         )
     elif too_far.any():
@@ -192,14 +195,16 @@ def check_draws(draw: Draw, token_ids: np.ndarray, draw_margin: float, draw_marg
         finding = Finding(
             "not_seeded_draw",
             f"{int(too_far.sum())} token(s) are not the draw of the leased seed; first at token {t}: the seed draws "
-            f"{int(draw.winner[t])}, not {int(ids[t])}, by a margin of {draw.margin[t]:.3g} logits (tolerance {tolerance[t]:.3g})",
-            {"token_index": float(t), "margin": float(draw.margin[t]), "tolerance": float(tolerance[t]), "winner": float(draw.winner[t]),
-             "token": float(ids[t]), "tokens_not_drawn": float(too_far.sum())},
+            f"{int(draw.winner[t])}, not {int(ids[t])}, by a margin of {draw.margin[t]:.3g} logits (tolerance "
+            f"{tolerance[t]:.3g})",
+            {"token_index": float(t), "margin": float(draw.margin[t]), "tolerance": float(tolerance[t]),
+             "winner": float(draw.winner[t]), "token": float(ids[t]), "tokens_not_drawn": float(too_far.sum())},
         )
     return DrawReport(finding, near_ties, max_margin, int(draw.choice.sum()))
 
 
-def check_termination(token_ids: np.ndarray, finish_reason: FinishReason, sampling: SamplingParams, eos_ids: set[int]) -> Finding | None:
+def check_termination(token_ids: np.ndarray, finish_reason: FinishReason, sampling: SamplingParams,
+    eos_ids: set[int]) -> Finding | None:
     ids = np.asarray(token_ids)
     n = int(ids.size)
     enders = np.array(sorted(set(eos_ids) | set(sampling.stop_token_ids)), dtype=np.int64)
@@ -209,12 +214,16 @@ def check_termination(token_ids: np.ndarray, finish_reason: FinishReason, sampli
     if n > sampling.max_tokens:
         return Finding("bad_termination", f"{n} tokens exceed max_tokens={sampling.max_tokens}", stats)
     if early.size:
-        return Finding("bad_termination", f"EOS / stop token at position {int(early[0])} is followed by more tokens", stats)
+        return Finding("bad_termination", f"EOS / stop token at position {int(early[0])} is followed by more tokens",
+            stats)
     if FinishReason(finish_reason) == FinishReason.stop:
         if not is_end[-1]:
-            return Finding("bad_termination", f"finish_reason=stop but the last token {int(ids[-1])} is not EOS or a stop token", stats)
+            return Finding("bad_termination",
+                f"finish_reason=stop but the last token {int(ids[-1])} is not EOS or a stop token", stats)
     elif n != sampling.max_tokens:
-        return Finding("bad_termination", f"finish_reason=length with {n} tokens, max_tokens is {sampling.max_tokens}", stats)
+        return Finding("bad_termination", f"finish_reason=length with {n} tokens, max_tokens is {sampling.max_tokens}",
+            stats)
     elif is_end[-1]:  # vLLM checks EOS / stop tokens before the length cap: this ends as "stop"
-        return Finding("bad_termination", f"finish_reason=length but the last token {int(ids[-1])} is EOS or a stop token", stats)
+        return Finding("bad_termination",
+            f"finish_reason=length but the last token {int(ids[-1])} is EOS or a stop token", stats)
     return None

@@ -10,7 +10,8 @@ class ProofThresholds(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_exponent_mismatches: int = Field(38, ge=0, le=128, description="of the top-128 values (TOPLOC: >=90 must match)")
+    max_exponent_mismatches: int = Field(38, ge=0, le=128,
+        description="of the top-128 values (TOPLOC: >=90 must match)")
     max_mantissa_mean: float = Field(10.0, ge=0)
     max_mantissa_median: float = Field(8.0, ge=0)
 
@@ -23,12 +24,17 @@ class Tolerances(BaseModel):
     proof: ProofThresholds
     logprob_max_abs_diff: float = Field(gt=0, description="per token, reported vs recomputed raw logprob")
     logprob_max_mean_diff: float = Field(gt=0, description="mean over a submission's tokens")
-    draw_margin: float = Field(ge=0, description="logits: a token the seed did not draw passes if the winner beats it by no more")
-    draw_margin_rel: float = Field(ge=0, description="plus this fraction of the larger |logit| of the two: rounding grows with the logits")
-    draw_logit_slack: float = Field(ge=0, description="logits: how far the support's boundary may move between worker and verifier")
+    draw_margin: float = Field(ge=0,
+        description="logits: a token the seed did not draw passes if the winner beats it by no more")
+    draw_margin_rel: float = Field(ge=0,
+        description="plus this fraction of the larger |logit| of the two: rounding grows with the logits")
+    draw_logit_slack: float = Field(ge=0,
+        description="logits: how far the support's boundary may move between worker and verifier")
     draw_top_p_slack: float = Field(ge=0, le=1, description="probability mass: how far the top-p boundary may move")
-    deviation_rate: float = Field(ge=0, le=1, description="of the positions where more than one token would pass, the share at which "
-                                  "honest noise sends another token than the exact draw: a worker is held to it (orchestrator/draw_deviations.py)")
+    deviation_rate: float = Field(ge=0, le=1,
+        description="of the positions where more than one token would pass, the share at which "
+                                  "honest noise sends another token than the exact draw: a worker is held to it "
+                                  "(orchestrator/draw_deviations.py)")
 
 
 # Calibrated on honest vLLM-CPU-vs-transformers runs of the tiny model (bench/results/verifier_calibration.md).
@@ -109,9 +115,11 @@ class VerifierConfig(BaseModel):
     target_drain_s: float = Field(30.0, gt=0, description="grow until a standing queue drains within this long")
     keep_versions: int = Field(3, ge=1, description="policy versions kept loaded per actor (LRU)")
     max_batch_tokens: int = Field(16384, ge=1, description="tokens per batched prefill")
-    dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$", description="the compute dtype workers must use")
+    dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$",
+        description="the compute dtype workers must use")
     # The prefill and the draw replay run here; proofs, rewards and everything else stay on the CPU.
-    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="where the reference model runs: cpu, cuda or cuda:N")
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$",
+        description="where the reference model runs: cpu, cuda or cuda:N")
     # Unset (None): the calibrated default for `dtype` (CALIBRATED above).
     thresholds: ProofThresholds | None = None
     logprob_max_abs_diff: float | None = Field(None, gt=0, description="per token, reported vs recomputed")
@@ -128,7 +136,9 @@ class VerifierConfig(BaseModel):
     num_threads: int = Field(0, ge=0, description="torch threads; 0 leaves torch's default")
     rewards: RewardPoolConfig = RewardPoolConfig()
     timeout_s: float = Field(
-        120.0, gt=0, description="one verify call of the pool; past it the batch is split so one slow submission never holds back the others"
+        120.0, gt=0,
+        description="one verify call of the pool; past it the batch is split so one slow submission never holds back "
+        "the others"
     )
 
     @model_validator(mode="after")

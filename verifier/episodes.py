@@ -30,9 +30,11 @@ from verifier.reward_requests import RewardResult, RewardStatus
 def _bounds(env: Environment, ids: np.ndarray, turns: list) -> Finding | None:
     episode_cap = env.limits.max_episode_tokens  # the orchestrator's leases have max_tokens >= it
     if ids.size > episode_cap:
-        return Finding("bad_termination", f"the episode has {ids.size} tokens, over its cap of {episode_cap}", {"num_tokens": float(ids.size)})
+        return Finding("bad_termination", f"the episode has {ids.size} tokens, over its cap of {episode_cap}",
+            {"num_tokens": float(ids.size)})
     if len(turns) > env.limits.max_turns:
-        return Finding("bad_termination", f"{len(turns)} model turns, over the environment's {env.limits.max_turns}", {"turns": float(len(turns))})
+        return Finding("bad_termination", f"{len(turns)} model turns, over the environment's {env.limits.max_turns}",
+            {"turns": float(len(turns))})
     return None
 
 
@@ -53,8 +55,8 @@ def tool_calls(env: Environment, c: Completion) -> list[tuple[int, str]]:
     return calls
 
 
-def check_episode(env: Environment, item: TaskItem, seed: int, c: Completion, sampling: SamplingParams, eos_ids: set[int],
-                  tools: dict[int, RewardResult]) -> Finding | None:
+def check_episode(env: Environment, item: TaskItem, seed: int, c: Completion, sampling: SamplingParams,
+                  eos_ids: set[int], tools: dict[int, RewardResult]) -> Finding | None:
     """`tools`: the pool's result for each (turn, call) of `tool_calls(env, c)`, by turn."""
     ids = np.asarray(c.token_ids, dtype=np.int64)
     mask = np.asarray(c.env_mask, dtype=np.int8)
@@ -72,7 +74,8 @@ def check_episode(env: Environment, item: TaskItem, seed: int, c: Completion, sa
             ran = tools.get(k)
             if ran is None or ran.status is not RewardStatus.ok:
                 why = "was not run" if ran is None else f"{ran.status.value}: {ran.message}"
-                return Finding("tool_failed", f"the trusted replay of the tool call after model turn {k} (position {b}) {why}",
+                return Finding("tool_failed",
+                               f"the trusted replay of the tool call after model turn {k} (position {b}) {why}",
                                {"position": float(b), "turn": float(k), "seconds": float(ran.seconds if ran else 0.0)})
             reply = env.observation(b, ran.output)
         last = k == len(turns) - 1
@@ -82,7 +85,8 @@ def check_episode(env: Environment, item: TaskItem, seed: int, c: Completion, sa
                                f"{ids.size - b} more tokens follow", {"position": float(b), "turn": float(k)})
             continue
         if last:
-            return Finding("episode_incomplete", f"the episode ends after model turn {k}, but the environment answers it "
+            return Finding("episode_incomplete",
+                f"the episode ends after model turn {k}, but the environment answers it "
                            f"(with {len(reply)} tokens at position {b})", {"position": float(b), "turn": float(k)})
         env_end = turns[k + 1][0]
         claimed = ids[b:env_end]
@@ -91,23 +95,31 @@ def check_episode(env: Environment, item: TaskItem, seed: int, c: Completion, sa
             n = min(claimed.size, want.size)
             diff = np.flatnonzero(claimed[:n] != want[:n])
             at = b + (int(diff[0]) if diff.size else n)
-            return Finding("env_mismatch", f"environment positions {b}..{env_end} after model turn {k} are not the environment's "
-                           f"reply ({want.size} tokens): first difference at position {at}", {"position": float(at), "turn": float(k)})
+            return Finding("env_mismatch",
+                f"environment positions {b}..{env_end} after model turn {k} are not the environment's "
+                           f"reply ({want.size} tokens): first difference at position {at}", {"position": float(at),
+                           "turn": float(k)})
     return None
 
 
-def _check_turn(k: int, turn: np.ndarray, start: int, claimed: FinishReason, cap: int, enders: set[int]) -> Finding | None:
+def _check_turn(k: int, turn: np.ndarray, start: int, claimed: FinishReason, cap: int,
+    enders: set[int]) -> Finding | None:
     n = int(turn.size)
     is_end = np.isin(turn, np.array(sorted(enders), dtype=np.int64))
     stats = {"turn": float(k), "position": float(start), "num_tokens": float(n), "cap": float(cap)}
     if n > cap:
-        return Finding("bad_termination", f"model turn {k} (position {start}) has {n} tokens, over its cap of {cap}", stats)
+        return Finding("bad_termination", f"model turn {k} (position {start}) has {n} tokens, over its cap of {cap}",
+            stats)
     early = np.flatnonzero(is_end[:-1])
     if early.size:
-        return Finding("bad_termination", f"model turn {k}: a stop token at position {start + int(early[0])} is followed by more model tokens", stats)
+        return Finding("bad_termination",
+            f"model turn {k}: a stop token at position {start + int(early[0])} is followed by more model tokens", stats)
     if FinishReason(claimed) == FinishReason.stop:
         if not is_end[-1]:
-            return Finding("bad_termination", f"model turn {k} claims stop, but its last token {int(turn[-1])} is no stop token", stats)
+            return Finding("bad_termination",
+                f"model turn {k} claims stop, but its last token {int(turn[-1])} is no stop token", stats)
     elif n != cap or is_end[-1]:
-        return Finding("bad_termination", f"model turn {k} claims length with {n} tokens (cap {cap}){' ending on a stop token' if n == cap else ''}", stats)
+        return Finding("bad_termination",
+            f"model turn {k} claims length with {n} tokens (cap {cap}){' ending on a stop token' if n == cap else ''}",
+            stats)
     return None

@@ -305,7 +305,8 @@ def check_proofs(proofs: Sequence[bytes], hidden_states: torch.Tensor, threshold
             results.append(_compare(start + j, claimed[r], own[j], thresholds))
     results.sort(key=lambda r: r.chunk_index)
     for extra in range(expected, len(proofs)):
-        results.append(ChunkCheck(extra, False, 0, 0, float("inf"), float("inf"), "proof for a chunk that does not exist"))
+        results.append(ChunkCheck(extra, False, 0, 0, float("inf"), float("inf"),
+            "proof for a chunk that does not exist"))
     return results
 
 

@@ -51,7 +51,8 @@ def load_reference_model(config_dir: Path, weights_dir: Path | None, dtype: str 
     config_dir = Path(config_dir)
     if weights_dir is not None and is_adapter(weights_dir):
         return load_adapted(config_dir, Path(weights_dir), dtype, device)
-    source = Path(weights_dir) if weights_dir is not None and (Path(weights_dir) / "config.json").exists() else config_dir
+    source = Path(weights_dir) if weights_dir is not None and (Path(
+        weights_dir) / "config.json").exists() else config_dir
     config = AutoConfig.from_pretrained(source)
     if weights_dir is None:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype]).to(device)
@@ -78,9 +79,11 @@ def load_reference_model(config_dir: Path, weights_dir: Path | None, dtype: str 
                             params[name].copy_(t)
                             loaded.add(name)
         tied = bool(getattr(config, "tie_word_embeddings", False))
-        missing = [k for k in params if k not in loaded and not (tied and k == "lm_head.weight") and not k.endswith("inv_freq")]
+        missing = [k for k in params if k not in loaded and not (tied and k == "lm_head.weight")
+            and not k.endswith("inv_freq")]
         if missing or unexpected:
-            raise ValueError(f"weights in {weights_dir} do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+            raise ValueError(f"weights in {weights_dir} do not fit the model: missing {missing[:5]}, unexpected "
+                f"{unexpected[:5]}")
         if tied:
             model.tie_weights()
     model = to_dtype(model, DTYPES[dtype], device)
@@ -93,7 +96,8 @@ def to_dtype(model: torch.nn.Module, dtype: torch.dtype, device: str) -> torch.n
     computes its cos/sin cache and as transformers builds them. `Module.to` would round them too: in bf16
     by up to 2^-9, turning position p by up to p x 2^-9 x inv_freq radians. (On the 0.6B model with 4
     pretraining steps, whose attention barely uses position, the logprobs over 600 tokens moved by < 0.01.)"""
-    keep = {name: buf.detach().clone() for name, buf in model.named_buffers() if name.endswith("inv_freq") and buf.dtype == torch.float32}
+    keep = {name: buf.detach().clone() for name, buf in model.named_buffers() if name.endswith("inv_freq")
+        and buf.dtype == torch.float32}
     model = model.to(device=device, dtype=dtype)
     for name, buf in keep.items():
         owner, _, attr = name.rpartition(".")
@@ -120,7 +124,8 @@ def load_adapted(base_dir: Path, adapter_dir: Path, dtype: str = "float32", devi
     state = load_version(adapter_dir)
     _, _, base_hash = unpack_adapter(state)
     if base_hash != _base_hash(str(Path(base_dir).resolve())):
-        raise ValueError(f"the adapter in {adapter_dir} is for base model {base_hash[:12]}..., not the base in {base_dir}")
+        raise ValueError(f"the adapter in {adapter_dir} is for base model {base_hash[:12]}..., not the base in "
+            f"{base_dir}")
     if (Path(adapter_dir) / "manifest.json").is_file():
         _check_published_precision(state, DTYPES[dtype], adapter_dir)
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
@@ -135,7 +140,8 @@ def _check_published_precision(state: dict[str, torch.Tensor], dtype: torch.dtyp
     """A shardcast version is checked at its published precision: a dtype that rounds the signed weights
     (e.g. verifying float32 weights in bfloat16) would check other weights than the ones workers received."""
     for name, t in state.items():
-        if t.is_floating_point() and t.dtype != dtype and not (dtype == torch.float32 and t.dtype in (torch.bfloat16, torch.float16)):
+        if t.is_floating_point() and t.dtype != dtype and not (dtype == torch.float32 and t.dtype in (torch.bfloat16,
+            torch.float16)):
             raise ValueError(
                 f"verifier dtype {dtype} would round the published {t.dtype} weights of {weights_dir} ({name}); "
                 f"verify in {t.dtype} (or float32), or publish in {dtype} (trainer.publish_dtype)"
@@ -185,7 +191,8 @@ def prefill(
             seq = np.concatenate([np.asarray(p, dtype=np.int64), np.asarray(c, dtype=np.int64)[:-1]])
             ids[row, : len(seq)] = torch.from_numpy(seq)
         hidden = model.model(input_ids=ids.to(device)).last_hidden_state  # final norm applied
-        rows = {i: hidden[row, len(sequences[i][0]) - 1 : len(sequences[i][0]) - 1 + len(sequences[i][1])] for row, i in enumerate(batch)}
+        rows = {i: hidden[row, len(sequences[i][0]) - 1 : len(sequences[i][0]) - 1 + len(sequences[i][1])] for row,
+            i in enumerate(batch)}
         # Token statistics and draws of every completion that shares its sampling settings at once, in
         # slices of rows so that the logits of long completions over a large vocabulary stay small.
         groups: dict[tuple[float, int, float], list[int]] = {}
@@ -193,7 +200,8 @@ def prefill(
             groups.setdefault((sampling[i].temperature, sampling[i].top_k, sampling[i].top_p), []).append(i)
         for members in groups.values():
             h = torch.cat([rows[i] for i in members])
-            tokens = torch.from_numpy(np.concatenate([np.asarray(sequences[i][1], dtype=np.int64) for i in members])).to(device)
+            tokens = torch.from_numpy(np.concatenate([np.asarray(sequences[i][1], dtype=np.int64)
+                for i in members])).to(device)
             row_seeds = row_positions = None
             if seeds is not None:
                 row_seeds = np.concatenate([np.full(len(sequences[i][1]), seeds[i], dtype=np.int64) for i in members])
@@ -206,11 +214,13 @@ def prefill(
                 part_tokens = tokens[s : s + _STATS_ROWS]
                 parts.append(token_stats(logits, part_tokens, params))
                 if row_seeds is not None:
-                    r = replay(logits, row_seeds[s : s + _STATS_ROWS], row_positions[s : s + _STATS_ROWS], part_tokens, params, *draw_slack,
-                               *(draw_margin or (None, 0.0)))
-                    scale = torch.maximum(logits.gather(1, r.winner.view(-1, 1)).abs(), logits.gather(1, part_tokens.view(-1, 1)).abs()).view(-1)
-                    draws.append(Draw(r.winner.cpu().numpy(), r.margin.double().cpu().numpy() * to_logits, r.inside.cpu().numpy(),
-                                      scale.double().cpu().numpy(), r.exact.cpu().numpy(), None if r.choice is None else r.choice.cpu().numpy()))
+                    r = replay(logits, row_seeds[s : s + _STATS_ROWS], row_positions[s : s + _STATS_ROWS], part_tokens,
+                               params, *draw_slack, *(draw_margin or (None, 0.0)))
+                    scale = torch.maximum(logits.gather(1, r.winner.view(-1, 1)).abs(), logits.gather(1,
+                        part_tokens.view(-1, 1)).abs()).view(-1)
+                    draws.append(Draw(r.winner.cpu().numpy(), r.margin.double().cpu().numpy() * to_logits,
+                                      r.inside.cpu().numpy(), scale.double().cpu().numpy(), r.exact.cpu().numpy(), None
+                                      if r.choice is None else r.choice.cpu().numpy()))
             stats = TokenStats.concat(parts)
             draw = Draw.concat(draws) if draws else None
             offset = 0

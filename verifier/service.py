@@ -122,7 +122,8 @@ class Verifier:
             self._models.move_to_end(version)
             return self._models[version]
         started = time.perf_counter()
-        model = load_reference_model(self.tokenizer_dir, self.weights_for_version(version), self.config.dtype, self.config.device)
+        model = load_reference_model(self.tokenizer_dir, self.weights_for_version(version), self.config.dtype,
+            self.config.device)
         self.vocab_size = int(model.config.vocab_size)
         self._models[version] = model
         while len(self._models) > self.config.keep_versions:
@@ -158,7 +159,8 @@ class Verifier:
                 model = self.model(version)
             except (FileNotFoundError, KeyError, ValueError) as exc:
                 for i in idx:
-                    rejections[i].append(Rejection(code=RejectionCode.lease_mismatch, message=f"policy version {version} unavailable: {exc}"[: limits.MAX_MESSAGE_CHARS]))
+                    rejections[i].append(Rejection(code=RejectionCode.lease_mismatch,
+                        message=f"policy version {version} unavailable: {exc}"[: limits.MAX_MESSAGE_CHARS]))
                 continue
             for i, r in zip(idx, self._deep_check(model, [jobs[i] for i in idx], [rejections[i] for i in idx], tools)):
                 replayed[i] = r
@@ -169,23 +171,29 @@ class Verifier:
         sub, lease = job.submission, job.lease
         out: list[Rejection] = []
         if sub.lease_id != lease.lease_id:
-            out.append(Rejection(code=RejectionCode.lease_mismatch, message=f"submission is for lease {sub.lease_id}, not {lease.lease_id}"))
+            out.append(Rejection(code=RejectionCode.lease_mismatch,
+                message=f"submission is for lease {sub.lease_id}, not {lease.lease_id}"))
         if len(job.items) != len(lease.prompts):
-            out.append(Rejection(code=RejectionCode.lease_mismatch, message=f"{len(job.items)} task items for {len(lease.prompts)} lease prompts"))
+            out.append(Rejection(code=RejectionCode.lease_mismatch,
+                message=f"{len(job.items)} task items for {len(lease.prompts)} lease prompts"))
         if sub.policy_version < lease.min_policy_version:
-            out.append(Rejection(code=RejectionCode.lease_mismatch, message=f"policy version {sub.policy_version} is below the lease minimum {lease.min_policy_version}"))
+            out.append(Rejection(code=RejectionCode.lease_mismatch,
+                message=f"policy version {sub.policy_version} is below the lease minimum {lease.min_policy_version}"))
         if lease.generation_version is not None and sub.policy_version != lease.generation_version:
             out.append(Rejection(code=RejectionCode.lease_mismatch,
-                                 message=f"generated with version {sub.policy_version}; the lease was issued for version {lease.generation_version}"))
+                                 message=f"generated with version {sub.policy_version}; the lease was issued for "
+                                 f"version {lease.generation_version}"))
         if sub.model_hash != job.expected_model_hash:
-            out.append(Rejection(code=RejectionCode.wrong_model_hash, message=f"model hash {sub.model_hash[:12]}... is not the hash of version {sub.policy_version}"))
+            out.append(Rejection(code=RejectionCode.wrong_model_hash,
+                message=f"model hash {sub.model_hash[:12]}... is not the hash of version {sub.policy_version}"))
         for ci, c in enumerate(sub.completions):
             if c.prompt_index >= len(lease.prompts) or c.sample_index >= lease.samples_per_prompt:
                 out.append(Rejection(code=RejectionCode.lease_mismatch, completion_index=ci,
                                      message=f"prompt {c.prompt_index} / sample {c.sample_index} is not in the lease"))
             elif (c.env_mask is None) != (lease.environment is None):
                 out.append(Rejection(code=RejectionCode.lease_mismatch, completion_index=ci,
-                                     message="a multi-turn episode for a single-turn lease" if lease.environment is None else
+                                     message="a multi-turn episode for a single-turn lease"
+                                     if lease.environment is None else
                                      f"a single-turn completion for a lease of environment {lease.environment!r}"))
         if lease.environment is not None and not out:
             try:
@@ -216,7 +224,8 @@ class Verifier:
             for ci, c in enumerate(job.submission.completions):
                 seed = job.lease.prompts[c.prompt_index].seeds[c.sample_index]
                 for turn, call in episodes.tool_calls(env, c):
-                    requests.append(RewardRequest(TOOL_ENTRY, job.items[c.prompt_index], tool_text(call, seed), params, job.submission_id, returns="text"))
+                    requests.append(RewardRequest(TOOL_ENTRY, job.items[c.prompt_index], tool_text(call, seed), params,
+                        job.submission_id, returns="text"))
                     owners.append((job.submission_id, ci, turn))
         runs: ToolRuns = {}
         for (sid, ci, turn), result in zip(owners, self.rewards.score_many(requests) if requests else []):
@@ -228,8 +237,8 @@ class Verifier:
         if c.env_mask is None:
             return checks.check_termination(c.token_ids, c.finish_reason, job.lease.sampling, self.eos_ids)
         seed = job.lease.prompts[c.prompt_index].seeds[c.sample_index]
-        return episodes.check_episode(self.environment(job.lease.environment), job.items[c.prompt_index], seed, c, job.lease.sampling,
-                                      self.eos_ids, tools.get((job.submission_id, ci), {}))
+        return episodes.check_episode(self.environment(job.lease.environment), job.items[c.prompt_index], seed, c,
+                                      job.lease.sampling, self.eos_ids, tools.get((job.submission_id, ci), {}))
 
     def _termination(self, job: VerifyJob, tools: "ToolRuns") -> list[Rejection]:
         out = []
@@ -246,14 +255,16 @@ class Verifier:
         seed = int.from_bytes(hashlib.sha256(job.submission_id.encode()).digest()[:8], "little")
         return random.Random(seed).random() < rate
 
-    def _deep_check(self, model, jobs: list[VerifyJob], rejections: list[list[Rejection]], tools: "ToolRuns") -> list["Replayed"]:
+    def _deep_check(self, model, jobs: list[VerifyJob], rejections: list[list[Rejection]],
+        tools: "ToolRuns") -> list["Replayed"]:
         tol = self.tolerances
         sequences, sampling, seeds, where = [], [], [], []
         for j, job in enumerate(jobs):
             for ci, c in enumerate(job.submission.completions):
                 if c.token_ids.size and int(c.token_ids.max()) >= self.vocab_size:
                     rejections[j].append(Rejection(code=RejectionCode.lease_mismatch, completion_index=ci,
-                                                   message=f"token id {int(c.token_ids.max())} outside the vocabulary of {self.vocab_size}"))
+                                                   message=f"token id {int(c.token_ids.max())} outside the vocabulary "
+                                                   f"of {self.vocab_size}"))
                     continue
                 prompt = job.lease.prompts[c.prompt_index]
                 sequences.append((prompt.token_ids, c.token_ids))
@@ -284,7 +295,8 @@ class Verifier:
                     rejections[j].append(Rejection(code=RejectionCode(f.code), message=f.message, stats=f.stats))
         return out
 
-    def _check_completion(self, c, ci: int, ref, job: VerifyJob, tools: "ToolRuns") -> tuple[list[Rejection], np.ndarray | None, checks.DrawReport]:
+    def _check_completion(self, c, ci: int, ref, job: VerifyJob, tools: "ToolRuns") -> tuple[list[Rejection],
+        np.ndarray | None, checks.DrawReport]:
         """The completion's own findings, its per-token |logprob diff| for the submission's mean, and
         what the replay of its draws found. An episode's prefill covers all its positions; the proofs,
         logprobs and draws are checked on the model's positions only."""
@@ -303,8 +315,10 @@ class Verifier:
         chunk_checks = proofs.check_proofs(c.proofs, ref.hidden, tol.proof)
         for cc in chunk_checks:
             if not cc.ok:
-                code = RejectionCode.proof_malformed if cc.reason.startswith(("malformed", "proof missing", "proof for")) else RejectionCode.proof_mismatch
-                out.append(Rejection(code=code, chunk_index=cc.chunk_index, message=f"chunk {cc.chunk_index}: {cc.reason}", stats=cc.stats()))
+                code = RejectionCode.proof_malformed if cc.reason.startswith(("malformed", "proof missing",
+                    "proof for")) else RejectionCode.proof_mismatch
+                out.append(Rejection(code=code, chunk_index=cc.chunk_index,
+                    message=f"chunk {cc.chunk_index}: {cc.reason}", stats=cc.stats()))
                 break  # one failing chunk is enough; its stats say why
         diff = checks.logprob_diffs(c.logprobs, ref.stats)
         lp = diff if isinstance(diff, checks.Finding) else checks.check_logprob_max(diff, tol.logprob_max_abs_diff)
@@ -312,10 +326,12 @@ class Verifier:
             out.append(Rejection(code=RejectionCode(lp.code), message=lp.message, stats=lp.stats))
         drawn = checks.check_draws(ref.draw, token_ids, tol.draw_margin, tol.draw_margin_rel)
         if drawn.finding:
-            out.append(Rejection(code=RejectionCode(drawn.finding.code), message=drawn.finding.message, stats=drawn.finding.stats))
+            out.append(Rejection(code=RejectionCode(drawn.finding.code), message=drawn.finding.message,
+                stats=drawn.finding.stats))
         return out, None if isinstance(diff, checks.Finding) else diff, drawn
 
-    def _verdicts(self, jobs: Sequence[VerifyJob], rejections: list[list[Rejection]], replayed: list["Replayed | None"]) -> list[Verdict]:
+    def _verdicts(self, jobs: Sequence[VerifyJob], rejections: list[list[Rejection]],
+        replayed: list["Replayed | None"]) -> list[Verdict]:
         """Rejected jobs keep their reasons; the others get trusted rewards, every completion of every
         job scored in one call to the sandboxed reward pool (a time limit per completion), and, when
         spot-checked, our behaviour logprobs and near ties."""
@@ -333,15 +349,17 @@ class Verifier:
         out = []
         for j, job in enumerate(jobs):
             if rejections[j]:
-                out.append(Verdict(submission_id=job.submission_id, status=VerdictStatus.rejected, rejections=rejections[j][:1024], verified_tokens=0))
+                out.append(Verdict(submission_id=job.submission_id, status=VerdictStatus.rejected,
+                    rejections=rejections[j][:1024], verified_tokens=0))
                 continue
             scored = per_job.get(j, [])
             status = [RewardStatus(r.status.value) for r in scored]
             rep = replayed[j]
             out.append(Verdict(
                 submission_id=job.submission_id, status=VerdictStatus.accepted, rewards=[r.reward for r in scored],
-                reward_status=None if all(s is RewardStatus.ok for s in status) else status, verified_tokens=job.submission.model_tokens,
-                near_ties=rep.near_ties if rep else 0, max_draw_margin=rep.max_margin if rep else 0.0,
+                reward_status=None if all(s is RewardStatus.ok for s in status) else status,
+                verified_tokens=job.submission.model_tokens, near_ties=rep.near_ties if rep else 0,
+                max_draw_margin=rep.max_margin if rep else 0.0,
                 near_tie_allowance=self.tolerances.deviation_rate * rep.choices if rep else 0.0,
                 behaviour_logprobs=rep.logprobs if rep else None,
             ))

@@ -104,22 +104,27 @@ class Topology:
             _ip("netns", "del", ns, check=False)  # deleting a namespace deletes its veth ends
         self.made.clear()
 
-    def popen(self, host: str, cmd: list[str], log_path: Path, env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
+    def popen(self, host: str, cmd: list[str], log_path: Path, env: dict[str, str] | None = None,
+        **kw) -> subprocess.Popen:
         """Start `cmd` inside the host's namespace. `ip netns exec` execs the command, so the PID is the command's."""
         log = log_path.open("ab")
-        return subprocess.Popen(["ip", "netns", "exec", self.ns(host), *cmd], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, **kw)
+        return subprocess.Popen(["ip", "netns", "exec", self.ns(host), *cmd], stdout=log, stderr=subprocess.STDOUT,
+            env=env, start_new_session=True, **kw)
 
-    def http_get(self, host: str, url: str, headers: dict[str, str] | None = None, timeout_s: float = 10.0) -> tuple[int, str]:
+    def http_get(self, host: str, url: str, headers: dict[str, str] | None = None,
+        timeout_s: float = 10.0) -> tuple[int, str]:
         """GET `url` from inside a host's namespace (the test process itself is not on the virtual network)."""
         code = (
             "import json,sys,urllib.request,urllib.error\n"
             "req=urllib.request.Request(sys.argv[1],headers=json.loads(sys.argv[2]))\n"
-            "try:\n r=urllib.request.urlopen(req,timeout=float(sys.argv[3])); print(r.status); sys.stdout.write(r.read().decode())\n"
+            "try:\n r=urllib.request.urlopen(req,timeout=float(sys.argv[3])); print(r.status); "
+            "sys.stdout.write(r.read().decode())\n"
             "except urllib.error.HTTPError as e: print(e.code); sys.stdout.write(e.read().decode())\n"
             "except Exception as e: print(0); sys.stdout.write(repr(e))\n"
         )
         res = subprocess.run(
-            ["ip", "netns", "exec", self.ns(host), sys.executable, "-c", code, url, json.dumps(headers or {}), str(timeout_s)],
+            ["ip", "netns", "exec", self.ns(host), sys.executable, "-c", code, url, json.dumps(headers or {}),
+            str(timeout_s)],
             capture_output=True, text=True, timeout=timeout_s + 20,
         )
         status, _, body = res.stdout.partition("\n")
@@ -212,7 +217,8 @@ class Cluster:
     def start_run(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         key_path = self.out / "signing_key.pem"
-        res = subprocess.run([*SWARMRL, "shardcast", "keygen", "--out", str(key_path)], capture_output=True, text=True, cwd=REPO, env=child_env(), check=True)
+        res = subprocess.run([*SWARMRL, "shardcast", "keygen", "--out", str(key_path)], capture_output=True, text=True,
+            cwd=REPO, env=child_env(), check=True)
         self.public_key = json.loads(res.stdout.strip().splitlines()[-1])["public_key"]
         orch = self.topo.hosts["orch"]
         cmd = [
@@ -267,7 +273,8 @@ class Cluster:
             stop_process(self.procs["run"], timeout_s=60, sig=signal.SIGINT)
 
 
-def wait_for(predicate, timeout_s: float, what: str, procs: dict[str, subprocess.Popen] | None = None, poll_s: float = 0.5):
+def wait_for(predicate, timeout_s: float, what: str, procs: dict[str, subprocess.Popen] | None = None,
+    poll_s: float = 0.5):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
@@ -297,10 +304,12 @@ def launch(topo: Topology, out: Path, max_steps: int) -> Cluster:
     """Start orchestrator host, relay host and two worker hosts, in dependency order."""
     c = Cluster(topo, out, max_steps)
     c.start_run()
-    wait_for(lambda: c.healthy("orch", c.origin_url + "/v1/versions"), 120, "the shardcast origin on the orchestrator host", c.procs)
+    wait_for(lambda: c.healthy("orch", c.origin_url + "/v1/versions"), 120,
+        "the shardcast origin on the orchestrator host", c.procs)
     c.start_relay()
     wait_for(lambda: c.healthy("relay", c.relay_url + "/v1/versions"), 60, "the relay", c.procs)
-    wait_for(lambda: c.healthy("w1", c.orch_url + "/healthz"), 120, "the orchestrator API seen from worker host 1", c.procs)
+    wait_for(lambda: c.healthy("w1", c.orch_url + "/healthz"), 120, "the orchestrator API seen from worker host 1",
+        c.procs)
     wait_for(lambda: (c.run_dir / "base_model" / "config.json").exists(), 30, "the run's base model folder", c.procs)
     for host in ("w1", "w2"):
         c.start_worker(host)

@@ -21,7 +21,8 @@ SCRIPT = REPO / "bench" / "gpu_check.py"
 WHEELS_TXT = REPO / "bench" / "gpu_wheels.txt"
 DEVICE_IMAGE = ("torch", "transformers", "safetensors", "numpy", "peft")
 PARTS = ("setup", "trainer", "pretrain", "worker", "verify_cpu", "verify_gpu", "throughput")
-OFFLINE = re.compile(r"NewConnectionError|Network is unreachable|Temporary failure in name resolution|Failed to establish|ProxyError|timed out")
+OFFLINE = re.compile(r"NewConnectionError|Network is unreachable|Temporary failure in name resolution|Failed to "
+    r"establish|ProxyError|timed out")
 
 
 @pytest.fixture(scope="module")
@@ -30,16 +31,19 @@ def cpu_run(tmp_path_factory):
     started = time.monotonic()
     # One torch thread: on 2 cores that something else also uses, OpenMP's two threads wait on each other (the
     # worker part took 33 s instead of 12 at load average 2.5); on idle cores it costs a few seconds.
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--size", "tiny", "--out", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--size", "tiny", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=400, env={**os.environ,
+                          "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return json.loads((out / "gpu_check.json").read_text()), (out / "gpu_check.md").read_text(), time.monotonic() - started
+    return json.loads((out / "gpu_check.json").read_text()), (
+        out / "gpu_check.md").read_text(), time.monotonic() - started
 
 
 def test_cpu_run_passes_every_part_and_rejects_no_honest_completion(cpu_run):
     rep, md_text, wall = cpu_run
     parts = rep["parts"]
-    assert {n: p["status"] for n, p in parts.items()} == dict.fromkeys(PARTS, "ok"), {n: parts[n].get("traceback") for n in parts}
+    assert {n: p["status"] for n, p in parts.items()} == dict.fromkeys(PARTS, "ok"), {n: parts[n].get("traceback")
+        for n in parts}
     assert wall < 120, (wall, {n: p["seconds"] for n, p in parts.items()})  # the CI run stays under two minutes
     tiny = parts["trainer"]["tiny_fp32_step"]
     assert max(tiny["relative_difference"].values()) <= tiny["tolerance"]
@@ -59,7 +63,8 @@ def test_cpu_run_passes_every_part_and_rejects_no_honest_completion(cpu_run):
 
 def test_a_part_that_overruns_its_budget_is_recorded_and_the_run_goes_on(tmp_path):
     """The hard stop: setup gets 0.2 s, is stopped there, and every later part still runs (and fails: no model)."""
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--size", "tiny", "--out", str(tmp_path), "--budget", "setup=0.2"],
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--size", "tiny", "--out", str(tmp_path),
+        "--budget", "setup=0.2"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     parts = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]
@@ -105,16 +110,18 @@ def test_wheels_are_small_and_install_with_no_index(wheels, tmp_path):
     assert total < 40 * 2**20, f"{total / 2**20:.1f} MiB"
     # The script's own install (no index, no dependency resolution), for the GPU image's Python.
     line = next(x for x in WHEELS_TXT.read_text().splitlines() if "pip download" in x)
-    target = [a for a in shlex.split(line.lstrip("# ")) if a not in ("-d", "bench/gpu_wheels", "-r", "bench/gpu_wheels.txt")][4:]
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels), "--target", str(tmp_path / "site"),
-                           *target, "-r", str(WHEELS_TXT)], capture_output=True, text=True, timeout=300)
+    target = [a for a in shlex.split(line.lstrip("# ")) if a not in ("-d", "bench/gpu_wheels", "-r",
+        "bench/gpu_wheels.txt")][4:]
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels),
+                           "--target", str(tmp_path / "site"), *target, "-r", str(WHEELS_TXT)], capture_output=True,
+                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "site" / "pydantic").is_dir() and (tmp_path / "site" / "pydantic_core").is_dir()
 
 
 def test_the_script_installs_the_wheels_where_pydantic_is_missing(tmp_path):
-    """bench/gpu_check_lib.ensure_wheels in a bare virtual environment (no pydantic, as on the GPU image): the listed wheels, fetched
-    for this Python, installed with no index onto sys.path, are enough for the configs."""
+    """bench/gpu_check_lib.ensure_wheels in a bare virtual environment (no pydantic, as on the GPU image): the listed
+    wheels, fetched for this Python, installed with no index onto sys.path, are enough for the configs."""
     line = next(x for x in WHEELS_TXT.read_text().splitlines() if "pip download" in x)
     args = _download_command(tmp_path / "wheels")
     args[args.index("--python-version") + 1] = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -125,10 +132,11 @@ def test_the_script_installs_the_wheels_where_pydantic_is_missing(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "venv")], check=True, timeout=300)
     code = (f"import pathlib, sys; sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'bench')!r}]\n"
             f"import gpu_check_lib as m; m.WHEELS = pathlib.Path({str(tmp_path / 'wheels')!r})\n"
-            "print(m.ensure_wheels()); from verifier.config import VerifierConfig; from trainer.config import TrainerConfig\n"
+            "print(m.ensure_wheels()); from verifier.config import VerifierConfig; from trainer.config import "
+            "TrainerConfig\n"
             "print(VerifierConfig(dtype='bfloat16', device='cuda').device, TrainerConfig(bf16=True).bf16)")
-    proc = subprocess.run([str(tmp_path / "venv" / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=300,
-                          env={"PATH": "/usr/bin:/bin", "TMPDIR": str(tmp_path)})
+    proc = subprocess.run([str(tmp_path / "venv" / "bin" / "python"), "-c", code], capture_output=True, text=True,
+                          timeout=300, env={"PATH": "/usr/bin:/bin", "TMPDIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.splitlines() == [f"installed into {tmp_path / 'gpu_check_site'}", "cuda True"], proc.stdout
 
@@ -159,7 +167,9 @@ def test_a_run_imports_nothing_beyond_the_image_and_the_wheels(cpu_run):
     imports = set(cpu_run[0]["imports"])
     ours = {p.name for p in REPO.iterdir() if (p / "__init__.py").is_file()}
     allowed_dists = _image_closure() | {_norm(r) for r in _requirements()}
-    allowed = {mod for mod, dists in md.packages_distributions().items() if any(_norm(d) in allowed_dists for d in dists)}
+    allowed = {mod for mod, dists in md.packages_distributions().items() if any(_norm(d) in allowed_dists
+        for d in dists)}
     allowed |= set(sys.stdlib_module_names) | ours
     assert not imports - allowed, f"bench/gpu_check.py needs {sorted(imports - allowed)}: neither the GPU image's nor bench/gpu_wheels.txt's"
-    assert {"pydantic", "torch", "transformers", "numpy", "safetensors", "tokenizers", "protocol", "trainer", "verifier"} <= imports
+    assert {"pydantic", "torch", "transformers", "numpy", "safetensors", "tokenizers", "protocol", "trainer",
+        "verifier"} <= imports

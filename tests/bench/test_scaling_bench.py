@@ -34,9 +34,9 @@ def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("scaling")
     started = time.monotonic()
     # One torch thread: on 2 shared cores OpenMP's two threads wait on each other (as tests/bench/test_gpu_check.py).
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--models", "tiny", "--completions", "8", "--max-tokens", "4", "--out", str(out),
-                           "--work", str(out / "work"), "--fresh"], cwd=REPO, capture_output=True, text=True, timeout=400,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--models", "tiny", "--completions", "8", "--max-tokens", "4",
+                           "--out", str(out), "--work", str(out / "work"), "--fresh"], cwd=REPO, capture_output=True,
+                          text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return out, json.loads((out / "scaling.json").read_text()), time.monotonic() - started
 
@@ -48,11 +48,13 @@ def test_tiny_run_measures_every_part(tiny_run):
     assert set(PARTS) <= set(tiny["parts"]), sorted(tiny["parts"])
     assert tiny["info"]["parameters"] > 0 and tiny["info"]["vocab"] > 0 and tiny["info"]["layers"] > 0
     gen = tiny["parts"]["gen"]["runs"]
-    assert {r["variant"] for r in gen} == {"shipped", "vllm", "seeded"} and len(gen) == 3 * 2  # 2 rounds of each, alternated
+    # 2 rounds of each, alternated
+    assert {r["variant"] for r in gen} == {"shipped", "vllm", "seeded"} and len(gen) == 3 * 2
     assert [r["variant"] for r in gen[:3]] == ["shipped", "vllm", "seeded"]
     assert all(r["tokens"] > 0 and r["tokens_per_s"] > 0 for r in gen)
     ver = tiny["parts"]["verify"]["runs"]
-    assert len(ver) == 2 and all(r["accepted"] and r["tokens_per_s"] > 0 and r["verify_over_gen"] > 0 and r["parts_s"]["replay"] > 0 for r in ver)
+    assert len(ver) == 2 and all(r["accepted"] and r["tokens_per_s"] > 0 and r["verify_over_gen"] > 0
+        and r["parts_s"]["replay"] > 0 for r in ver)
     for lr in ("1e-06", "1e-05"):
         t = tiny["parts"][f"train_lr{lr}"]
         assert t["runs"] and all(r["completion_tokens_per_s"] > 0 for r in t["runs"])
@@ -62,8 +64,8 @@ def test_tiny_run_measures_every_part(tiny_run):
     assert len(rel) == 3 and all(r["reload_s"] > 0 and r["total_s"] >= r["reload_s"] for r in rel)
     s = tiny["summary"]
     assert s["false_rejections"] == 0
-    for key in ("gen_shipped_tokens_per_s", "verify_tokens_per_s", "verify_over_gen_time", "verify_replay_share", "train_tokens_per_s",
-                "train_peak_rss_bytes", "publish_to_generating_s"):
+    for key in ("gen_shipped_tokens_per_s", "verify_tokens_per_s", "verify_over_gen_time", "verify_replay_share",
+                "train_tokens_per_s", "train_peak_rss_bytes", "publish_to_generating_s"):
         assert s[key]["median"] > 0, key
     for key in ("sampler_overhead", "proofs_overhead"):
         assert len(s[key]["runs"]) == 2, key
@@ -82,10 +84,12 @@ def test_slopes_and_the_report_follow_the_numbers(tiny_run, tmp_path):
     big["info"]["parameters"] *= 100
     big["info"]["vocab"] *= 1000
     s = big["summary"]
-    for key, factor in (("verify_replay_s_per_token", 1000.0), ("full_bytes", 100.0), ("gen_shipped_s_per_token", 10.0)):
+    for key, factor in (("verify_replay_s_per_token", 1000.0), ("full_bytes", 100.0), ("gen_shipped_s_per_token",
+        10.0)):
         v = s[key]
         if isinstance(v, dict):
-            v.update(median=v["median"] * factor, min=v["min"] * factor, max=v["max"] * factor, runs=[x * factor for x in v["runs"]])
+            v.update(median=v["median"] * factor, min=v["min"] * factor, max=v["max"] * factor, runs=[x * factor
+                for x in v["runs"]])
         else:
             s[key] = v * factor
     models = {"tiny": tiny, "big": big}

@@ -26,7 +26,8 @@ DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "k8s"
 K8S_VERSION = "1.33.0"
 CLUSTER_SCOPED = {"Namespace", "PersistentVolume", "ClusterRole", "ClusterRoleBinding", "StorageClass"}
-KUSTOMIZE_KEYS = {"apiVersion", "kind", "namespace", "labels", "resources", "configMapGenerator", "secretGenerator", "images", "replicas", "patches"}
+KUSTOMIZE_KEYS = {"apiVersion", "kind", "namespace", "labels", "resources", "configMapGenerator", "secretGenerator",
+    "images", "replicas", "patches"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -41,7 +42,8 @@ def _generated(kind: str, gen: dict, root: Path) -> dict:
     for entry in gen.get("literals", []):
         key, _, value = entry.partition("=")
         data[key] = value
-    assert gen.get("options", {}).get("disableNameSuffixHash") is True, f"{gen['name']}: the renderer here does not add name hashes"
+    assert gen.get("options",
+        {}).get("disableNameSuffixHash") is True, f"{gen['name']}: the renderer here does not add name hashes"
     obj = {"apiVersion": "v1", "kind": kind, "metadata": {"name": gen["name"]}}
     obj["data" if kind == "ConfigMap" else "stringData"] = data
     return obj
@@ -169,7 +171,8 @@ def _pod_templates(objs: list[dict]) -> list[tuple[str, dict]]:
     for o in objs:
         if o["kind"] == "RayCluster":
             out.append((f"RayCluster/{o['metadata']['name']}/head", o["spec"]["headGroupSpec"]["template"]))
-            out += [(f"RayCluster/{o['metadata']['name']}/{g['groupName']}", g["template"]) for g in o["spec"]["workerGroupSpecs"]]
+            out += [(f"RayCluster/{o['metadata']['name']}/{g['groupName']}", g["template"])
+                for g in o["spec"]["workerGroupSpecs"]]
         elif o["kind"] in ("Deployment", "StatefulSet", "Job"):
             out.append((f"{o['kind']}/{o['metadata']['name']}", o["spec"]["template"]))
     return out
@@ -183,14 +186,16 @@ def _pod_templates(objs: list[dict]) -> list[tuple[str, dict]]:
 def test_every_manifest_validates_against_kubernetes_schemas(overlay, request):
     objs = request.getfixturevalue(overlay)
     kinds = {o["kind"] for o in objs}
-    assert {"Namespace", "Secret", "ConfigMap", "PersistentVolumeClaim", "RayCluster", "Service", "Deployment", "HorizontalPodAutoscaler", "Ingress"} <= kinds
+    assert {"Namespace", "Secret", "ConfigMap", "PersistentVolumeClaim", "RayCluster", "Service", "Deployment",
+        "HorizontalPodAutoscaler", "Ingress"} <= kinds
     for obj in objs:
         if obj["kind"] == "RayCluster":
             continue  # a CRD: checked below
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
     # The RayCluster's pod templates are core/v1 PodTemplateSpecs: validate them as Pods, strictly.
     for where, template in _pod_templates(objs):
-        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": template.get("metadata", {"name": "x"}) | {"name": "x"}, "spec": template["spec"]}
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": template.get("metadata", {"name": "x"}) | {"name": "x"},
+            "spec": template["spec"]}
         try:
             kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
         except kubernetes_validate.ValidationError as exc:
@@ -212,7 +217,8 @@ def test_raycluster_has_the_fields_kuberay_requires(base):
     rc = _one(base, "RayCluster")
     assert rc["apiVersion"] == "ray.io/v1"
     spec = rc["spec"]
-    assert set(spec) <= {"rayVersion", "enableInTreeAutoscaling", "headGroupSpec", "workerGroupSpecs", "headServiceAnnotations", "suspend", "autoscalerOptions"}
+    assert set(spec) <= {"rayVersion", "enableInTreeAutoscaling", "headGroupSpec", "workerGroupSpecs",
+        "headServiceAnnotations", "suspend", "autoscalerOptions"}
     ray_pin = re.search(r'ray\[default\]==([\d.]+)', (DEPLOY / "docker" / "Dockerfile.cluster").read_text())
     assert ray_pin and spec["rayVersion"] == ray_pin.group(1), "rayVersion must match the image's Ray"
     head = spec["headGroupSpec"]
@@ -230,7 +236,8 @@ def test_raycluster_has_the_fields_kuberay_requires(base):
         script = " ".join(g["template"]["spec"]["containers"][0]["args"])
         assert "KUBERAY_GEN_RAY_START_CMD" in script
     # GPUs where the run config asks for them (test_trainer_ranks_and_autoscaled_verifiers_match_the_config).
-    gpus = {g["groupName"]: g["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu") for g in groups}
+    gpus = {g["groupName"]: g["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu")
+        for g in groups}
     assert gpus == {"trainer": "4", "verifier": "1"}
     assert spec["enableInTreeAutoscaling"] is True
     assert spec["autoscalerOptions"]["upscalingMode"] in ("Default", "Aggressive", "Conservative")
@@ -259,10 +266,12 @@ def test_trainer_ranks_and_autoscaled_verifiers_match_the_config(overlay, reques
     cfg = load_run_config(tmp_path / "run.toml", environ={})
     rc = _one(objs, "RayCluster")["spec"]
     groups = {g["groupName"]: g for g in rc["workerGroupSpecs"]}
-    limits = {n: int(g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]) for n, g in groups.items()}
+    limits = {n: int(g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]) for n,
+        g in groups.items()}
 
     world_size = raw["trainer"]["world_size"]
-    assert isinstance(world_size, int) and world_size >= 2 and cfg.resources.trainer_placement == "PACK" and cfg.trainer.world_size == world_size
+    assert isinstance(world_size,
+        int) and world_size >= 2 and cfg.resources.trainer_placement == "PACK" and cfg.trainer.world_size == world_size
     trainer = groups["trainer"]
     assert trainer["minReplicas"] == trainer["replicas"] == trainer["maxReplicas"] == 1  # PACK: one pod
     assert limits["trainer"] == world_size * cfg.resources.trainer_gpus
@@ -276,7 +285,8 @@ def test_trainer_ranks_and_autoscaled_verifiers_match_the_config(overlay, reques
     # One actor per pod: its GPU and its custom resource take the pod's whole supply.
     assert limits["verifier"] == cfg.resources.verifier_gpus == 1
     assert _group_resources(verifier) == {"verifier": cfg.resources.verifier_resources["verifier"]}
-    assert cfg.resources.verifier_cpus <= int(verifier["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"])
+    assert cfg.resources.verifier_cpus <= int(
+        verifier["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"])
 
 
 def test_cross_references_resolve(production):
@@ -301,7 +311,8 @@ def test_cross_references_resolve(production):
             svc = _one(objs, "Service", backend["name"])
             assert backend["port"]["name"] in {p["name"] for p in svc["spec"]["ports"]}
     # Volumes and env refer to existing claims, ConfigMaps, Secrets and keys; probes to declared ports.
-    secrets = {o["metadata"]["name"]: o.get("stringData", {}) | o.get("data", {}) for o in objs if o["kind"] == "Secret"}
+    secrets = {o["metadata"]["name"]: o.get("stringData", {}) | o.get("data", {}) for o in objs
+        if o["kind"] == "Secret"}
     for where, t in templates:
         for v in t["spec"].get("volumes", []):
             if "persistentVolumeClaim" in v:
@@ -362,7 +373,8 @@ def test_configmap_run_toml_validates_and_matches_the_manifests(overlay, request
     (tmp_path / "run.toml").write_text(text)
     env = {k: v for k, v in _head_env(objs).items() if k.startswith("SWARMRL_")}
     cfg = load_config(tmp_path / "run.toml", environ=env)
-    assert [t.get_secret_value() for t in cfg.orchestrator.join_tokens] == json.loads(env["SWARMRL_ORCHESTRATOR__JOIN_TOKENS"])
+    assert [t.get_secret_value()
+        for t in cfg.orchestrator.join_tokens] == json.loads(env["SWARMRL_ORCHESTRATOR__JOIN_TOKENS"])
     assert cfg.orchestrator.admin_token.get_secret_value() == env["SWARMRL_ORCHESTRATOR__ADMIN_TOKEN"]
 
     # The config and the manifests agree on ports, paths and the topology.
@@ -371,12 +383,14 @@ def test_configmap_run_toml_validates_and_matches_the_manifests(overlay, request
     assert cfg.shardcast.origin_port == _one(objs, "Service", "swarmrl-origin")["spec"]["ports"][0]["targetPort"]
     assert cfg.orchestrator.port == _one(objs, "Service", "swarmrl-api")["spec"]["ports"][0]["targetPort"]
     ing = _one(objs, "Ingress")
-    relay_host = next(r["host"] for r in ing["spec"]["rules"] if r["http"]["paths"][0]["backend"]["service"]["name"] == "swarmrl-relay")
+    relay_host = next(r["host"] for r in ing["spec"]["rules"]
+        if r["http"]["paths"][0]["backend"]["service"]["name"] == "swarmrl-relay")
     assert cfg.shardcast.advertise_relay_urls == [f"https://{relay_host}"]
     assert cfg.resources.trainer_gpus >= 1 and cfg.resources.verifier_gpus >= 1
     rc = _one(objs, "RayCluster")["spec"]
     mounts = {g: {m["mountPath"] for m in t["spec"]["containers"][0]["volumeMounts"]} for g, t in
-              [("head", rc["headGroupSpec"]["template"])] + [(g["groupName"], g["template"]) for g in rc["workerGroupSpecs"]]}
+              [("head", rc["headGroupSpec"]["template"])] + [(g["groupName"], g["template"])
+              for g in rc["workerGroupSpecs"]]}
     run_dir = str(cfg.run_dir)
     assert cfg.output_dir in mounts["head"] and cfg.output_dir in mounts["trainer"] and cfg.output_dir in mounts["verifier"]
     assert f"{run_dir}/checkpoints" in mounts["trainer"]
@@ -453,7 +467,8 @@ def _k8s_commands(objs: list[dict]) -> list[tuple[str, list[str], dict[str, str]
                 ref = e.get("valueFrom", {}).get("secretKeyRef")
                 env[e["name"]] = secrets[ref["name"]][ref["key"]] if ref else e["value"]
             # Kubernetes expands $(VAR) in command/args from the container's env.
-            argv = [re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), a) for a in c.get("command", []) + c.get("args", [])]
+            argv = [re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), a) for a in c.get("command",
+                []) + c.get("args", [])]
             out += [(f"{where}/{c['name']}", a, env) for a in _swarmrl_argvs(argv)]
     return out
 
@@ -465,7 +480,8 @@ def _compose_commands() -> list[tuple[str, list[str], dict[str, str]]]:
 
     def interpolate(s: str) -> str:  # compose's ${VAR:-default}, ${VAR:?required} (a test value here) and $$
         s = re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: os.environ.get(m.group(1)) or m.group(2), s)
-        return re.sub(r"\$\{(\w+):\?[^}]*\}", lambda m: os.environ.get(m.group(1)) or f"test-{m.group(1).lower()}", s).replace("$$", "$")
+        return re.sub(r"\$\{(\w+):\?[^}]*\}", lambda m: os.environ.get(m.group(1)) or f"test-{m.group(1).lower()}",
+            s).replace("$$", "$")
 
     for name, svc in doc["services"].items():
         entry = svc.get("entrypoint", image_entrypoint)
@@ -492,7 +508,8 @@ def _dockerfile_commands() -> list[tuple[str, list[str], dict[str, str]]]:
         out += [(path.name, a, {}) for a in _swarmrl_argvs(entry + cmd)]
         if path.name == "Dockerfile.worker":
             # What a volunteer runs: `docker run IMAGE --orchestrator URL --join-token T --model M`.
-            out += [(path.name + " (volunteer)", a + ["--orchestrator", "https://api.example.org", "--join-token", "t", "--model", "Qwen/Qwen2.5-1.5B-Instruct"], {}) for a in _swarmrl_argvs(entry)]
+            out += [(path.name + " (volunteer)", a + ["--orchestrator", "https://api.example.org", "--join-token", "t",
+                "--model", "Qwen/Qwen2.5-1.5B-Instruct"], {}) for a in _swarmrl_argvs(entry)]
     return out
 
 
@@ -518,7 +535,8 @@ def _doc_commands() -> list[tuple[str, list[str], dict[str, str]]]:
 def _map_paths(argv: list[str], tmp_path: Path, objs: list[dict]) -> list[str]:
     """Container paths that --dry-run reads: the run TOML (from the ConfigMap) and the image's configs/."""
     (tmp_path / "run.toml").write_text(_one(objs, "ConfigMap", "swarmrl-run")["data"]["run.toml"])
-    mapping = {"/etc/swarmrl/run.toml": str(tmp_path / "run.toml"), "/src/configs/demo.toml": str(REPO / "configs" / "demo.toml")}
+    mapping = {"/etc/swarmrl/run.toml": str(tmp_path / "run.toml"),
+        "/src/configs/demo.toml": str(REPO / "configs" / "demo.toml")}
     return [mapping.get(a, a) for a in argv]
 
 
@@ -560,7 +578,8 @@ def test_every_swarmrl_command_in_manifests_compose_dockerfiles_and_docs_is_vali
     # Everything we ship runs swarmrl: the head (run), the relays, compose's services, the images.
     assert any("head" in w for w in where) and any("swarmrl-relay" in w for w in where)
     assert {"compose/orchestrator", "compose/relay", "compose/worker", "compose/keygen"} <= where
-    assert {"Dockerfile.worker", "Dockerfile.worker (volunteer)", "VOLUNTEER.md", "VOLUNTEER.md (docker run)", "OPERATOR.md"} <= where
+    assert {"Dockerfile.worker", "Dockerfile.worker (volunteer)", "VOLUNTEER.md", "VOLUNTEER.md (docker run)",
+        "OPERATOR.md"} <= where
     dry_runs = 0
     for place, argv, env in commands:
         argv = _map_paths(argv, tmp_path, production)
@@ -572,7 +591,8 @@ def test_every_swarmrl_command_in_manifests_compose_dockerfiles_and_docs_is_vali
             # The whole config resolution (TOML + SWARMRL_* env + overrides) with the real CLI.
             proc_env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMRL_")} | env
             argv = argv if "--dry-run" in argv else [*argv, "--dry-run"]
-            res = subprocess.run([sys.executable, "-m", "swarmrl", *argv], capture_output=True, text=True, env=proc_env, cwd=REPO, timeout=60)
+            res = subprocess.run([sys.executable, "-m", "swarmrl", *argv], capture_output=True, text=True,
+                env=proc_env, cwd=REPO, timeout=60)
             assert res.returncode == 0, f"{place}: `swarmrl {' '.join(argv)}` failed:\n{res.stdout[-1500:]}\n{res.stderr[-1500:]}"
             dry_runs += 1
     assert dry_runs >= 4
@@ -580,7 +600,8 @@ def test_every_swarmrl_command_in_manifests_compose_dockerfiles_and_docs_is_vali
 
 def test_command_check_rejects_a_bad_flag():
     with pytest.raises(AssertionError, match="no-such-flag"):
-        _click_check(["shardcast", "relay", "--upstream", "http://x", "--root", "/r", "--public-key", "k", "--no-such-flag", "1"])
+        _click_check(["shardcast", "relay", "--upstream", "http://x", "--root", "/r", "--public-key", "k",
+            "--no-such-flag", "1"])
     with pytest.raises(AssertionError, match="no subcommand"):
         _click_check(["orchestrate"])
 

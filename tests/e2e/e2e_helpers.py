@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parents[2]
 # workers generate (so reloads and staleness really happen).
 FAST = [
     "--model.init_size", "tiny",
-    "--model.init_pretrain_target", "null",  # the tiny model: the demo's 60 fixed steps (its quality bar is for the small one)
+    # the tiny model: the demo's 60 fixed steps (its quality bar is for the small one)
+    "--model.init_pretrain_target", "null",
     "--orchestrator.port", "0",
     "--orchestrator.samples_per_prompt", "4",
     "--orchestrator.prompts_per_lease", "2",
@@ -38,7 +39,8 @@ def start_run(out: Path, *overrides: str) -> subprocess.Popen:
     env["PYTHONUNBUFFERED"] = "1"
     log = (out / "driver.log").open("ab")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "swarmrl", "run", "--config", str(REPO / "configs" / "demo.toml"), "--output_dir", str(out), *FAST, *overrides],
+        [sys.executable, "-m", "swarmrl", "run", "--config", str(REPO / "configs" / "demo.toml"), "--output_dir",
+        str(out), *FAST, *overrides],
         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True,
     )
     proc.output_dir = out  # so a failed wait can print the run's logs
@@ -48,7 +50,8 @@ def start_run(out: Path, *overrides: str) -> subprocess.Popen:
 def log_tails(out: Path, chars: int = 3000) -> str:
     """The end of the driver's log and of every component's log under `out`: what a failed wait prints."""
     logs = [out / "driver.log", *sorted(out.glob("*/logs/*.log"))]
-    return "".join(f"\n--- {p.relative_to(out)} ---\n{p.read_text(errors='replace')[-chars:]}" for p in logs if p.exists())
+    return "".join(f"\n--- {p.relative_to(out)} ---\n{p.read_text(errors='replace')[-chars:]}" for p in logs
+        if p.exists())
 
 
 def wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None, poll_s: float = 0.5):

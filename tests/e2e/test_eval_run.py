@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from e2e_helpers import REPO, db, metrics, start_run, stop_run
 
 pytestmark = pytest.mark.e2e
@@ -45,14 +44,16 @@ def test_run_with_eval_logs_held_out_results_per_version(tmp_path):
     assert base["complete"] and base["prompts"] == 4  # version 0: the worker holds it from the start
 
     with db(run_dir) as con:
-        eval_leases = con.execute("SELECT prompt_indices, eval_version, body FROM leases WHERE eval_version IS NOT NULL").fetchall()
+        eval_leases = con.execute(
+            "SELECT prompt_indices, eval_version, body FROM leases WHERE eval_version IS NOT NULL").fetchall()
         train_leases = con.execute("SELECT prompt_indices FROM leases WHERE eval_version IS NULL").fetchall()
         buffered_eval = con.execute(
             "SELECT COUNT(*) FROM sample_groups g JOIN submissions s ON s.submission_id = g.submission_id "
             "JOIN leases l ON l.lease_id = s.lease_id WHERE l.eval_version IS NOT NULL"
         ).fetchone()[0]
         accepted_eval = con.execute(
-            "SELECT COUNT(*) FROM submissions s JOIN leases l ON l.lease_id = s.lease_id WHERE l.eval_version IS NOT NULL AND s.status = 'accepted'"
+            "SELECT COUNT(*) FROM submissions s JOIN leases l ON l.lease_id = s.lease_id WHERE l.eval_version IS NOT "
+            "NULL AND s.status = 'accepted'"
         ).fetchone()[0]
     held = {i for row in eval_leases for i in json.loads(row[0])}
     held_ids = {p["prompt_id"] for row in eval_leases for p in json.loads(row[2])["prompts"]}
@@ -67,8 +68,8 @@ def test_run_with_eval_logs_held_out_results_per_version(tmp_path):
     def offline_eval(name: str, *args: str) -> dict:
         out = tmp_path / f"{name}.json"
         res = subprocess.run(
-            [sys.executable, "-m", "swarmrl", "eval", *args, "--samples", "4", "--out", str(out), "--config", str(run_dir / "config.toml"),
-             "--worker.engine.kv_cache_bytes", str(64 << 20)],
+            [sys.executable, "-m", "swarmrl", "eval", *args, "--samples", "4", "--out", str(out), "--config",
+             str(run_dir / "config.toml"), "--worker.engine.kv_cache_bytes", str(64 << 20)],
             cwd=REPO, capture_output=True, text=True, timeout=600,
         )
         assert res.returncode == 0, res.stderr[-4000:]
@@ -80,7 +81,8 @@ def test_run_with_eval_logs_held_out_results_per_version(tmp_path):
     assert offline["policy_version"] == 6 and offline["prompts"] == 4 and offline["complete"]
     assert set(offline["prompt_ids"]) == held_ids
     check_record(offline, k=4)
-    published = offline_eval("published", "--checkpoint", str(run_dir / "weights" / "origin" / "v0000000006"), "--base-model", str(run_dir / "base_model"))
+    published = offline_eval("published", "--checkpoint", str(run_dir / "weights" / "origin" / "v0000000006"),
+        "--base-model", str(run_dir / "base_model"))
     # Same weights, same seeds: the same draws.
     for key in ("policy_version", "avg_reward", "pass_at", "mean_completion_tokens", "prompt_ids"):
         assert published[key] == offline[key], key

@@ -14,8 +14,8 @@ import random
 import sqlite3
 
 import pytest
-
 from e2e_helpers import log_tails, start_run, stop_run
+
 from swarmrl.audit import audit_run
 from tools.chaos import Chaos, restart_counts
 
@@ -68,7 +68,8 @@ def check(run_dir, kills, lines):
     for k in kills:
         if k.target == "orchestrator":
             back = con.execute(
-                "SELECT COUNT(*) FROM submissions s JOIN workers w ON w.worker_id = s.worker_id WHERE w.created_at < ? AND s.received_at > ?",
+                "SELECT COUNT(*) FROM submissions s JOIN workers w ON w.worker_id = s.worker_id WHERE w.created_at < "
+                "? AND s.received_at > ?",
                 (k.wall, k.wall),
             ).fetchone()[0]
             assert back > 0, ("no worker came back after the orchestrator restart", report)

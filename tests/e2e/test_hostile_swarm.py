@@ -25,8 +25,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from e2e_helpers import db, metrics, pids, start_run, stop_run, wait_for
+
 from protocol import api, limits
 from swarmrl.processes import free_port
 from tools.adversaries import Adversary, Cheater, Flooder, Hoarder, SlowReward
@@ -72,7 +72,8 @@ def test_a_hostile_swarm_cannot_stall_the_run(tmp_path):
         for a in adversaries:
             a.join(timeout=30)
         end_version = metrics(run_dir)[-1]["version"]
-        workers = {w["name"]: w for w in watch.get(api.WORKERS.path, headers={"Authorization": f"Bearer {ADMIN}"}).json()["workers"]}
+        workers = {w["name"]: w for w in watch.get(api.WORKERS.path,
+            headers={"Authorization": f"Bearer {ADMIN}"}).json()["workers"]}
     finally:
         stop.set()
         stop_run(proc)
@@ -92,7 +93,8 @@ def test_a_hostile_swarm_cannot_stall_the_run(tmp_path):
     # which grows as the other adversaries get banned but never passes half (the honest token is live too).
     assert hoarder.held_max <= 12 // 2 and hoarder.refused > 0
     # The flooder got nothing but refusals (4xx), never a 2xx for its junk.
-    assert set(flooder.statuses) <= {200, 401, 413, 422, 429} and flooder.statuses[200] == 2  # its token minting and registration
+    # its token minting and registration
+    assert set(flooder.statuses) <= {200, 401, 413, 422, 429} and flooder.statuses[200] == 2
     # The slow rewards were cut off at their time limit, and their groups dropped, never trained with a made-up
     # reward. Unchecked (new workers are not spot-checked here), the text is the worker's choice: a strike, so
     # the adversary was struck until banned. (A checked text is the policy's draw: never a strike.)
@@ -101,7 +103,8 @@ def test_a_hostile_swarm_cannot_stall_the_run(tmp_path):
         statuses = [json.loads(v).get("reward_status") for (v,) in con.execute(
             "SELECT verdict FROM submissions WHERE worker_id=? AND verdict IS NOT NULL", (slow.reg.worker_id,))]
         slow_groups = con.execute("SELECT COUNT(*) FROM sample_groups WHERE submission_id IN "
-                                  "(SELECT submission_id FROM submissions WHERE worker_id=?)", (slow.reg.worker_id,)).fetchone()[0]
+                                  "(SELECT submission_id FROM submissions WHERE worker_id=?)", (slow.reg.worker_id,
+                                  )).fetchone()[0]
         unscored = con.execute("SELECT value FROM meta WHERE key='groups_dropped_unscored'").fetchone()
     assert any(s and "timed_out" in s for s in statuses)
     assert slow_groups == 0 and unscored is not None and float(unscored[0]) > 0

@@ -11,7 +11,6 @@ import sys
 import time
 
 import pytest
-
 from e2e_helpers import REPO, metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -20,7 +19,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 def test_demo_reaches_reward_0_9_within_10_minutes(tmp_path):
     started = time.monotonic()
     out = subprocess.run(
-        [sys.executable, "-m", "swarmrl", "run", "--config", str(REPO / "configs" / "demo.toml"), "--output_dir", str(tmp_path), "--orchestrator.port", "0"],
+        [sys.executable, "-m", "swarmrl", "run", "--config", str(REPO / "configs" / "demo.toml"), "--output_dir",
+        str(tmp_path), "--orchestrator.port", "0"],
         capture_output=True, text=True, cwd=REPO, timeout=15 * 60,
     )
     wall_s = time.monotonic() - started  # the whole command: model making, start-up, training, shutdown

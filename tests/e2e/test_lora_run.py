@@ -13,7 +13,6 @@ import re
 
 import numpy as np
 import pytest
-
 from e2e_helpers import db, metrics, start_run, stop_run
 
 pytestmark = pytest.mark.e2e
@@ -24,8 +23,9 @@ STEPS = 12
 @pytest.mark.timeout(1500)  # making the small base model alone takes minutes on a loaded 2-core machine
 def test_lora_run_advances_versions_verifies_and_learns(tmp_path):
     proc = start_run(
-        tmp_path, "--name", "lora", "--model.init_size", "small", "--trainer.max_steps", str(STEPS), "--num_workers", "1",
-        "--model.init_pretrain_steps", "20", "--trainer.lora.enabled", "true", "--trainer.lora.rank", "8", "--trainer.lr", "1e-2",
+        tmp_path, "--name", "lora", "--model.init_size", "small", "--trainer.max_steps", str(STEPS), "--num_workers",
+        "1", "--model.init_pretrain_steps", "20", "--trainer.lora.enabled", "true", "--trainer.lora.rank", "8",
+        "--trainer.lr", "1e-2",
     )
     try:
         code = proc.wait(timeout=1400)
@@ -39,7 +39,8 @@ def test_lora_run_advances_versions_verifies_and_learns(tmp_path):
     assert [r["version"] for r in rows] == list(range(1, STEPS + 1))
     with db(run_dir) as con:
         trained = con.execute(
-            "SELECT s.behaviour_version, sub.status FROM samples s JOIN submissions sub ON sub.submission_id = s.submission_id WHERE s.status = 'trained'"
+            "SELECT s.behaviour_version, sub.status FROM samples s JOIN submissions sub ON sub.submission_id = "
+            "s.submission_id WHERE s.status = 'trained'"
         ).fetchall()
     assert len(trained) == STEPS * 16
     assert {status for _, status in trained} == {"accepted"}

@@ -12,10 +12,9 @@ import json
 import os
 import subprocess
 import sys
-import tomllib
 
 import pytest
-
+import tomllib
 from e2e_helpers import FAST, REPO, db, metrics, stop_run
 
 pytestmark = pytest.mark.e2e
@@ -47,7 +46,8 @@ def gsm8k_rows(n: int) -> list[dict]:
     rows = []
     for i in range(n):
         a, b = 1 + i % 4, 1 + (i * 3) % 5
-        rows.append({"question": f"sam has {a} pens and finds {b} more. how many pens now?", "answer": f"sam has {a} + {b} = {a + b} pens.\n#### {a + b}"})
+        rows.append({"question": f"sam has {a} pens and finds {b} more. how many pens now?",
+            "answer": f"sam has {a} + {b} = {a + b} pens.\n#### {a + b}"})
     rows.append({"question": "a very long question " * 20, "answer": "#### 1"})  # over max_prompt_tokens: dropped
     return rows
 
@@ -56,8 +56,10 @@ def test_math_recipe_trains_three_steps_on_a_gsm8k_style_dataset(tmp_path):
     import datasets
 
     data = tmp_path / "gsm8k"
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(gsm8k_rows(12)), "test": datasets.Dataset.from_list(gsm8k_rows(3))}).save_to_disk(str(data))
-    argv = [sys.executable, "-m", "swarmrl", "run", "--config", str(RECIPE), "--output_dir", str(tmp_path), *FAST, *CPU, "--data.path", str(data)]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(gsm8k_rows(12)),
+        "test": datasets.Dataset.from_list(gsm8k_rows(3))}).save_to_disk(str(data))
+    argv = [sys.executable, "-m", "swarmrl", "run", "--config", str(RECIPE), "--output_dir", str(tmp_path), *FAST,
+        *CPU, "--data.path", str(data)]
 
     # The recipe, with these overrides, resolves.
     dry = subprocess.run([*argv, "--dry-run"], capture_output=True, text=True, cwd=REPO, timeout=120)
@@ -92,7 +94,8 @@ def test_math_recipe_trains_three_steps_on_a_gsm8k_style_dataset(tmp_path):
     assert cfg.system_prompt == "answer with a number"
     ps = PromptSet.from_config(cfg, run_dir / "base_model", seed=0)
     assert len(ps) == 12 and ps.dropped["too_long"] == 1
-    assert sorted({p.item.answer for p in ps.prompts}) == sorted({str(r["answer"].split("#### ")[1]) for r in gsm8k_rows(12)[:12]})
+    assert sorted({p.item.answer for p in ps.prompts}) == sorted({str(r["answer"].split("#### ")[1])
+        for r in gsm8k_rows(12)[:12]})
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(run_dir / "base_model"))

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from e2e_helpers import REPO, metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -17,8 +16,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 def test_multiturn_demo_reward_rises_above_the_base_models(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "swarmrl", "run", "--config", str(REPO / "configs" / "multiturn-demo.toml"), "--output_dir", str(tmp_path),
-         "--orchestrator.port", "0"],
+        [sys.executable, "-m", "swarmrl", "run", "--config", str(REPO / "configs" / "multiturn-demo.toml"),
+         "--output_dir", str(tmp_path), "--orchestrator.port", "0"],
         capture_output=True, text=True, cwd=REPO, timeout=15 * 60,
     )
     assert out.returncode == 0, out.stderr[-3000:]

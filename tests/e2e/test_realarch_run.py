@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
+from e2e_helpers import db, metrics, start_run, stop_run
 from transformers import AutoTokenizer
 
-from e2e_helpers import db, metrics, start_run, stop_run
 from protocol.models import TaskLease
 
 pytestmark = pytest.mark.e2e
@@ -18,12 +18,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_run_makes_and_trains_a_qwen3_architecture_with_the_real_vocabulary(tmp_path, monkeypatch):
-    monkeypatch.setenv("SWARMRL_CACHE_DIR", str(tmp_path / "cache"))  # the trained tokenizer's cache: not the home folder
+    # the trained tokenizer's cache: not the home folder
+    monkeypatch.setenv("SWARMRL_CACHE_DIR", str(tmp_path / "cache"))
     # A random model scores 0 on the toy task everywhere (no group would have a signal): a reward with signal.
-    proc = start_run(tmp_path, "--name", "arch", "--trainer.max_steps", "3", "--num_workers", "1", "--stop_reward", "null",
-                     "--model.init_arch", "qwen3-0.6b", "--model.init_layers", "2", "--model.init_hidden", "64",
-                     "--model.init_pretrain_steps", "0", "--model.init_pretrain_target", "null", "--model.init_pretrain_max_steps", "0",
-                     "--data.reward", "length_parity:reward", "--verifier.rewards.import_paths", json.dumps([str(ROOT / "configs" / "rewards")]))
+    proc = start_run(tmp_path, "--name", "arch", "--trainer.max_steps", "3", "--num_workers", "1", "--stop_reward",
+                     "null", "--model.init_arch", "qwen3-0.6b", "--model.init_layers", "2", "--model.init_hidden", "64",
+                     "--model.init_pretrain_steps", "0", "--model.init_pretrain_target", "null",
+                     "--model.init_pretrain_max_steps", "0", "--data.reward", "length_parity:reward",
+                     "--verifier.rewards.import_paths", json.dumps([str(ROOT / "configs" / "rewards")]))
     try:
         code = proc.wait(timeout=600)
     finally:

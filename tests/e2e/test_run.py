@@ -3,26 +3,26 @@
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
-
+import tomllib
 from e2e_helpers import db, metrics, pid_alive, pids, start_run, stop_run, wait_for
 
 pytestmark = pytest.mark.e2e
 
 
 def test_short_run_advances_versions_and_trains_only_verified_samples(tmp_path):
-    proc = start_run(tmp_path, "--name", "ci", "--trainer.max_steps", "6", "--num_workers", "1", "--orchestrator.async_level", "1", "--trainer.max_staleness", "1")
+    proc = start_run(tmp_path, "--name", "ci", "--trainer.max_steps", "6", "--num_workers", "1",
+        "--orchestrator.async_level", "1", "--trainer.max_staleness", "1")
     try:
         code = proc.wait(timeout=300)
     finally:
@@ -32,7 +32,8 @@ def test_short_run_advances_versions_and_trains_only_verified_samples(tmp_path):
     assert code == 0, log[-4000:]
 
     # The run folder has everything a person needs.
-    for name in ("config.toml", "metrics.jsonl", "reward.png", "summary.md", "checkpoints", "logs/worker-0.log", "logs/relay-0.log"):
+    for name in ("config.toml", "metrics.jsonl", "reward.png", "summary.md", "checkpoints", "logs/worker-0.log",
+        "logs/relay-0.log"):
         assert (run_dir / name).exists(), name
     assert tomllib.loads((run_dir / "config.toml").read_text())["trainer"]["max_steps"] == 6
 
@@ -43,7 +44,8 @@ def test_short_run_advances_versions_and_trains_only_verified_samples(tmp_path):
 
     with db(run_dir) as con:
         trained = con.execute(
-            "SELECT s.behaviour_version, sub.status, sub.verdict FROM samples s JOIN submissions sub ON sub.submission_id = s.submission_id WHERE s.status = 'trained'"
+            "SELECT s.behaviour_version, sub.status, sub.verdict FROM samples s JOIN submissions sub ON "
+            "sub.submission_id = s.submission_id WHERE s.status = 'trained'"
         ).fetchall()
     assert len(trained) == 6 * 16
     # Every trained sample came from a submission that the verifier accepted.
@@ -53,7 +55,8 @@ def test_short_run_advances_versions_and_trains_only_verified_samples(tmp_path):
     # weights, and the worker says it hot-reloaded them.
     behaviour = [v for v, _, _ in trained]
     assert max(behaviour) >= 3
-    reloads = [int(m) for m in re.findall(r"reloaded policy version (\d+)", (run_dir / "logs" / "worker-0.log").read_text())]
+    reloads = [int(m) for m in re.findall(r"reloaded policy version (\d+)",
+        (run_dir / "logs" / "worker-0.log").read_text())]
     assert max(reloads) >= 3 and reloads == sorted(reloads)
     # Staleness stays within async_level: a sample trained at step k (version k-1 -> k) was generated
     # by a version >= k-1-async_level.
@@ -65,10 +68,12 @@ def reissued_prompts_done(run_dir: Path) -> bool:
     """local-0's expired leases exist, and every prompt in them is in a lease another worker completed."""
     with db(run_dir) as con:
         expired = con.execute(
-            "SELECT prompt_indices FROM leases WHERE status='expired' AND worker_id IN (SELECT worker_id FROM workers WHERE name='local-0')"
+            "SELECT prompt_indices FROM leases WHERE status='expired' AND worker_id IN (SELECT worker_id FROM workers "
+            "WHERE name='local-0')"
         ).fetchall()
         done = con.execute(
-            "SELECT prompt_indices FROM leases WHERE status='done' AND worker_id NOT IN (SELECT worker_id FROM workers WHERE name='local-0')"
+            "SELECT prompt_indices FROM leases WHERE status='done' AND worker_id NOT IN (SELECT worker_id FROM "
+            "workers WHERE name='local-0')"
         ).fetchall()
     done_prompts = {i for (row,) in done for i in json.loads(row)}
     return bool(expired) and {i for (row,) in expired for i in json.loads(row)} <= done_prompts
@@ -92,10 +97,12 @@ def test_faults_worker_killed_trainer_killed_tampering_worker(tmp_path):
         info = pids(run_dir)
         url = info["url"]
         # An operator watches the run through the HTTP API.
-        out = subprocess.run([sys.executable, "-m", "swarmrl", "status", "--orchestrator", url, "--admin-token", "demo-admin-token", "--json"], capture_output=True, text=True, timeout=60)
+        out = subprocess.run([sys.executable, "-m", "swarmrl", "status", "--orchestrator", url, "--admin-token",
+            "demo-admin-token", "--json"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout)["policy_version"] >= 1
-        refused = subprocess.run([sys.executable, "-m", "swarmrl", "status", "--orchestrator", url, "--admin-token", "wrong"], capture_output=True, text=True, timeout=60)
+        refused = subprocess.run([sys.executable, "-m", "swarmrl", "status", "--orchestrator", url, "--admin-token",
+            "wrong"], capture_output=True, text=True, timeout=60)
         assert refused.returncode == 1 and "401" in refused.stderr
 
         # 1. A worker killed mid-task: its lease expires and the prompts are done by the other worker.
@@ -103,7 +110,8 @@ def test_faults_worker_killed_trainer_killed_tampering_worker(tmp_path):
 
         def victim_open_leases() -> int:
             with db(run_dir) as con:
-                return con.execute("SELECT COUNT(*) FROM leases WHERE status='open' AND worker_id IN (SELECT worker_id FROM workers WHERE name='local-0')").fetchone()[0]
+                return con.execute("SELECT COUNT(*) FROM leases WHERE status='open' AND worker_id IN (SELECT "
+                    "worker_id FROM workers WHERE name='local-0')").fetchone()[0]
 
         # Freeze the worker first, then make sure it still holds an open lease: a submission already on
         # the wire when we looked would otherwise close the lease we meant to orphan.
@@ -119,7 +127,8 @@ def test_faults_worker_killed_trainer_killed_tampering_worker(tmp_path):
 
         # 2. A cheating worker: valid shape, forged proofs and tokens. It is rejected, then banned.
         # A join token of its own: bans reach every worker of the cheater's token (ban_scope = token).
-        minted = httpx.post(f"{url}/v1/join-tokens", json={"label": "cheater"}, headers={"Authorization": "Bearer demo-admin-token"}, timeout=30)
+        minted = httpx.post(f"{url}/v1/join-tokens", json={"label": "cheater"},
+            headers={"Authorization": "Bearer demo-admin-token"}, timeout=30)
         assert minted.status_code == 200, minted.text
         cheater = OrchestratorClient(url)
         reg = cheater.register(minted.json()["token"], "cheater")
@@ -134,14 +143,18 @@ def test_faults_worker_killed_trainer_killed_tampering_worker(tmp_path):
                 lease = resp.lease
                 # Fresh random tokens each time: identical rollouts would be refused as a replay instead.
                 comps = [
-                    Completion(prompt_index=i, sample_index=j, token_ids=rng.integers(3, 50, 8), logprobs=[-0.01] * 8, finish_reason="length", proofs=[b"\x00" * limits.MAX_PROOF_BYTES])
+                    Completion(prompt_index=i, sample_index=j, token_ids=rng.integers(3, 50, 8), logprobs=[-0.01] * 8,
+                    finish_reason="length", proofs=[b"\x00" * limits.MAX_PROOF_BYTES])
                     for i in range(len(lease.prompts)) for j in range(lease.samples_per_prompt)
                 ]
-                claimed = lease.generation_version if lease.generation_version is not None else lease.policy_version  # the pinned one
+                # the pinned one
+                claimed = lease.generation_version if lease.generation_version is not None else lease.policy_version
                 with db(run_dir) as con:
-                    model_hash = con.execute("SELECT model_hash FROM versions WHERE version=?", (claimed,)).fetchone()[0]
+                    model_hash = con.execute("SELECT model_hash FROM versions WHERE version=?", (claimed,
+                        )).fetchone()[0]
                 try:
-                    cheater.submit(RolloutSubmission(lease_id=lease.lease_id, policy_version=claimed, model_hash=model_hash, completions=comps))
+                    cheater.submit(RolloutSubmission(lease_id=lease.lease_id, policy_version=claimed,
+                        model_hash=model_hash, completions=comps))
                 except VersionTooOld:
                     cheater.release(lease.lease_id)
                     raise
@@ -163,7 +176,8 @@ def test_faults_worker_killed_trainer_killed_tampering_worker(tmp_path):
         assert pids(run_dir)["trainer"] != trainer_pid
         # The killed worker's lease expires after lease_timeout_s; its prompts then go to the queue of
         # re-issued prompts (the cheater may draw them first, and lose them again): wait for an honest finish.
-        wait_for(lambda: reissued_prompts_done(run_dir), 120, "the killed worker's prompts to be done by another worker", proc)
+        wait_for(lambda: reissued_prompts_done(run_dir), 120,
+            "the killed worker's prompts to be done by another worker", proc)
     finally:
         stop_run(proc)
 
@@ -173,14 +187,18 @@ def test_faults_worker_killed_trainer_killed_tampering_worker(tmp_path):
     assert versions == list(range(1, len(versions) + 1)), versions
     with db(run_dir) as con:
         victim_id = con.execute("SELECT worker_id FROM workers WHERE name='local-0'").fetchone()[0]
-        expired = con.execute("SELECT prompt_indices FROM leases WHERE worker_id=? AND status='expired'", (victim_id,)).fetchall()
+        expired = con.execute("SELECT prompt_indices FROM leases WHERE worker_id=? AND status='expired'", (victim_id,
+            )).fetchall()
         cheater_row = con.execute("SELECT worker_id, banned, strikes FROM workers WHERE name='cheater'").fetchone()
         cheater_trained = con.execute(
-            "SELECT COUNT(*) FROM samples s JOIN submissions sub ON sub.submission_id = s.submission_id WHERE sub.worker_id = ?", (cheater_row[0],)
+            "SELECT COUNT(*) FROM samples s JOIN submissions sub ON sub.submission_id = s.submission_id WHERE "
+            "sub.worker_id = ?", (cheater_row[0],)
         ).fetchone()[0]
-        rejected = con.execute("SELECT COUNT(*) FROM submissions WHERE worker_id=? AND status='rejected'", (cheater_row[0],)).fetchone()[0]
+        rejected = con.execute("SELECT COUNT(*) FROM submissions WHERE worker_id=? AND status='rejected'",
+            (cheater_row[0],)).fetchone()[0]
         # The killed worker's prompts were re-issued and completed by another worker.
-        other_leases = con.execute("SELECT prompt_indices FROM leases WHERE worker_id != ? AND status='done'", (victim_id,)).fetchall()
+        other_leases = con.execute("SELECT prompt_indices FROM leases WHERE worker_id != ? AND status='done'",
+            (victim_id,)).fetchall()
         twice = con.execute("SELECT sample_id, COUNT(*) c FROM samples GROUP BY sample_id HAVING c > 1").fetchall()
     assert expired, "the killed worker's lease never expired"
     done_prompts = {i for (row,) in other_leases for i in json.loads(row)}

@@ -9,7 +9,14 @@ import pytest
 from environments.base import EnvLimits, model_turns
 from environments.calculator import CalculatorEnv
 from environments.lookup import LookupEnv
-from environments.registry import ENVIRONMENTS, episode_reward, get_environment, item_from_wire, item_to_wire, reward_text
+from environments.registry import (
+    ENVIRONMENTS,
+    episode_reward,
+    get_environment,
+    item_from_wire,
+    item_to_wire,
+    reward_text,
+)
 from environments.tasks import get_task
 from protocol.models import Completion, SamplingParams
 from trainer.tiny_model import EOS_ID, make_tokenizer
@@ -76,7 +83,8 @@ def test_replies_are_deterministic_and_need_a_model_turn_last():
         e.reply(item, enc("?=1;"), [0, 1, 1, 1], seed=0)
 
 
-@pytest.mark.parametrize("call,shown", [("2+3*4", "=14;"), ("7/2", "=3.5;"), ("1/0", "=err;"), ("abc", "=err;"), ("(((", "=err;"), ("", "=err;")])
+@pytest.mark.parametrize("call,shown", [("2+3*4", "=14;"), ("7/2", "=3.5;"), ("1/0", "=err;"), ("abc", "=err;"),
+    ("(((", "=err;"), ("", "=err;")])
 def test_calculator_evaluates_arithmetic_and_reports_errors(call, shown):
     e, item = env("calculator"), get_task("countdown").make_prompts(1, seed=2)[0]
     ids = enc(call + "?")
@@ -120,13 +128,16 @@ SAMPLING = SamplingParams(max_tokens=24)
 
 def completion(ids, mask, finishes) -> Completion:
     n_model = mask.count(0)
-    return Completion(prompt_index=0, sample_index=0, token_ids=np.array(ids, np.int32), logprobs=np.full(n_model, -1.0, np.float32),
-                      finish_reason=finishes[-1], proofs=[b"p"] * -(-n_model // 32), env_mask=np.array(mask, np.uint8), turn_finish_reasons=finishes)
+    return Completion(prompt_index=0, sample_index=0, token_ids=np.array(ids, np.int32), logprobs=np.full(n_model,
+        -1.0, np.float32),
+                      finish_reason=finishes[-1], proofs=[b"p"] * -(-n_model // 32), env_mask=np.array(mask, np.uint8),
+                      turn_finish_reasons=finishes)
 
 
 def check(e, item, seed, c, sampling=None):
     """check_episode with the tool calls run in this process (the verifier runs them in its pool)."""
-    tools = {k: RewardResult(0.0, RewardStatus.ok, output=type(e).run_tool(item, call, seed)) for k, call in tool_calls(e, c)}
+    tools = {k: RewardResult(0.0, RewardStatus.ok, output=type(e).run_tool(item, call, seed)) for k,
+        call in tool_calls(e, c)}
     return check_episode(e, item, seed, c, sampling or SAMPLING, {EOS_ID}, tools)
 
 

@@ -88,13 +88,16 @@ def play(env, item, turns: list[list[int]], seed: int = 0):
 def completion(ids, mask) -> Completion:
     n_model = mask.count(0)
     finishes = ["stop"] * len(model_turns(np.array(mask)))
-    return Completion(prompt_index=0, sample_index=0, token_ids=np.array(ids, np.int32), logprobs=np.full(n_model, -1.0, np.float32),
-                      finish_reason="stop", proofs=[b"p"] * -(-n_model // 32), env_mask=np.array(mask, np.uint8), turn_finish_reasons=finishes)
+    return Completion(prompt_index=0, sample_index=0, token_ids=np.array(ids, np.int32), logprobs=np.full(n_model,
+        -1.0, np.float32),
+                      finish_reason="stop", proofs=[b"p"] * -(-n_model // 32), env_mask=np.array(mask, np.uint8),
+                      turn_finish_reasons=finishes)
 
 
 def replay(env, item, seed, c, eos: int):
     """The verifier's episode check, with the tool calls run here (the verifier runs them in its pool)."""
-    tools = {k: RewardResult(0.0, RewardStatus.ok, output=type(env).run_tool(item, call, seed)) for k, call in tool_calls(env, c)}
+    tools = {k: RewardResult(0.0, RewardStatus.ok, output=type(env).run_tool(item, call, seed)) for k,
+        call in tool_calls(env, c)}
     return check_episode(env, item, seed, c, SAMPLING, {eos}, tools)
 
 
@@ -108,7 +111,8 @@ def test_every_token_that_holds_the_delimiter_stops_a_turn(bpe):
     assert any(re.fullmatch(r".+\?.*", bpe.decode([t])) for t in holding)  # text before it: "6?\n", ")*7?\n"
     # The char tokenizer's are unchanged: "?" alone, through a bare encode or the tokenizer.
     assert env_of("calculator", CHAR).stop_token_ids == [CHAR.convert_tokens_to_ids("?")]
-    assert get_environment("calculator", lambda s: enc(CHAR, s), [EOS_ID]).stop_token_ids == [CHAR.convert_tokens_to_ids("?")]
+    assert get_environment("calculator", lambda s: enc(CHAR, s),
+        [EOS_ID]).stop_token_ids == [CHAR.convert_tokens_to_ids("?")]
 
 
 @pytest.mark.parametrize("split", ["canonical", "delimiter_inside", "one_token_per_char"])
@@ -134,7 +138,8 @@ def test_calculator_episode_matches_the_char_tokenizers(bpe, split):
     ids, mask, obs = play(env, item, [turn, answer], seed=3)
 
     char_env = env_of("calculator", CHAR)
-    char_ids, char_mask, char_obs = play(char_env, item, [enc(CHAR, call + "?"), enc(CHAR, item.answer) + [EOS_ID]], seed=3)
+    char_ids, char_mask, char_obs = play(char_env, item, [enc(CHAR, call + "?"), enc(CHAR, item.answer) + [EOS_ID]],
+        seed=3)
     value, _ = safe_arithmetic(call)
     assert bpe.decode(obs[0]) == CHAR.decode(char_obs[0]) == f"={int(value) if value == int(value) else value};"
     assert obs[0] == enc(bpe, bpe.decode(obs[0]))  # the environment's own encoding of its reply
@@ -186,6 +191,7 @@ def test_lookup_episode_on_bpe_tokens(bpe):
         ids, mask, obs = play(env, item, [call, enc(bpe, item.answer) + [bpe.eos_token_id]], seed=1)
         assert bpe.decode(obs[0]) == f"{item.answer}=" and multi_char(bpe, obs[0])
         a, b = env.answer_span(np.array(mask))
-        assert type(env).reward(item, bpe.decode(ids[a:b], skip_special_tokens=True), env.final_state(np.array(ids), np.array(mask))) == 1.0
+        assert type(env).reward(item, bpe.decode(ids[a:b], skip_special_tokens=True), env.final_state(np.array(ids),
+            np.array(mask))) == 1.0
         assert tool_calls(env, completion(ids, mask)) == [(0, "")]
         assert replay(env, item, 1, completion(ids, mask), bpe.eos_token_id) is None

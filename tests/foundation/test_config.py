@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
-from swarmrl.config import RunConfig, load_run_config as load_config
+from swarmrl.config import RunConfig
+from swarmrl.config import load_run_config as load_config
 from swarmrl.loading import ConfigError, dump_toml, parse_overrides
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,7 +47,8 @@ def test_gpu_recipes_autoscale_the_verifier_pool_and_fit_their_gpus():
 
 
 def test_overrides_take_precedence_and_are_typed():
-    cfg = load_config(DEMO, ["--trainer.lr", "1e-6", "--orchestrator.async_level=0", "--trainer.loss.normalizer", "sequence"], environ={})
+    cfg = load_config(DEMO, ["--trainer.lr", "1e-6", "--orchestrator.async_level=0", "--trainer.loss.normalizer",
+        "sequence"], environ={})
     assert cfg.trainer.lr == 1e-6
     assert cfg.orchestrator.async_level == 0
     assert cfg.trainer.loss.normalizer == "sequence"
@@ -65,7 +67,8 @@ def test_null_override_clears_an_optional_field():
 
 
 def test_environment_between_file_and_command_line():
-    env = {"SWARMRL_TRAINER__LR": "0.5", "SWARMRL_ORCHESTRATOR__ADMIN_TOKEN": "from-env", "SWARMRL_LOG_LEVEL": "DEBUG", "UNRELATED": "x"}
+    env = {"SWARMRL_TRAINER__LR": "0.5", "SWARMRL_ORCHESTRATOR__ADMIN_TOKEN": "from-env", "SWARMRL_LOG_LEVEL": "DEBUG",
+        "UNRELATED": "x"}
     cfg = load_config(DEMO, environ=env)
     assert cfg.trainer.lr == 0.5 and cfg.orchestrator.admin_token.get_secret_value() == "from-env" and cfg.log_level == "DEBUG"
     cfg = load_config(DEMO, ["--trainer.lr", "0.25"], environ=env)
@@ -116,7 +119,8 @@ SECRETS = {"orchestrator": {"admin_token", "join_tokens"}, "worker": {"join_toke
 
 
 def test_dump_round_trips_everything_but_the_secrets():
-    cfg = load_config(DEMO, ["--trainer.lr", "3e-4", "--orchestrator.admin_token", "s3cret-admin"], environ={"SWARMRL_WORKER__JOIN_TOKEN": "s3cret-join"})
+    cfg = load_config(DEMO, ["--trainer.lr", "3e-4", "--orchestrator.admin_token", "s3cret-admin"],
+        environ={"SWARMRL_WORKER__JOIN_TOKEN": "s3cret-join"})
     text = dump_toml(cfg)
     for secret in ("s3cret-admin", "s3cret-join", "demo-join-token"):
         assert secret not in text  # the run folder's config.toml and --dry-run show ********** instead
@@ -125,12 +129,15 @@ def test_dump_round_trips_everything_but_the_secrets():
 
 
 def test_dry_run_never_prints_secrets():
-    env = dict(os.environ, SWARMRL_ORCHESTRATOR__ADMIN_TOKEN="admin-from-env", SWARMRL_ORCHESTRATOR__JOIN_TOKENS='["join-from-env"]')
-    out = subprocess.run([sys.executable, "-m", "swarmrl", "run", "--dry-run", "--orchestrator.admin_token", "admin-from-flag"],
+    env = dict(os.environ, SWARMRL_ORCHESTRATOR__ADMIN_TOKEN="admin-from-env",
+        SWARMRL_ORCHESTRATOR__JOIN_TOKENS='["join-from-env"]')
+    out = subprocess.run([sys.executable, "-m", "swarmrl", "run", "--dry-run", "--orchestrator.admin_token",
+        "admin-from-flag"],
                          capture_output=True, text=True, cwd=REPO, env=env)
     assert out.returncode == 0, out.stderr
     assert "admin-from" not in out.stdout and "join-from-env" not in out.stdout and "**********" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "swarmrl", "worker", "--orchestrator", "http://x", "--join-token", "worker-secret", "--dry-run"],
+    out = subprocess.run([sys.executable, "-m", "swarmrl", "worker", "--orchestrator", "http://x", "--join-token",
+        "worker-secret", "--dry-run"],
                          capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert "worker-secret" not in out.stdout and "**********" in out.stdout
@@ -144,13 +151,16 @@ def test_demo_tokens_are_refused_on_a_non_loopback_address():
         with pytest.raises(ValueError, match="admin_token, join_tokens still hold the demo"):
             refuse_exposed_demo_secrets(OrchestratorConfig(host=host))
     with pytest.raises(ValueError, match="join_tokens"):
-        refuse_exposed_demo_secrets(OrchestratorConfig(host="0.0.0.0", admin_token="a-real-one", join_tokens=["CHANGE-ME-join-token"]))
-    refuse_exposed_demo_secrets(OrchestratorConfig(host="0.0.0.0", admin_token="a-real-one", join_tokens=["another-real-one"]))
+        refuse_exposed_demo_secrets(OrchestratorConfig(host="0.0.0.0", admin_token="a-real-one",
+            join_tokens=["CHANGE-ME-join-token"]))
+    refuse_exposed_demo_secrets(OrchestratorConfig(host="0.0.0.0", admin_token="a-real-one",
+        join_tokens=["another-real-one"]))
 
 
 def test_cli_dry_run_prints_resolved_config_and_errors_exit_2(tmp_path):
     swarmrl = [sys.executable, "-m", "swarmrl"]
-    out = subprocess.run(swarmrl + ["run", "--dry-run", "--trainer.lr", "7e-5"], capture_output=True, text=True, cwd=REPO)
+    out = subprocess.run(swarmrl + ["run", "--dry-run", "--trainer.lr", "7e-5"], capture_output=True, text=True,
+        cwd=REPO)
     assert out.returncode == 0, out.stderr
     resolved = tomllib.loads(out.stdout)
     assert resolved["trainer"]["lr"] == 7e-5
@@ -165,7 +175,8 @@ def test_cli_dry_run_prints_resolved_config_and_errors_exit_2(tmp_path):
 @pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "configs").glob("*.toml")))
 def test_every_recipe_resolves_with_dry_run(recipe, tmp_path):
     path = REPO / "configs" / recipe
-    out = subprocess.run([sys.executable, "-m", "swarmrl", "run", "--config", str(path), "--dry-run"], capture_output=True, text=True, cwd=REPO)
+    out = subprocess.run([sys.executable, "-m", "swarmrl", "run", "--config", str(path), "--dry-run"],
+        capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr
     resolved = RunConfig.model_validate(tomllib.loads(out.stdout))
     raw = tomllib.loads((REPO / "configs" / recipe).read_text())

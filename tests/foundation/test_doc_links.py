@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 # Documents that live outside the repository and must never be cited by it (spelled in pieces, so that this
 # file does not cite them either).
-OUTSIDE_DOCS = ("ARCHITECTURE" + ".md", "notes/" + "vllm-cpu.md", "notes/" + "anchors.md", "../" + "shared/", "shared/" + "notes/")
+OUTSIDE_DOCS = ("ARCHITECTURE" + ".md", "notes/" + "vllm-cpu.md", "notes/" + "anchors.md", "../" + "shared/",
+    "shared/" + "notes/")
 TEXT_SUFFIXES = {".py", ".md", ".toml", ".yaml", ".yml", ".sh", ".txt", ".cfg", ".ini"}
 TEXT_NAMES = {"Makefile"}
 SKIP_DIRS = {".git", ".venv", "node_modules", "__pycache__", ".pytest_cache", "runs", ".work"}
@@ -91,7 +92,8 @@ def broken_links(md_files: list[Path], root: Path = REPO) -> list[str]:
                 problems.append(f"{where}: no such file or folder")
             elif root.resolve() not in dest.parents and dest != root.resolve():
                 problems.append(f"{where}: outside the repository")
-            elif anchor and dest.suffix == ".md" and unquote(anchor).lower() not in anchors(dest.read_text(encoding="utf-8")):
+            elif anchor and dest.suffix == ".md" and unquote(anchor).lower() not in anchors(dest.read_text(
+                encoding="utf-8")):
                 problems.append(f"{where}: no heading with anchor #{anchor}")
     return problems
 
@@ -99,7 +101,8 @@ def broken_links(md_files: list[Path], root: Path = REPO) -> list[str]:
 def test_every_relative_link_in_the_markdown_leads_somewhere():
     md_files = [p for p in repo_files() if p.suffix == ".md"]
     assert any(p.name == "README.md" and p.parent == REPO for p in md_files)
-    assert sum(len(links(p.read_text(encoding="utf-8"))) for p in md_files) > 50, "the link finder found (almost) no links"
+    assert sum(len(links(p.read_text(encoding="utf-8")))
+        for p in md_files) > 50, "the link finder found (almost) no links"
     assert broken_links(md_files) == []
 
 
@@ -134,7 +137,8 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
         "[...](docs/page.md#no-such-heading): no heading with anchor #no-such-heading",
         "[...](docs/none.png): no such file or folder",
     ]
-    assert slug("What the verifier establishes, and what it does not") == "what-the-verifier-establishes-and-what-it-does-not"
+    assert slug(
+        "What the verifier establishes, and what it does not") == "what-the-verifier-establishes-and-what-it-does-not"
     assert slug("The worker's vLLM engine") == "the-workers-vllm-engine"
     assert slug("Installing before `swarmrl` is on PyPI") == "installing-before-swarmrl-is-on-pypi"
 

@@ -12,7 +12,8 @@ from swarmrl.offline_eval import resolve_model
 
 
 def test_a_folder_that_is_not_a_model_is_refused(tmp_path):
-    result = CliRunner().invoke(app, ["eval", "--checkpoint", str(tmp_path), "--samples", "2", "--out", str(tmp_path / "r.json")])
+    result = CliRunner().invoke(app, ["eval", "--checkpoint", str(tmp_path), "--samples", "2", "--out",
+        str(tmp_path / "r.json")])
     assert result.exit_code == 2
     assert "cannot evaluate" in result.output and "neither a checkpoint" in result.output
     assert not (tmp_path / "r.json").exists()
@@ -52,13 +53,15 @@ def test_status_and_live_view_show_the_newest_evaluation():
     from swarmrl.live_view import render
     from swarmrl.status_view import render_status
 
-    ev = EvalResult(policy_version=4, prompts=3, prompts_planned=4, samples_per_prompt=8, avg_reward=0.625, pass_at={"1": 0.5, "8": 0.75},
-                    mean_completion_tokens=6.5, complete=False, finished_at=1.0)
-    st = RunStatus(run_name="r", step=5, policy_version=5, async_level=1, buffer_depth=0, workers_online=1, acceptance_rate=1.0,
-                   submissions_accepted=1, submissions_rejected=0, groups_dropped_zero_signal=0, samples_dropped_stale=0,
-                   rollout_tokens_per_s=0.0, trained_samples_per_s=0.0, eval_latest=ev, evals_open=1)
+    ev = EvalResult(policy_version=4, prompts=3, prompts_planned=4, samples_per_prompt=8, avg_reward=0.625,
+                    pass_at={"1": 0.5, "8": 0.75}, mean_completion_tokens=6.5, complete=False, finished_at=1.0)
+    st = RunStatus(run_name="r", step=5, policy_version=5, async_level=1, buffer_depth=0, workers_online=1,
+                   acceptance_rate=1.0, submissions_accepted=1, submissions_rejected=0, groups_dropped_zero_signal=0,
+                   samples_dropped_stale=0, rollout_tokens_per_s=0.0, trained_samples_per_s=0.0, eval_latest=ev,
+                   evals_open=1)
     want = "eval of version 4: avg@8 0.625, pass@1 0.500, pass@8 0.750, 6.5 tokens (partial: 3/4 prompts)"
-    for draw in (lambda c: render_status(st, c), lambda c: c.print(render(SimpleNamespace(progress=Progress(status=st), cfg=RunConfig(), url="u")))):
+    for draw in (lambda c: render_status(st, c), lambda c: c.print(render(SimpleNamespace(progress=Progress(status=st),
+        cfg=RunConfig(), url="u")))):
         out = io.StringIO()
         draw(Console(file=out, width=300))
         assert want in out.getvalue()

@@ -7,11 +7,13 @@ dependency): `from a import b` is an edge to the module `a.b` when that is a mod
 from __future__ import annotations
 
 import ast
-import tomllib
 from pathlib import Path
 
+import tomllib
+
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("protocol", "shardcast", "verifier", "environments", "inference_worker", "trainer", "orchestrator", "swarmrl")
+PACKAGES = ("protocol", "shardcast", "verifier", "environments", "inference_worker", "trainer", "orchestrator",
+    "swarmrl")
 # What each package may import of ours: whole packages, or single modules (docs/architecture.md's table).
 MAY_IMPORT = {
     "protocol": set(),
@@ -19,8 +21,10 @@ MAY_IMPORT = {
     # shardcast.adapter: what a LoRA version holds (adapter, config, base hash), read by all three sides.
     "verifier": {"protocol", "shardcast.adapter", "environments"},
     "environments": {"protocol"},  # the tasks (prompts and their rewards) live here: environments.tasks
-    "inference_worker": {"protocol", "shardcast.client", "shardcast.config", "shardcast.adapter", "verifier.proofs", "environments"},
-    "trainer": {"protocol", "shardcast.origin", "shardcast.precision", "shardcast.adapter"},  # precision: the published cast of the master
+    "inference_worker": {"protocol", "shardcast.client", "shardcast.config", "shardcast.adapter", "verifier.proofs",
+    "environments"},
+    # precision: the published cast of the master
+    "trainer": {"protocol", "shardcast.origin", "shardcast.precision", "shardcast.adapter"},
     "orchestrator": {"protocol", "verifier", "trainer.advantages", "environments"},
     "swarmrl": {"protocol", "shardcast", "verifier", "environments", "inference_worker", "trainer", "orchestrator"},
 }
@@ -42,7 +46,8 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names]
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                for a in node.names]
         else:
             continue
         out |= {n for n in names if n.split(".")[0] in (*PACKAGES, "tools")}
@@ -112,7 +117,8 @@ def test_installed_packages_import_nothing_from_tools():
     (the calibration command is `python -m tools.calibrate`, not a `swarmrl` subcommand)."""
     installed = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
     assert sorted(installed) == sorted(PACKAGES)
-    assert [f"{src} imports {dst}" for src, targets in sorted(graph(REPO).items()) for dst in sorted(targets) if dst.split(".")[0] == "tools"] == []
+    assert [f"{src} imports {dst}" for src, targets in sorted(graph(REPO).items()) for dst in sorted(targets)
+        if dst.split(".")[0] == "tools"] == []
 
 
 def test_no_import_cycles():

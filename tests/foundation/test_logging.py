@@ -7,7 +7,8 @@ from swarmrl.logs import JsonFormatter, KeyValueFormatter, configure_logging
 
 
 def test_json_lines_carry_structured_fields():
-    record = logging.makeLogRecord({"name": "swarmrl.test", "levelname": "WARNING", "levelno": 30, "msg": "lease %s expired", "args": ("l-1",), "worker_id": "w-7"})
+    record = logging.makeLogRecord({"name": "swarmrl.test", "levelname": "WARNING", "levelno": 30,
+        "msg": "lease %s expired", "args": ("l-1",), "worker_id": "w-7"})
     out = json.loads(JsonFormatter().format(record))
     assert out["msg"] == "lease l-1 expired" and out["level"] == "warning" and out["worker_id"] == "w-7"
 

@@ -46,7 +46,8 @@ def test_peaks_are_the_high_water_mark_by_component_and_children_are_counted_und
 
 
 def test_a_process_that_ended_keeps_its_last_sampled_peak():
-    proc = subprocess.Popen([sys.executable, "-c", "b = bytearray(100 << 20); import time; print('up', flush=True); time.sleep(60)"],
+    proc = subprocess.Popen([sys.executable, "-c",
+        "b = bytearray(100 << 20); import time; print('up', flush=True); time.sleep(60)"],
                             stdout=subprocess.PIPE, text=True)
     proc.stdout.readline()
     peaks = MemoryPeaks(period_s=0.0)

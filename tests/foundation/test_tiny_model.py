@@ -86,17 +86,20 @@ def test_init_model_cli(tmp_path):
 
     from swarmrl.cli import app
 
-    res = CliRunner().invoke(app, ["init-model", "--out", str(tmp_path / "m"), "--size", "tiny", "--seed", "5", "--no-tie-embeddings"])
+    res = CliRunner().invoke(app, ["init-model", "--out", str(tmp_path / "m"), "--size", "tiny", "--seed", "5",
+        "--no-tie-embeddings"])
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "m" / "config.json").read_text())["tie_word_embeddings"] is False
     res = CliRunner().invoke(app, ["init-model", "--out", str(tmp_path / "x"), "--size", "huge"])
     assert res.exit_code != 0
-    res = CliRunner().invoke(app, ["init-model", "--out", str(tmp_path / "p"), "--size", "tiny", "--pretrain-steps", "2"])
+    res = CliRunner().invoke(app, ["init-model", "--out", str(tmp_path / "p"), "--size", "tiny", "--pretrain-steps",
+        "2"])
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "p" / "swarmrl_model.json").read_text())["pretrain_steps"] == 2
     res = CliRunner().invoke(app, ["init-model", "--out", str(tmp_path / "q"), "--pretrain-steps", "-1"])
     assert res.exit_code != 0
-    res = CliRunner().invoke(app, ["init-model", "--out", str(tmp_path / "t"), "--pretrain-steps", "2", "--pretrain-target", "1", "--pretrain-max-steps", "4"])
+    res = CliRunner().invoke(app, ["init-model", "--out", str(tmp_path / "t"), "--pretrain-steps", "2",
+        "--pretrain-target", "1", "--pretrain-max-steps", "4"])
     assert res.exit_code == 0 and "pretrain steps 4" in res.output, res.output  # an unreachable bar: the cap
     assert json.loads((tmp_path / "t" / "swarmrl_model.json").read_text())["pretrain_max_steps"] == 4
     res = CliRunner().invoke(app, ["init-model", "--out", str(tmp_path / "u"), "--pretrain-target", "1.5"])
@@ -124,11 +127,14 @@ def test_transformers_and_vllm_agree_on_greedy_tokens(fixture, request, tmp_path
     want = []
     with torch.no_grad():
         for ids in prompts:
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                pad_token_id=0)
             want.append(out[0, len(ids):].tolist())
-    llm = LLM(str(model_dir), distributed_executor_backend="uni", enforce_eager=True, kv_cache_memory_bytes=32 << 20, dtype="float32", max_model_len=256, seed=0)
+    llm = LLM(str(model_dir), distributed_executor_backend="uni", enforce_eager=True, kv_cache_memory_bytes=32 << 20,
+        dtype="float32", max_model_len=256, seed=0)
     try:
-        outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], SamplingParams(temperature=0.0,
+            max_tokens=12, ignore_eos=True), use_tqdm=False)
         got = [list(o.outputs[0].token_ids) for o in outs]
     finally:
         del llm
@@ -170,7 +176,8 @@ def test_pretraining_to_a_target_stops_at_the_first_check_that_reaches_it(tmp_pa
     import random
 
     checked = pretrain_corpus(256, random.Random("echo-check-3"))  # the lines the rule checks
-    before = AutoModelForCausalLM.from_pretrained(init_model(tmp_path / "before", "tiny", seed=3, pretrain_steps=steps - 10))
+    before = AutoModelForCausalLM.from_pretrained(init_model(tmp_path / "before", "tiny", seed=3,
+        pretrain_steps=steps - 10))
     assert echo_accuracy(before, checked) < target
 
 
@@ -199,7 +206,8 @@ def test_echo_accuracy_is_greedy_decoding_exact_match(tmp_path):
         for line in lines:
             prompt, answer = line.split("=")
             ids = torch.tensor([tok(prompt + "=")["input_ids"]])
-            out = model.generate(ids, max_new_tokens=len(answer) + 1, do_sample=False, eos_token_id=None, pad_token_id=0)
+            out = model.generate(ids, max_new_tokens=len(answer) + 1, do_sample=False, eos_token_id=None,
+                pad_token_id=0)
             right += out[0, ids.shape[1]:].tolist() == tok(answer)["input_ids"] + [EOS_ID]
     assert 0 < right < len(lines)  # neither all wrong nor all right: the comparison says something
     assert echo_accuracy(model, lines) == right / len(lines)

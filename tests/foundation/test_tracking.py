@@ -9,7 +9,7 @@ import pytest
 
 from swarmrl.config import RunConfig
 from swarmrl.run_dir import RunDir
-from swarmrl.tracking import TrackingConfig, Trackers, make_trackers
+from swarmrl.tracking import Trackers, TrackingConfig, make_trackers
 
 RECORDS = [
     {"step": s, "version": s, "reward_mean": 0.1 * s, "loss": 1.0 / s, "staleness": {"0": 16}, "acceptance_rate": None}

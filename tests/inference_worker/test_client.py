@@ -6,8 +6,8 @@ import httpx
 import numpy as np
 import pytest
 import zstandard
-
 from contract_server import JOIN_TOKEN, ContractServer, Knobs, free_port
+
 from inference_worker import client as c
 from protocol import limits
 from protocol.models import Completion, FinishReason, Heartbeat, RolloutSubmission, WorkerState
@@ -24,7 +24,9 @@ def completions(lease, n_tokens=5):
     out = []
     for pi, _ in enumerate(lease.prompts):
         for si in range(lease.samples_per_prompt):
-            out.append(Completion(prompt_index=pi, sample_index=si, token_ids=np.full(n_tokens, 7, np.int32), logprobs=np.full(n_tokens, -1.0, np.float32), finish_reason=FinishReason.length, proofs=[b"\x01\x02"] * ((n_tokens + 31) // 32)))
+            out.append(Completion(prompt_index=pi, sample_index=si, token_ids=np.full(n_tokens, 7, np.int32),
+                logprobs=np.full(n_tokens, -1.0, np.float32), finish_reason=FinishReason.length,
+                proofs=[b"\x01\x02"] * ((n_tokens + 31) // 32)))
     return out
 
 
@@ -35,7 +37,8 @@ def test_register_lease_submit_verdict(server):
     ack = cl.heartbeat(Heartbeat(state=WorkerState.idle, loaded_policy_version=0))
     assert ack.min_policy_version == 0
     lease = cl.lease(0, max_prompts=1).lease
-    sub = RolloutSubmission(lease_id=lease.lease_id, policy_version=0, model_hash="a" * 64, completions=completions(lease))
+    sub = RolloutSubmission(lease_id=lease.lease_id, policy_version=0, model_hash="a" * 64,
+        completions=completions(lease))
     receipt = cl.submit(sub)
     assert receipt.lease_id == lease.lease_id
     got = server.record.submissions[lease.lease_id]
@@ -57,7 +60,8 @@ def test_submission_is_zstd_compressed():
 
     cl = c.OrchestratorClient("http://test", secret="s" * 32, transport=httpx.MockTransport(handler))
     lease_like = type("L", (), {"prompts": [0], "samples_per_prompt": 1})
-    cl.submit(RolloutSubmission(lease_id="l1", policy_version=0, model_hash="a" * 64, completions=completions(lease_like)))
+    cl.submit(RolloutSubmission(lease_id="l1", policy_version=0, model_hash="a" * 64,
+        completions=completions(lease_like)))
     assert seen["encoding"] == "zstd" and seen["auth"] == "Bearer " + "s" * 32
     assert RolloutSubmission.model_validate_json(seen["body"]).lease_id == "l1"
 
@@ -74,7 +78,8 @@ def test_typed_errors(server):
     server.knobs.policy_version = 0
     lease = cl.lease(0).lease
     server.knobs.expire_submissions = 1
-    sub = RolloutSubmission(lease_id=lease.lease_id, policy_version=0, model_hash="a" * 64, completions=completions(lease))
+    sub = RolloutSubmission(lease_id=lease.lease_id, policy_version=0, model_hash="a" * 64,
+        completions=completions(lease))
     with pytest.raises(c.LeaseExpired):
         cl.submit(sub)
     with pytest.raises(c.NotFound):
@@ -94,7 +99,8 @@ def test_non_errorbody_4xx_and_rate_limit_retry():
         return httpx.Response(413, text="<html>too big</html>")
 
     sleeps = []
-    cl = c.OrchestratorClient("http://test", secret="s" * 32, transport=httpx.MockTransport(handler), sleep=sleeps.append)
+    cl = c.OrchestratorClient("http://test", secret="s" * 32, transport=httpx.MockTransport(handler),
+        sleep=sleeps.append)
     with pytest.raises(c.PayloadTooLarge):
         cl.lease(0)
     assert len(calls) == 2 and sleeps == [0.01]
@@ -102,7 +108,8 @@ def test_non_errorbody_4xx_and_rate_limit_retry():
 
 def test_network_errors_retry_with_backoff_then_give_up():
     sleeps = []
-    cl = c.OrchestratorClient(f"http://127.0.0.1:{free_port()}", retries=4, backoff_initial_s=0.1, backoff_max_s=0.3, sleep=sleeps.append)
+    cl = c.OrchestratorClient(f"http://127.0.0.1:{free_port()}", retries=4, backoff_initial_s=0.1, backoff_max_s=0.3,
+        sleep=sleeps.append)
     with pytest.raises(c.OrchestratorUnavailable, match="5 attempts"):
         cl.register(JOIN_TOKEN, "tester")
     assert len(sleeps) == 4
@@ -117,6 +124,7 @@ def test_oversized_submission_is_refused_before_sending(monkeypatch):
     cl = c.OrchestratorClient("http://test", secret="s" * 32, transport=httpx.MockTransport(handler))
     monkeypatch.setattr(limits, "MAX_BODY_BYTES", 50)
     lease_like = type("L", (), {"prompts": [0], "samples_per_prompt": 1})
-    sub = RolloutSubmission(lease_id="l1", policy_version=0, model_hash="a" * 64, completions=completions(lease_like, 300))
+    sub = RolloutSubmission(lease_id="l1", policy_version=0, model_hash="a" * 64, completions=completions(lease_like,
+        300))
     with pytest.raises(c.PayloadTooLarge):
         cl.submit(sub)

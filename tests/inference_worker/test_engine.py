@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from iw_helpers import make_lease
+
 from protocol.models import FinishReason, RolloutSubmission
 
 PROMPTS = [[1, 10, 11, 12, 13], [1, 20, 21, 22, 23, 24, 25, 26]]
@@ -34,7 +34,8 @@ def hf_forward(model, prompt: list[int], completion: list[int]):
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+            pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 

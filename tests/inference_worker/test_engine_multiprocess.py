@@ -8,7 +8,6 @@ import shutil
 
 import pytest
 import torch
-
 from iw_helpers import make_lease
 
 
@@ -22,7 +21,8 @@ def mp_engine(tiny_model_dir, tmp_path_factory):
     old = os.environ.get("VLLM_RPC_BASE_PATH")
     os.environ["VLLM_RPC_BASE_PATH"] = str(sockets)
     try:
-        engine = RolloutEngine(tiny_model_dir, EngineConfig(max_model_len=256, kv_cache_bytes=32 << 20, multiprocess=True))
+        engine = RolloutEngine(tiny_model_dir, EngineConfig(max_model_len=256, kv_cache_bytes=32 << 20,
+            multiprocess=True))
     finally:
         if old is None:
             os.environ.pop("VLLM_RPC_BASE_PATH")
@@ -34,8 +34,8 @@ def mp_engine(tiny_model_dir, tmp_path_factory):
 
 
 def test_multiprocess_matches_in_process(mp_engine, tied_engine, tiny_model_dir, tmp_path):
-    from test_reload import perturbed, vllm_greedy, PROMPTS, N
     from test_engine import hf_greedy
+    from test_reload import PROMPTS, N, perturbed, vllm_greedy
 
     assert mp_engine.llm.llm_engine.engine_core.__class__.__name__ != "InprocClient"
     tied_engine.reload(tiny_model_dir, 0, "0" * 64)

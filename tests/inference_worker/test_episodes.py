@@ -21,10 +21,12 @@ TOK = make_tokenizer()
 
 def lookup_lease(max_tokens: int = 24, seeds=(5, 6, 7, 8)) -> tuple[TaskLease, list]:
     items = get_task("lookup").make_prompts(3, seed=11)
-    prompts = [TaskPrompt(prompt_id=f"p{i}", token_ids=np.array([1] + TOK.encode(it.prompt, add_special_tokens=False), np.int32),
+    prompts = [TaskPrompt(prompt_id=f"p{i}", token_ids=np.array([1] + TOK.encode(it.prompt, add_special_tokens=False),
+        np.int32),
                           seeds=[100 * i + s for s in seeds], env_item=item_to_wire(it)) for i, it in enumerate(items)]
-    lease = TaskLease(lease_id="E", prompts=prompts, samples_per_prompt=len(seeds), sampling=SamplingParams(max_tokens=max_tokens),
-                      policy_version=0, min_policy_version=0, deadline=time.time() + 600, environment="lookup")
+    lease = TaskLease(lease_id="E", prompts=prompts, samples_per_prompt=len(seeds),
+                      sampling=SamplingParams(max_tokens=max_tokens), policy_version=0, min_policy_version=0,
+                      deadline=time.time() + 600, environment="lookup")
     return lease, items
 
 

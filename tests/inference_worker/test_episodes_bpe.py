@@ -58,10 +58,14 @@ def test_calculator_turns_stop_inside_multi_character_tokens_and_verify(bpe_engi
 
     tok = make_bpe_tokenizer()
     items = get_task("countdown").make_prompts(4, seed=6)
-    prompts = [TaskPrompt(prompt_id=f"p{i}", token_ids=np.array([tok.bos_token_id] + tok.encode(it.prompt, add_special_tokens=False), np.int32),
-                          seeds=[100 * i + s for s in range(8)], env_item=item_to_wire(it)) for i, it in enumerate(items)]
-    lease = TaskLease(lease_id="BPE", prompts=prompts, samples_per_prompt=8, sampling=SamplingParams(temperature=1.0, max_tokens=96),
-                      policy_version=0, min_policy_version=0, deadline=time.time() + 600, generation_version=0, environment="calculator")
+    prompts = [TaskPrompt(prompt_id=f"p{i}", token_ids=np.array([tok.bos_token_id] + tok.encode(it.prompt,
+        add_special_tokens=False), np.int32),
+                          seeds=[100 * i + s for s in range(8)], env_item=item_to_wire(it)) for i,
+                          it in enumerate(items)]
+    lease = TaskLease(lease_id="BPE", prompts=prompts, samples_per_prompt=8, sampling=SamplingParams(temperature=1.0,
+        max_tokens=96),
+                      policy_version=0, min_policy_version=0, deadline=time.time() + 600, generation_version=0,
+                      environment="calculator")
     comps = bpe_engine.generate(lease)
     env = environment_for("calculator", tok, [tok.eos_token_id])
     holds = {t for t in range(len(tok)) if "?" in tok.decode([t])}
@@ -82,7 +86,8 @@ def test_calculator_turns_stop_inside_multi_character_tokens_and_verify(bpe_engi
     v = Verifier(VerifierConfig(keep_versions=1), lambda version: bpe_model_dir, bpe_model_dir)
     try:
         sub = RolloutSubmission(lease_id="BPE", policy_version=0, model_hash=HASH0, completions=comps)
-        verdict = v.verify(VerifyJob(submission_id="s", submission=sub, lease=lease, items=items, task_name="countdown", expected_model_hash=HASH0))
+        verdict = v.verify(VerifyJob(submission_id="s", submission=sub, lease=lease, items=items,
+            task_name="countdown", expected_model_hash=HASH0))
         assert verdict.status == VerdictStatus.accepted, verdict.rejections[:3]
         assert len(verdict.rewards) == len(comps)
     finally:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from contract_server import JOIN_TOKEN, ContractServer, Knobs, free_port
+
 from inference_worker.config import WorkerConfig
 from inference_worker.loop import EXIT_BANNED, Worker
 
@@ -41,7 +41,8 @@ def origin(tmp_path_factory, tiny_model_dir):
     from shardcast.server import serve_origin
 
     root = tmp_path_factory.mktemp("origin")
-    org = Origin(root / "store", generate_signing_key(root / "key.pem"), run_id=RUN, keep_versions=4, shard_bytes=50_000)
+    org = Origin(root / "store", generate_signing_key(root / "key.pem"), run_id=RUN, keep_versions=4,
+        shard_bytes=50_000)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     m0 = org.publish(0, model.state_dict())
     with torch.no_grad():
@@ -66,8 +67,9 @@ def engine(tied_engine, tiny_model_dir):
 
 def config(url: str, tmp_path: Path, model_dir, **kw) -> WorkerConfig:
     return WorkerConfig(
-        orchestrator_url=url, join_token=JOIN_TOKEN, name="test-worker", model=str(model_dir), work_dir=str(tmp_path / "work"),
-        display=False, backoff_initial_s=0.05, backoff_max_s=0.3, retries=1, request_timeout_s=5, **kw,
+        orchestrator_url=url, join_token=JOIN_TOKEN, name="test-worker", model=str(model_dir),
+        work_dir=str(tmp_path / "work"), display=False, backoff_initial_s=0.05, backoff_max_s=0.3, retries=1,
+        request_timeout_s=5, **kw,
     )
 
 
@@ -97,7 +99,8 @@ def test_loop_submits_and_handles_refusals(knobs, origin, engine, tiny_model_dir
     server = ContractServer(knobs).start()
     run = start_worker(server.url, tmp_path, tiny_model_dir, engine)
     try:
-        wait_until(lambda: len(server.record.submissions) >= 3 and run.worker.stats.accepted >= 2, what="3 submissions with verdicts")
+        wait_until(lambda: len(server.record.submissions) >= 3 and run.worker.stats.accepted >= 2,
+            what="3 submissions with verdicts")
     finally:
         code = run.stop()
         server.stop()
@@ -140,7 +143,8 @@ def test_version_too_old_moves_to_newer_weights(knobs, origin, engine, tiny_mode
     try:
         wait_until(lambda: len(server.record.submissions) >= 1, what="a submission at version 0")
         knobs.policy_version, knobs.async_level = 1, 0  # version 0 is now too old
-        wait_until(lambda: any(s.policy_version == 1 for s in server.record.submissions.values()), what="a submission at version 1")
+        wait_until(lambda: any(s.policy_version == 1 for s in server.record.submissions.values()),
+            what="a submission at version 1")
     finally:
         code = run.stop()
         server.stop()
@@ -171,7 +175,8 @@ def test_sigterm_mid_task_finishes_or_releases(knobs, origin, tiny_model_dir, tm
     # A big task so that the signal arrives while vLLM generates it.
     knobs.prompts, knobs.samples, knobs.max_tokens = 8, 16, 200
     server = ContractServer(knobs).start()
-    env = dict(os.environ, PYTHONPATH=str(HERE.parents[1]), VLLM_RPC_BASE_PATH=str(tmp_path))  # vLLM's sockets: ours to delete
+    # vLLM's sockets: ours to delete
+    env = dict(os.environ, PYTHONPATH=str(HERE.parents[1]), VLLM_RPC_BASE_PATH=str(tmp_path))
     cmd = [
         sys.executable, "-m", "swarmrl", "worker", "--orchestrator", server.url, "--join-token", JOIN_TOKEN,
         "--name", "sigterm-worker", "--model", str(tiny_model_dir), "--work-dir", str(tmp_path / "w"), "--no-display",
@@ -179,7 +184,8 @@ def test_sigterm_mid_task_finishes_or_releases(knobs, origin, tiny_model_dir, tm
     ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_until(lambda: len(server.record.leases) >= 1 or proc.poll() is not None, timeout=180, what="the worker's first lease")
+        wait_until(lambda: len(server.record.leases) >= 1 or proc.poll() is not None, timeout=180,
+            what="the worker's first lease")
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         proc.send_signal(signal.SIGTERM)
         in_hand = [lid for lid in list(server.record.leases) if lid not in server.record.submissions]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from iw_helpers import make_lease
 from test_engine import hf_greedy
 
@@ -40,7 +39,8 @@ def test_reload_matches_transformers(which, request, tmp_path):
     assert engine.llm.llm_engine.model_config.hf_config.tie_word_embeddings == (which == "tied")
 
     new = perturbed(model_dir, seed=7)
-    origin = Origin(tmp_path / "origin", generate_signing_key(tmp_path / "key.pem"), run_id=RUN, keep_versions=2, shard_bytes=20_000)
+    origin = Origin(tmp_path / "origin", generate_signing_key(tmp_path / "key.pem"), run_id=RUN, keep_versions=2,
+        shard_bytes=20_000)
     manifest = origin.publish(1, new.state_dict())
     assert len(manifest.shards) > 1  # several shards, as a real download would be
 
@@ -78,7 +78,8 @@ def test_a_delta_chain_reloads_from_memory_and_a_flipped_delta_never_reaches_vll
     engine = request.getfixturevalue(f"{which}_engine")
     model_dir = request.getfixturevalue("tiny_model_dir" if which == "tied" else "tiny_untied_model_dir")
     master = perturbed(model_dir, seed=11)
-    origin = Origin(tmp_path / "origin", generate_signing_key(tmp_path / "key.pem"), run_id=RUN, shard_bytes=20_000, anchor_every=100, max_chain_fraction=10)
+    origin = Origin(tmp_path / "origin", generate_signing_key(tmp_path / "key.pem"), run_id=RUN, shard_bytes=20_000,
+        anchor_every=100, max_chain_fraction=10)
     published = {0: cast_for_publishing(master.state_dict())}
     origin.publish(0, published[0])
     gen = torch.Generator().manual_seed(3)
@@ -99,7 +100,8 @@ def test_a_delta_chain_reloads_from_memory_and_a_flipped_delta_never_reaches_vll
 
             flipper = HostileRelay(server.url, "flip", flip_match="delta")
             try:
-                client = ShardcastClient([flipper.url], engine_pub(origin), tmp_path / "worker", run_id=RUN, fallback_urls=[server.url])
+                client = ShardcastClient([flipper.url], engine_pub(origin), tmp_path / "worker", run_id=RUN,
+                    fallback_urls=[server.url])
                 first = client.pull(0)
                 engine.reload(first.path, 0, first.manifest.model_hash, state=first.state)
                 pulled = client.pull(3)
@@ -112,7 +114,8 @@ def test_a_delta_chain_reloads_from_memory_and_a_flipped_delta_never_reaches_vll
             f.unlink()
         engine.reload(pulled.path, 3, pulled.manifest.model_hash, state=pulled.state)
         expected = hf_prompt_logprobs(hf_model(model_dir, published[3]))
-        assert expected != pytest.approx(hf_prompt_logprobs(hf_model(model_dir, published[0])), abs=1e-3)  # the chain moved the policy
+        # the chain moved the policy
+        assert expected != pytest.approx(hf_prompt_logprobs(hf_model(model_dir, published[0])), abs=1e-3)
         assert engine.policy_version == 3 and vllm_prompt_logprobs(engine) == pytest.approx(expected, abs=1e-4)
     finally:
         engine.reload(model_dir, 0, "0" * 64)

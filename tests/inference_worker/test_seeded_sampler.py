@@ -8,8 +8,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-
 from iw_helpers import make_lease
+
 from protocol import prf
 from protocol import sampling as S
 
@@ -39,7 +39,8 @@ def replay_all(model, lease, completions):
         prompt = lease.prompts[c.prompt_index]
         logits = reference_logits(model, prompt.token_ids.tolist(), c.token_ids.tolist())
         n = c.token_ids.size
-        r = S.replay(logits, prompt.seeds[c.sample_index], torch.arange(n), torch.from_numpy(c.token_ids.astype(np.int64)), lease.sampling)
+        r = S.replay(logits, prompt.seeds[c.sample_index], torch.arange(n),
+            torch.from_numpy(c.token_ids.astype(np.int64)), lease.sampling)
         out.append((c, logits, r))
     return out
 
@@ -53,7 +54,8 @@ def assert_honest(replays):
 
 
 def test_every_token_is_the_seeds_winner(tied_engine, reference):
-    lease = make_lease(PROMPTS, [[11, 12, 2**63 - 1, 0], [5, 6, 7, 8], [9, 10, 11, 12]], temperature=1.0, max_tokens=MAX_TOKENS)
+    lease = make_lease(PROMPTS, [[11, 12, 2**63 - 1, 0], [5, 6, 7, 8], [9, 10, 11, 12]], temperature=1.0,
+        max_tokens=MAX_TOKENS)
     completions = tied_engine.generate(lease)
     replays = replay_all(reference, lease, completions)
     assert_honest(replays)
@@ -85,7 +87,8 @@ def test_a_sample_alone_and_among_32_others_is_the_same(tied_engine, reference):
     alone = make_lease([target["prompt"]], [[target["seed"]]], temperature=1.0, max_tokens=MAX_TOKENS)
     rng = np.random.default_rng(0)
     others = [[1] + rng.integers(3, 54, int(rng.integers(2, 12))).tolist() for _ in range(32)]
-    crowd = make_lease([target["prompt"]] + others, [[target["seed"]]] + [[int(s)] for s in rng.integers(0, 2**62, 32)], temperature=1.0, max_tokens=MAX_TOKENS)
+    crowd = make_lease([target["prompt"]] + others, [[target["seed"]]] + [[int(s)] for s in rng.integers(0, 2**62,
+        32)], temperature=1.0, max_tokens=MAX_TOKENS)
     (a,) = tied_engine.generate(alone)
     crowded = tied_engine.generate(crowd)
     assert a.token_ids.tolist() == crowded[0].token_ids.tolist()
@@ -109,7 +112,8 @@ def test_temperature_zero_is_argmax(tied_engine, reference, tiny_model_dir):
 
 @pytest.mark.parametrize("top_k,top_p", [(20, 1.0), (-1, 0.9), (20, 0.9), (1, 1.0), (-1, 0.01)])
 def test_top_k_and_top_p_are_honoured(tied_engine, reference, top_k, top_p):
-    lease = make_lease(PROMPTS, [[7, 8, 9], [10, 11, 12], [13, 14, 15]], temperature=1.2, top_k=top_k, top_p=top_p, max_tokens=MAX_TOKENS)
+    lease = make_lease(PROMPTS, [[7, 8, 9], [10, 11, 12], [13, 14, 15]], temperature=1.2, top_k=top_k, top_p=top_p,
+        max_tokens=MAX_TOKENS)
     completions = tied_engine.generate(lease)
     replays = replay_all(reference, lease, completions)
     assert_honest(replays)
@@ -148,7 +152,8 @@ def test_processor_follows_the_persistent_batch():
     def expected(name, logits_row):
         seed, t, k, p = settings[name]
         states = prf.row_state(prf.seed_state(torch.tensor([seed])), torch.tensor([len(outputs[name])]))
-        return int(S.draw(logits_row[None], states, prf.token_words(torch.arange(v)), S.DrawParams.build([t], [k], [p], v))[0])
+        return int(S.draw(logits_row[None], states, prf.token_words(torch.arange(v)), S.DrawParams.build([t], [k], [p],
+            v))[0])
 
     def check(layout: list[str]):
         logits = torch.randn(len(layout), v, generator=gen)
@@ -163,12 +168,14 @@ def test_processor_follows_the_persistent_batch():
 
     gen = torch.Generator().manual_seed(0)
     outputs["plain"] = []
-    proc.update_state(BatchUpdate(3, removed=[], added=[(0, params("a"), None, outputs["a"]), (1, params("plain"), None, []), (2, params("b"), None, outputs["b"])], moved=[]))
+    proc.update_state(BatchUpdate(3, removed=[], added=[(0, params("a"), None, outputs["a"]), (1, params("plain"),
+        None, []), (2, params("b"), None, outputs["b"])], moved=[]))
     check(["a", "plain", "b"])
     outputs["a"].append(5)  # a new token: the next draw is at the next position
     outputs["b"].append(6)
     check(["a", "plain", "b"])
-    proc.update_state(BatchUpdate(4, removed=[1], added=[(1, params("c"), None, outputs["c"]), (3, params("d"), None, outputs["d"])], moved=[(0, 2, MoveDirectionality.SWAP)]))
+    proc.update_state(BatchUpdate(4, removed=[1], added=[(1, params("c"), None, outputs["c"]), (3, params("d"), None,
+        outputs["d"])], moved=[(0, 2, MoveDirectionality.SWAP)]))
     check(["b", "c", "a", "d"])
     proc.update_state(BatchUpdate(3, removed=[0], added=[], moved=[(3, 0, MoveDirectionality.UNIDIRECTIONAL)]))
     check(["d", "c", "a"])
@@ -201,7 +208,8 @@ def test_multiprocess_engine_loads_the_sampler_by_name(tiny_model_dir, tied_engi
     old = os.environ.get("VLLM_RPC_BASE_PATH")
     os.environ["VLLM_RPC_BASE_PATH"] = str(sockets)
     try:
-        engine = RolloutEngine(tiny_model_dir, EngineConfig(max_model_len=256, kv_cache_bytes=32 << 20, multiprocess=True, proofs=False))
+        engine = RolloutEngine(tiny_model_dir, EngineConfig(max_model_len=256, kv_cache_bytes=32 << 20,
+            multiprocess=True, proofs=False))
     finally:
         if old is None:
             os.environ.pop("VLLM_RPC_BASE_PATH")
@@ -209,7 +217,8 @@ def test_multiprocess_engine_loads_the_sampler_by_name(tiny_model_dir, tied_engi
             os.environ["VLLM_RPC_BASE_PATH"] = old
     try:
         assert engine.llm.llm_engine.engine_core.__class__.__name__ != "InprocClient"
-        lease = make_lease(PROMPTS, [[31, 32], [33, 34], [35, 36]], temperature=0.8, top_k=30, top_p=0.95, max_tokens=MAX_TOKENS)
+        lease = make_lease(PROMPTS, [[31, 32], [33, 34], [35, 36]], temperature=0.8, top_k=30, top_p=0.95,
+            max_tokens=MAX_TOKENS)
         mp = engine.generate(lease)
         ip = tied_engine.generate(lease)
         assert [c.token_ids.tolist() for c in mp] == [c.token_ids.tolist() for c in ip]

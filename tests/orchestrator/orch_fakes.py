@@ -66,13 +66,16 @@ class FakeVerifier:
             bad = [i for i, c in enumerate(sub.completions) if any(p.startswith(BAD_PROOF) for p in c.proofs)]
             if bad:
                 out.append(Verdict(submission_id=job.submission_id, status=VerdictStatus.rejected,
-                                   rejections=[Rejection(code=RejectionCode.proof_mismatch, message="proof", completion_index=bad[0])]))
+                                   rejections=[Rejection(code=RejectionCode.proof_mismatch, message="proof",
+                                   completion_index=bad[0])]))
                 continue
-            rewards = [self.task.reward(job.items[c.prompt_index], self.tok.decode(c.token_ids.tolist(), skip_special_tokens=True))
+            rewards = [self.task.reward(job.items[c.prompt_index], self.tok.decode(c.token_ids.tolist(),
+                skip_special_tokens=True))
                        for c in sub.completions]
             # The trusted behaviour logprobs: distinguishable from the worker's, to show which ones are kept.
             out.append(Verdict(submission_id=job.submission_id, status=VerdictStatus.accepted, rewards=rewards,
-                               verified_tokens=sub.num_tokens, behaviour_logprobs=[trusted_logprobs(c) for c in sub.completions]))
+                               verified_tokens=sub.num_tokens, behaviour_logprobs=[trusted_logprobs(c)
+                               for c in sub.completions]))
         return out
 
 
@@ -123,8 +126,9 @@ def make_prompts(config: RunConfig) -> PromptSet:
 
 def make_orchestrator(config: RunConfig, verifier: Any = None) -> Orchestrator:
     orch = Orchestrator(
-        config.orchestrator, Database(config.orchestrator.db_path), make_prompts(config), verifier or FakeVerifier(), shape=config.step_shape(),
-        task_name=config.data.task, run_name=config.name, make_job=make_job, verify_batch=8, evaluation=config.eval,
+        config.orchestrator, Database(config.orchestrator.db_path), make_prompts(config), verifier or FakeVerifier(),
+        shape=config.step_shape(), task_name=config.data.task, run_name=config.name, make_job=make_job, verify_batch=8,
+        evaluation=config.eval,
     )
     orch.versions.announce({0: HASH0})
     return orch

@@ -73,7 +73,8 @@ def register(client, name="w1") -> WorkerRegistered:
 
 
 def get_lease(client, w: WorkerRegistered, **kw) -> TaskLease:
-    r = client.post(api.LEASE.path, json={"loaded_policy_version": 0, "max_prompts": 64, **kw}, headers=bearer(w.secret))
+    r = client.post(api.LEASE.path, json={"loaded_policy_version": 0, "max_prompts": 64, **kw},
+        headers=bearer(w.secret))
     assert r.status_code == 200, r.text
     lease = LeaseResponse.model_validate_json(r.content).lease
     assert lease is not None
@@ -102,7 +103,8 @@ def test_register(client):
     error(client.post(api.REGISTER.path, json={"name": "x"}, headers=bearer(ADMIN)), 401, "unauthorized")
     error(client.post(api.REGISTER.path, json={"name": "bad name!"}, headers=bearer(JOIN)), 422, "invalid_request")
     error(client.post(api.REGISTER.path, json={"name": "x", "extra": 1}, headers=bearer(JOIN)), 422, "invalid_request")
-    error(client.post(api.REGISTER.path, content=b"{not json", headers=bearer(JOIN) | {"content-type": "application/json"}), 422, "invalid_request")
+    error(client.post(api.REGISTER.path, content=b"{not json",
+        headers=bearer(JOIN) | {"content-type": "application/json"}), 422, "invalid_request")
     error(client.post(api.REGISTER.path, json=[1, 2], headers=bearer(JOIN)), 422, "invalid_request")
 
 
@@ -110,15 +112,18 @@ def test_heartbeat(client):
     w = register(client)
     other = register(client, "w2")
     url = api.HEARTBEAT.url("", worker_id=w.worker_id)
-    r = client.post(url, json={"state": "generating", "loaded_policy_version": 0, "tokens_per_s": 3.5}, headers=bearer(w.secret))
+    r = client.post(url, json={"state": "generating", "loaded_policy_version": 0, "tokens_per_s": 3.5},
+        headers=bearer(w.secret))
     assert r.status_code == 200
     ack = HeartbeatAck.model_validate_json(r.content)
-    assert ack.policy_version == 0 and ack.heartbeat_interval_s > 0 and ack.policy_model_hash == HASH0  # pins what the worker pulls
+    # pins what the worker pulls
+    assert ack.policy_version == 0 and ack.heartbeat_interval_s > 0 and ack.policy_model_hash == HASH0
     error(client.post(url, json={"state": "idle"}, headers=bearer(other.secret)), 403, "forbidden")
     error(client.post(url, json={"state": "idle"}), 401, "unauthorized")
     error(client.post(url, json={"state": "idle"}, headers=bearer(JOIN)), 401, "unauthorized")
     error(client.post(url, json={"state": "dancing"}, headers=bearer(w.secret)), 422, "invalid_request")
-    error(client.post(url, json={"state": "idle", "tokens_per_s": -1}, headers=bearer(w.secret)), 422, "invalid_request")
+    error(client.post(url, json={"state": "idle", "tokens_per_s": -1}, headers=bearer(w.secret)), 422,
+        "invalid_request")
 
 
 def test_lease_release(client):
@@ -126,7 +131,8 @@ def test_lease_release(client):
     lease = get_lease(client, w)
     assert len(lease.prompts) == 2 and lease.samples_per_prompt == 4 and lease.deadline > time.time()
     assert get_lease(client, w, max_prompts=1).prompts[0].prompt_id not in {p.prompt_id for p in lease.prompts}
-    error(client.post(api.LEASE.path, json={"loaded_policy_version": 0}, headers=bearer(w.secret)), 429, "too_many_leases")
+    error(client.post(api.LEASE.path, json={"loaded_policy_version": 0}, headers=bearer(w.secret)), 429,
+        "too_many_leases")
     rel = api.RELEASE.url("", lease_id=lease.lease_id)
     other = register(client, "w2")
     error(client.post(rel, json={}, headers=bearer(other.secret)), 404, "not_found")
@@ -135,9 +141,12 @@ def test_lease_release(client):
     r = client.post(rel, headers=bearer(w.secret))  # no body is fine; already released
     assert r.status_code == 200 and not ReleaseAck.model_validate_json(r.content).released
     error(client.post(api.RELEASE.url("", lease_id="nope"), json={}, headers=bearer(w.secret)), 404, "not_found")
-    error(client.post(api.LEASE.path, json={"loaded_policy_version": -1}, headers=bearer(w.secret)), 422, "invalid_request")
-    error(client.post(api.LEASE.path, json={"loaded_policy_version": 0, "max_prompts": 0}, headers=bearer(w.secret)), 422, "invalid_request")
-    error(client.post(api.LEASE.path, json={"loaded_policy_version": 9}, headers=bearer(w.secret)), 422, "invalid_request")
+    error(client.post(api.LEASE.path, json={"loaded_policy_version": -1}, headers=bearer(w.secret)), 422,
+        "invalid_request")
+    error(client.post(api.LEASE.path, json={"loaded_policy_version": 0, "max_prompts": 0}, headers=bearer(w.secret)),
+        422, "invalid_request")
+    error(client.post(api.LEASE.path, json={"loaded_policy_version": 9}, headers=bearer(w.secret)), 422,
+        "invalid_request")
 
 
 def test_lease_bad_inputs(client):
@@ -154,13 +163,16 @@ def test_lease_bad_inputs(client):
         (b'{"loaded_policy_version": "x"}', {"content-type": "application/json"}, "body.loaded_policy_version"),
         (b'{"loaded_policy_version": 0, "max_prompts": 65}', {"content-type": "application/json"}, "body.max_prompts"),
         (b'{"loaded_policy_version": 0, "worker": "w2"}', {"content-type": "application/json"}, "body.worker"),
-        (b'{"loaded_policy_version": 0, "request_id": "bad id"}', {"content-type": "application/vnd.x+json"}, "body.request_id"),
+        (b'{"loaded_policy_version": 0, "request_id": "bad id"}', {"content-type": "application/vnd.x+json"},
+        "body.request_id"),
     ]:
-        assert reason in error(client.post(api.LEASE.path, content=content, headers=h | headers), 422, "invalid_request").detail
+        assert reason in error(client.post(api.LEASE.path, content=content, headers=h | headers), 422,
+            "invalid_request").detail
     # Authentication comes first, on every endpoint: a bad body without a token is refused as unauthorized.
-    error(client.post(api.LEASE.path, content=b"{not json", headers={"content-type": "application/json"}), 401, "unauthorized")
-    for headers in ({}, {"Authorization": w.secret}, {"Authorization": "Basic " + w.secret}, {"Authorization": "Bearer"}, bearer(ADMIN),
-                    bearer(w.secret + "x")):
+    error(client.post(api.LEASE.path, content=b"{not json", headers={"content-type": "application/json"}), 401,
+        "unauthorized")
+    for headers in ({}, {"Authorization": w.secret}, {"Authorization": "Basic " + w.secret},
+                    {"Authorization": "Bearer"}, bearer(ADMIN), bearer(w.secret + "x")):
         error(client.post(api.LEASE.path, json={"loaded_policy_version": 0}, headers=headers), 401, "unauthorized")
     # Charset parameters and case are fine.
     r = client.post(api.LEASE.path, content=good, headers=h | {"content-type": "Application/JSON; charset=utf-8"})
@@ -174,8 +186,10 @@ def test_hot_endpoints_documented_like_the_others(client):
         assert op["security"] == [{"HTTPBearer": []}]
         assert op["requestBody"]["required"] is True
         assert op["requestBody"]["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{model}"}
-        assert op["responses"]["200"]["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{ep.response.__name__}"}
-        assert op["responses"]["422"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorBody"}
+        assert op["responses"]["200"]["content"]["application/json"]["schema"] == {
+            "$ref": f"#/components/schemas/{ep.response.__name__}"}
+        assert op["responses"]["422"]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/ErrorBody"}
     lease_request = spec["components"]["schemas"]["LeaseRequest"]
     assert lease_request["required"] == ["loaded_policy_version"] and lease_request["additionalProperties"] is False
     assert set(lease_request["properties"]) == {"loaded_policy_version", "max_prompts", "request_id", "wait_s"}
@@ -186,20 +200,23 @@ def test_submit_and_verdict(client, server):
     lease = get_lease(client, w)
     sub = make_submission(lease, np.random.default_rng(0))
     body = zstandard.ZstdCompressor().compress(encode(sub))
-    r = client.post(api.SUBMIT.path, content=body, headers=bearer(w.secret) | {"content-encoding": "zstd", "content-type": "application/json"})
+    r = client.post(api.SUBMIT.path, content=body, headers=bearer(w.secret) | {"content-encoding": "zstd",
+        "content-type": "application/json"})
     assert r.status_code == 200, r.text
     receipt = SubmissionReceipt.model_validate_json(r.content)
     assert receipt.lease_id == lease.lease_id and receipt.num_completions == 8
     v = wait_verdict(client, w, receipt.submission_id)
     assert v.status.value == "accepted" and len(v.rewards) == 8
     # Replays: same body again, and to another lease.
-    error(client.post(api.SUBMIT.path, content=body, headers=bearer(w.secret) | {"content-encoding": "zstd"}), 409, "duplicate")
+    error(client.post(api.SUBMIT.path, content=body, headers=bearer(w.secret) | {"content-encoding": "zstd"}), 409,
+        "duplicate")
     lease2 = get_lease(client, w)
     replay = sub.model_copy(update={"lease_id": lease2.lease_id})
     error(client.post(api.SUBMIT.path, content=encode(replay), headers=bearer(w.secret)), 409, "duplicate")
     # Verdicts are private to their worker.
     other = register(client, "w2")
-    error(client.get(api.VERDICT.url("", submission_id=receipt.submission_id), headers=bearer(other.secret)), 404, "not_found")
+    error(client.get(api.VERDICT.url("", submission_id=receipt.submission_id), headers=bearer(other.secret)), 404,
+        "not_found")
     error(client.get(api.VERDICT.url("", submission_id="Snope"), headers=bearer(w.secret)), 404, "not_found")
 
 
@@ -236,11 +253,15 @@ def test_submit_bad_inputs(client, server):
         doc["completions"][last][field] = pack(values, "float32" if field == "logprobs" else "int32")
         assert reason in error(client.post(api.SUBMIT.path, json=doc, headers=h), 422, "invalid_request").detail
     # lease / version
-    error(client.post(api.SUBMIT.path, content=encode(good.model_copy(update={"lease_id": "L-unknown"})), headers=h), 404, "not_found")
-    error(client.post(api.SUBMIT.path, content=encode(good.model_copy(update={"completions": good.completions[:3]})), headers=h), 409, "lease_mismatch")
+    error(client.post(api.SUBMIT.path, content=encode(good.model_copy(update={"lease_id": "L-unknown"})), headers=h),
+        404, "not_found")
+    error(client.post(api.SUBMIT.path, content=encode(good.model_copy(update={"completions": good.completions[:3]})),
+        headers=h), 409, "lease_mismatch")
     # encodings and size caps
-    error(client.post(api.SUBMIT.path, content=encode(good), headers=h | {"content-encoding": "gzip"}), 415, "unsupported_encoding")
-    error(client.post(api.SUBMIT.path, content=b"not zstd at all", headers=h | {"content-encoding": "zstd"}), 400, "invalid_request")
+    error(client.post(api.SUBMIT.path, content=encode(good), headers=h | {"content-encoding": "gzip"}), 415,
+        "unsupported_encoding")
+    error(client.post(api.SUBMIT.path, content=b"not zstd at all", headers=h | {"content-encoding": "zstd"}), 400,
+        "invalid_request")
     error(client.post(api.SUBMIT.path, content=b"x" * (limits.MAX_BODY_BYTES + 1), headers=h), 413, "payload_too_large")
     # No auth / wrong auth
     error(client.post(api.SUBMIT.path, content=encode(good)), 401, "unauthorized")
@@ -273,7 +294,8 @@ def read_response(s: socket.socket) -> str:
     while b"\r\n\r\n" not in data and (chunk := s.recv(4096)):
         data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
-    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")), 0)
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")), 0)
     while len(body) < length and (chunk := s.recv(4096)):
         body += chunk
     return (head + b"\r\n\r\n" + body).decode()
@@ -334,7 +356,8 @@ def test_a_body_of_many_unknown_keys_is_refused_without_listing_them():
 def test_slow_body_times_out(server):
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(f"POST {api.REGISTER.path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {JOIN}\r\nContent-Length: 100\r\n\r\n{{".encode())
+        s.sendall(f"POST {api.REGISTER.path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {JOIN}\r\nContent-Length: "
+            f"100\r\n\r\n{{".encode())
         reply = read_response(s)  # never send the rest: the server gives up after request_timeout_s
     assert reply.startswith("HTTP/1.1 503") and "not completed within" in reply
 
@@ -344,10 +367,12 @@ def test_version_too_old_over_http(client, server):
     lease = get_lease(client, w)
     for v in (1, 2, 3):
         server.orch.versions.announce({v: f"{v}" * 64})
-    r = client.post(api.SUBMIT.path, content=encode(make_submission(lease, np.random.default_rng(0))), headers=bearer(w.secret))
+    r = client.post(api.SUBMIT.path, content=encode(make_submission(lease, np.random.default_rng(0))),
+        headers=bearer(w.secret))
     body = error(r, 409, "version_too_old")
     assert body.min_policy_version == 1
-    body = error(client.post(api.LEASE.path, json={"loaded_policy_version": 0}, headers=bearer(w.secret)), 409, "version_too_old")
+    body = error(client.post(api.LEASE.path, json={"loaded_policy_version": 0}, headers=bearer(w.secret)), 409,
+        "version_too_old")
     assert body.min_policy_version == 1
 
 
@@ -355,9 +380,12 @@ def test_refusals_of_lease_and_submit_are_counted(client, server):
     """Lease and submit skip the router (BareRouteDispatch): their refusals still take the app's ApiError
     path, the same error body and the same count by code as any other endpoint's."""
     w = register(client)
-    error(client.post(api.LEASE.path, json={"loaded_policy_version": 0}, headers=bearer("w-nobody.secret")), 401, "unauthorized")
-    error(client.post(api.LEASE.path, content=b"{", headers=bearer(w.secret) | {"content-type": "application/json"}), 422, "invalid_request")
-    error(client.post(api.SUBMIT.path, content=b"x", headers=bearer(w.secret) | {"content-encoding": "br"}), 415, "unsupported_encoding")
+    error(client.post(api.LEASE.path, json={"loaded_policy_version": 0}, headers=bearer("w-nobody.secret")), 401,
+        "unauthorized")
+    error(client.post(api.LEASE.path, content=b"{", headers=bearer(w.secret) | {"content-type": "application/json"}),
+        422, "invalid_request")
+    error(client.post(api.SUBMIT.path, content=b"x", headers=bearer(w.secret) | {"content-encoding": "br"}), 415,
+        "unsupported_encoding")
     m = client.get(api.METRICS.path, headers=bearer(ADMIN)).text
     for code in ("unauthorized", "invalid_request", "unsupported_encoding"):
         assert f'swarmrl_requests_refused_total{{code="{code}"}} 1.0' in m, code
@@ -366,7 +394,8 @@ def test_refusals_of_lease_and_submit_are_counted(client, server):
 def test_operator_endpoints(client, server):
     w = register(client)
     lease = get_lease(client, w)
-    client.post(api.SUBMIT.path, content=encode(make_submission(lease, np.random.default_rng(0))), headers=bearer(w.secret))
+    client.post(api.SUBMIT.path, content=encode(make_submission(lease, np.random.default_rng(0))),
+        headers=bearer(w.secret))
     for ep in (api.STATUS, api.WORKERS, api.METRICS):
         error(client.get(ep.path), 401, "unauthorized")
         error(client.get(ep.path, headers=bearer("nope")), 401, "unauthorized")
@@ -408,16 +437,19 @@ def test_a_ban_lands_on_requests_whose_headers_came_before_it(server, client):
     bodies = {
         (api.REGISTER.path, JOIN): b'{"name": "w9", "device": "cpu"}',
         (api.LEASE.path, w.secret): b'{"loaded_policy_version": 0, "max_prompts": 64}',
-        (api.HEARTBEAT.url("", worker_id=w.worker_id), w.secret): b'{"state": "generating", "loaded_policy_version": 0}',
+        (api.HEARTBEAT.url("", worker_id=w.worker_id),
+        w.secret): b'{"state": "generating", "loaded_policy_version": 0}',
         (api.SUBMIT.path, w.secret): submission,
     }
     sockets = {}
     for (path, token), body in bodies.items():  # everything but the body's last byte
         s = socket.create_connection((host, int(port)), timeout=5)
-        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body[:-1])
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\nContent-Type: "
+            f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body[:-1])
         sockets[path] = s
     time.sleep(0.3)  # the gate has authenticated all four
-    r = client.post(api.BAN.url("", worker_id=w.worker_id), json={"reason": "cheating", "scope": "token"}, headers=bearer(ADMIN))
+    r = client.post(api.BAN.url("", worker_id=w.worker_id), json={"reason": "cheating", "scope": "token"},
+        headers=bearer(ADMIN))
     assert r.status_code == 200, r.text
     for (path, _), body in bodies.items():
         with sockets[path] as s:
@@ -435,14 +467,16 @@ def test_ban_after_strikes_over_http(client):
     receipts = []
     for i in range(2):
         lease = get_lease(client, w)
-        r = client.post(api.SUBMIT.path, content=encode(make_submission(lease, np.random.default_rng(i), bad=True)), headers=bearer(w.secret))
+        r = client.post(api.SUBMIT.path, content=encode(make_submission(lease, np.random.default_rng(i), bad=True)),
+            headers=bearer(w.secret))
         assert r.status_code == 200
         receipts.append(SubmissionReceipt.model_validate_json(r.content).submission_id)
         if i == 0:
             assert wait_verdict(client, w, receipts[0]).status.value == "rejected"
     # The second strike bans: from then on the secret can do nothing, not even read its verdicts.
     deadline = time.time() + 10
-    while (r := client.get(api.VERDICT.url("", submission_id=receipts[1]), headers=bearer(w.secret))).status_code == 200 and time.time() < deadline:
+    while (r := client.get(api.VERDICT.url("", submission_id=receipts[1]),
+        headers=bearer(w.secret))).status_code == 200 and time.time() < deadline:
         time.sleep(0.05)
     error(r, 403, "banned")
     error(client.post(api.LEASE.path, json={"loaded_policy_version": 0}, headers=bearer(w.secret)), 403, "banned")
@@ -456,7 +490,8 @@ def test_rate_limit_over_http(tmp_path):
     try:
         with httpx.Client(base_url=srv.url, timeout=10) as c:
             w = register(c)
-            codes = [c.post(api.HEARTBEAT.url("", worker_id=w.worker_id), json={"state": "idle"}, headers=bearer(w.secret)) for _ in range(10)]
+            codes = [c.post(api.HEARTBEAT.url("", worker_id=w.worker_id), json={"state": "idle"},
+                headers=bearer(w.secret)) for _ in range(10)]
             limited = [r for r in codes if r.status_code == 429]
             assert limited and "retry-after" in limited[0].headers
             error(limited[0], 429, "rate_limited")

@@ -24,7 +24,8 @@ def setup(tmp_path):
     (tmp_path / "test").mkdir(exist_ok=True)
     (tmp_path / "test" / "config.toml").write_text("[orchestrator]\nsamples_per_prompt = 4\n")
     orch = make_orchestrator(cfg)
-    wid = orch.authenticate(orch.register(WorkerRegistration(name="w"), orch.cfg.join_tokens[0].get_secret_value()).secret)
+    wid = orch.authenticate(orch.register(WorkerRegistration(name="w"),
+        orch.cfg.join_tokens[0].get_secret_value()).secret)
     rng = np.random.default_rng(1)
     while orch.buffer.depth() < 12:
         lease = orch.lease(wid, LeaseRequest(loaded_policy_version=0, max_prompts=2)).lease

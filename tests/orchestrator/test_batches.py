@@ -14,7 +14,8 @@ from protocol.models import ErrorCode, LeaseRequest, WorkerRegistration
 
 def fill(orch, groups: int, seed: int = 0):
     """Accepted submissions until at least `groups` groups are ready; returns the worker id."""
-    wid = orch.authenticate(orch.register(WorkerRegistration(name="w"), orch.cfg.join_tokens[0].get_secret_value()).secret)
+    wid = orch.authenticate(orch.register(WorkerRegistration(name="w"),
+        orch.cfg.join_tokens[0].get_secret_value()).secret)
     rng = np.random.default_rng(seed)
     while orch.buffer.depth() < groups * 4:
         lease = orch.lease(wid, LeaseRequest(loaded_policy_version=0, max_prompts=2)).lease
@@ -97,14 +98,17 @@ def test_a_superseded_version_is_refused_without_a_strike(tmp_path):
     orch.commit_batches({}, {1: HASH1})  # version 1 trained again, durable, announced
     lease = orch.lease(wid, LeaseRequest(loaded_policy_version=1, max_prompts=2)).lease
     with pytest.raises(ApiError) as e:
-        orch.admission.submit(wid, encode(make_submission(lease, np.random.default_rng(9), policy_version=1, model_hash=old)), None)
+        orch.admission.submit(wid, encode(make_submission(lease, np.random.default_rng(9), policy_version=1,
+            model_hash=old)), None)
     assert e.value.code == ErrorCode.version_too_old and e.value.min_policy_version == 2
     assert orch.workers.get(wid).strikes == 0
     # The current hash of version 1 is accepted as usual, and a re-publication also supersedes.
-    r = orch.admission.submit(wid, encode(make_submission(lease, np.random.default_rng(9), policy_version=1, model_hash=HASH1)), None)
+    r = orch.admission.submit(wid, encode(make_submission(lease, np.random.default_rng(9), policy_version=1,
+        model_hash=HASH1)), None)
     assert r.submission_id
     orch.versions.announce({1: "b" * 64})
-    assert orch.verification.versions.is_superseded(1, HASH1) and not orch.verification.versions.is_superseded(1, "b" * 64)
+    assert orch.verification.versions.is_superseded(1, HASH1) and not orch.verification.versions.is_superseded(1,
+        "b" * 64)
     orch.db.close()
 
 

@@ -8,8 +8,8 @@ import time
 
 import numpy as np
 import pytest
-
 from orch_fakes import encode, make_orchestrator, make_submission, run_config
+
 from orchestrator.errors import ApiError
 from protocol.models import ErrorCode, LeaseRequest, WorkerRegistration
 from protocol.operator_models import BanScope, JoinTokenRequest
@@ -75,7 +75,8 @@ def test_a_token_that_delivers_gets_the_shares_that_hoarders_do_not(tmp_path):
     has a record and may hold most of the bound, while a hoarder that never submits is on probation and
     holds at most the probation pool; a token that lets a lease go loses half its record."""
     cfg = run_config(tmp_path, async_level=7, max_open_leases_per_worker=10, prompts_per_lease=2)
-    cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"samples_per_step": 8})})  # bound (1+7) x 8 / 4 = 16 prompts
+    # bound (1+7) x 8 / 4 = 16 prompts
+    cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"samples_per_step": 8})})
     orch = make_orchestrator(cfg)
     rng = np.random.default_rng(0)
     honest, _, _ = volunteer(orch, "honest")
@@ -103,7 +104,8 @@ def test_new_identities_share_the_probation_pool_and_a_new_volunteer_still_gets_
     there are (a Sybil crowd), and each new volunteer can still get work from it to earn a record; with
     the crowd gone, the token with a record may use the whole bound again."""
     cfg = run_config(tmp_path, async_level=9, max_open_leases_per_worker=10, prompts_per_lease=2, probation_share=0.2)
-    cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"samples_per_step": 8})})  # bound (1+9) x 8 / 4 = 20 prompts
+    # bound (1+9) x 8 / 4 = 20 prompts
+    cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"samples_per_step": 8})})
     orch = make_orchestrator(cfg)
     rng = np.random.default_rng(1)
     honest, _, _ = volunteer(orch, "honest")
@@ -112,7 +114,8 @@ def test_new_identities_share_the_probation_pool_and_a_new_volunteer_still_gets_
     while orch.verification.verify_pending():
         pass
     crowd = [volunteer(orch, f"sybil{i}")[0] for i in range(6)]
-    held = sum(len(lease.prompts) for w in crowd for lease in (ask(orch, w).lease for _ in range(3)) if lease is not None)
+    held = sum(len(lease.prompts) for w in crowd for lease in (ask(orch, w).lease for _ in range(3))
+        if lease is not None)
     assert held == 4  # the pool: 20% of 20 prompts, for all six together
     got = sum(len(lease.prompts) for lease in (ask(orch, honest).lease for _ in range(10)) if lease is not None)
     assert got == 20 - 2 - 4  # the rest of the bound, less its 2 accepted prompts in the buffer
@@ -127,7 +130,8 @@ def test_new_identities_share_the_probation_pool_and_a_new_volunteer_still_gets_
 
 
 def test_hoarding_costs_backoff_then_strikes_then_a_ban_that_sticks(tmp_path):
-    orch = make_orchestrator(small_bound(tmp_path, lease_timeout_s=0.2, lease_cooldown_s=30.0, lease_debt_per_strike=2.0, strikes_to_ban=2))
+    orch = make_orchestrator(small_bound(tmp_path, lease_timeout_s=0.2, lease_cooldown_s=30.0,
+        lease_debt_per_strike=2.0, strikes_to_ban=2))
     w, secret, token = volunteer(orch, "hoarder")
     # First lease held to its deadline and let go: the first lease of debt is free (a crash costs only the lease).
     assert ask(orch, w).lease is not None
@@ -178,7 +182,8 @@ def test_a_crashed_worker_loses_only_its_lease(tmp_path):
     orch.admission.submit(restarted, encode(make_submission(lease, rng)), None)
     while orch.verification.verify_pending():
         pass
-    assert orch.tokens.get(orch.workers.token_of(restarted)).lease_debt == pytest.approx(0.5, abs=0.05)  # halved by the acceptance
+    # halved by the acceptance
+    assert orch.tokens.get(orch.workers.token_of(restarted)).lease_debt == pytest.approx(0.5, abs=0.05)
     orch.db.close()
 
 
@@ -300,7 +305,8 @@ def test_a_token_that_gives_back_scored_leases_is_seen_and_bounded(tmp_path):
     from prometheus_client import generate_latest
 
     cfg = run_config(tmp_path, async_level=7, max_open_leases_per_worker=10, prompts_per_lease=2)
-    cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"samples_per_step": 8})})  # bound (1+7) x 8 / 4 = 16 prompts
+    # bound (1+7) x 8 / 4 = 16 prompts
+    cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"samples_per_step": 8})})
     orch = make_orchestrator(cfg)
     rng = np.random.default_rng(0)
     picky, _, _ = volunteer(orch, "picky")

@@ -39,7 +39,8 @@ def test_prompts_are_the_folders_chatml_rendering(chatml_dir, task):
 
     tok = AutoTokenizer.from_pretrained(chatml_dir)
     start, end = tok.convert_tokens_to_ids(CHATML_TOKENS)
-    ps = PromptSet.from_config(DataConfig(task=task, num_prompts=6, system_prompt="copy the digits"), chatml_dir, seed=0)
+    ps = PromptSet.from_config(DataConfig(task=task, num_prompts=6, system_prompt="copy the digits"), chatml_dir,
+        seed=0)
     assert len(ps) > 0 and ps.vocab_size == len(tok)
     for p in ps.prompts:
         ids = p.token_ids.tolist()

@@ -15,19 +15,22 @@ from orchestrator.server import OrchestratorServer
 from protocol.models import LeaseRequest, WorkerRegistration
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--hide-scrollbars"]
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars"]
 
 
 def chromium(args: list[str], profile, timeout: float = 90) -> subprocess.CompletedProcess:
-    return subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *args], capture_output=True, text=True,
+        timeout=timeout)
 
 
 def dump_dom(url: str, profile, budget_ms: int) -> str:
     """The rendered DOM, checked to have run with nothing blocked by the page's CSP (Chromium logs each
     violation to the console, which --enable-logging sends to stderr)."""
-    res = chromium(["--dump-dom", "--enable-logging=stderr", "--v=0", f"--virtual-time-budget={budget_ms}", url], profile)
-    assert "Content Security Policy" not in res.stderr, [line for line in res.stderr.splitlines() if "Content Security" in line]
+    res = chromium(["--dump-dom", "--enable-logging=stderr", "--v=0", f"--virtual-time-budget={budget_ms}", url],
+        profile)
+    assert "Content Security Policy" not in res.stderr, [line for line in res.stderr.splitlines()
+        if "Content Security" in line]
     return res.stdout
 
 
@@ -40,7 +43,8 @@ def busy_server(tmp_path):
     orch = make_orchestrator(cfg)
     srv = OrchestratorServer(orch, port=0).start()
     rng = np.random.default_rng(0)
-    workers = [orch.authenticate(orch.register(WorkerRegistration(name=f"volunteer-{i}"), orch.cfg.join_tokens[0].get_secret_value()).secret) for i in range(3)]
+    workers = [orch.authenticate(orch.register(WorkerRegistration(name=f"volunteer-{i}"),
+        orch.cfg.join_tokens[0].get_secret_value()).secret) for i in range(3)]
     for tick in range(12):
         for j, wid in enumerate(workers):
             lease = orch.lease(wid, LeaseRequest(loaded_policy_version=0, max_prompts=2)).lease
@@ -56,7 +60,8 @@ def busy_server(tmp_path):
 def test_dashboard_screenshot(busy_server, tmp_path):
     shot = tmp_path / "dashboard.png"
     url = f"{busy_server.url}/#token=dash-admin"
-    res = chromium([f"--screenshot={shot}", "--window-size=1280,900", "--virtual-time-budget=5000", url], tmp_path / "profile")
+    res = chromium([f"--screenshot={shot}", "--window-size=1280,900", "--virtual-time-budget=5000", url],
+        tmp_path / "profile")
     assert shot.exists() and shot.stat().st_size > 10_000, res.stderr[-2000:]
     from PIL import Image
 

@@ -36,19 +36,22 @@ def test_datasets_folder(tmp_path, tiny_model_dir):
     import datasets
 
     datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "ds"))
-    ps = PromptSet.from_config(DataConfig(task="toy", path=str(tmp_path / "ds"), max_pass_rate=0.15), tiny_model_dir, seed=0)
+    ps = PromptSet.from_config(DataConfig(task="toy", path=str(tmp_path / "ds"), max_pass_rate=0.15), tiny_model_dir,
+        seed=0)
     assert [p.item.answer for p in ps.prompts] == ["000", "001"]
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:3])}).save_to_disk(str(tmp_path / "dd"))
     assert len(PromptSet.from_config(DataConfig(task="toy", path=str(tmp_path / "dd")), tiny_model_dir, seed=0)) == 3
 
 
 def test_generated_prompts_and_seeded_order(tiny_model_dir):
-    ps = PromptSet.from_config(DataConfig(task="toy", num_prompts=50, task_params={"digits": 4}), tiny_model_dir, seed=3)
+    ps = PromptSet.from_config(DataConfig(task="toy", num_prompts=50, task_params={"digits": 4}), tiny_model_dir,
+        seed=3)
     n = len(ps)
     first_epoch = [ps.order(i) for i in range(n)]
     assert sorted(first_epoch) == list(range(n))  # every prompt once per epoch
     assert [ps.order(i) for i in range(n, 2 * n)] != first_epoch
-    ps2 = PromptSet.from_config(DataConfig(task="toy", num_prompts=50, task_params={"digits": 4}), tiny_model_dir, seed=3)
+    ps2 = PromptSet.from_config(DataConfig(task="toy", num_prompts=50, task_params={"digits": 4}), tiny_model_dir,
+        seed=3)
     assert [ps2.order(i) for i in range(n)] == first_epoch
 
 
@@ -75,7 +78,8 @@ def test_bad_data_gives_clear_errors(tmp_path, tiny_model_dir):
 # local Hugging Face datasets, the field map, chat templates, the length limit
 
 GSM8K_ROWS = [
-    {"question": f"tom has {i} apples and buys {i + 2} more. how many apples?", "answer": f"he has {i} + {i + 2} = {2 * i + 2}\n#### {2 * i + 2}", "level": i % 3, "source": "x"}
+    {"question": f"tom has {i} apples and buys {i + 2} more. how many apples?",
+    "answer": f"he has {i} + {i + 2} = {2 * i + 2}\n#### {2 * i + 2}", "level": i % 3, "source": "x"}
     for i in range(6)
 ]
 # A chat template in the tiny tokenizer's alphabet (which has no newline).
@@ -101,7 +105,8 @@ def test_parquet_arrow_and_folders_with_splits(tmp_path, tiny_model_dir):
     # save_to_disk with splits; an arrow file written by it reads on its own too.
     datasets.DatasetDict({"train": train, "test": test}).save_to_disk(str(tmp_path / "dd"))
     cfg = DataConfig(task="toy", path=str(tmp_path / "dd"), split="test")
-    assert sorted(p.item.answer for p in PromptSet.from_config(cfg, tiny_model_dir, seed=0).prompts) == ["006", "007", "008", "009"]
+    assert sorted(p.item.answer for p in PromptSet.from_config(cfg, tiny_model_dir, seed=0).prompts) == ["006", "007",
+        "008", "009"]
     arrow = next((tmp_path / "dd" / "test").glob("*.arrow"))
     assert len(read_records(arrow)) == 4
 
@@ -134,7 +139,8 @@ def test_field_map_answer_pattern_system_and_meta(tmp_path, tiny_model_dir):
     # A per-row system column and an id column; every other column becomes meta.
     rows = [dict(r, sys=f"s{i}", uid=f"q{i}") for i, r in enumerate(GSM8K_ROWS)]
     write_jsonl(tmp_path / "gsm.jsonl", rows)
-    cfg2 = cfg.model_copy(update={"path": str(tmp_path / "gsm.jsonl"), "fields": cfg.fields.model_copy(update={"system": "sys", "id": "uid", "meta": None})})
+    cfg2 = cfg.model_copy(update={"path": str(tmp_path / "gsm.jsonl"),
+        "fields": cfg.fields.model_copy(update={"system": "sys", "id": "uid", "meta": None})})
     item = next(p.item for p in PromptSet.from_config(cfg2, tiny_model_dir, seed=0).prompts if p.prompt_id == "q3")
     assert item.meta == {"level": 0, "source": "x", "system": "s3"}
 

@@ -7,7 +7,8 @@ import sqlite3
 
 import pytest
 
-from orchestrator import buffer, db as dbmod, leases, workers
+from orchestrator import buffer, leases, workers
+from orchestrator import db as dbmod
 from orchestrator.buffer import RolloutBuffer
 from orchestrator.db import SCHEMA_VERSION, Database
 from orchestrator.tokens import JoinTokens
@@ -89,7 +90,8 @@ def test_an_unversioned_file_with_the_oldest_columns_is_upgraded_and_keeps_its_r
     w = Workers(db, JoinTokens(db, [], 1, 0.0), dead_after_s=60).get("w1")
     assert (w.name, w.strikes, w.accepted, w.token_id, w.decay_progress) == ("old", 2, 7, None, 0)
     lease = db.one("SELECT * FROM leases WHERE lease_id='L1'")
-    assert (lease["prompt_indices"], lease["status"], lease["token_id"], lease["instances"], lease["eval_version"]) == ("[3]", "open", None, None, None)
+    assert (lease["prompt_indices"], lease["status"], lease["token_id"], lease["instances"],
+        lease["eval_version"]) == ("[3]", "open", None, None, None)
     assert tuple(db.one("SELECT prompt_index, instance FROM reissue")) == (5, None)
     batch = RolloutBuffer(db).take(2)
     [group] = batch.groups
@@ -103,7 +105,8 @@ def test_a_file_with_some_of_the_columns_already_is_upgraded(tmp_path):
     """Files from before the version were migrated column by column: any subset may be there already."""
     path = tmp_path / "partial.sqlite"
     old = sqlite3.connect(path)
-    old.executescript(OLDEST + "ALTER TABLE workers ADD COLUMN token_id TEXT; ALTER TABLE leases ADD COLUMN request_id TEXT;")
+    old.executescript(OLDEST + "ALTER TABLE workers ADD COLUMN token_id TEXT; ALTER TABLE leases ADD COLUMN "
+        "request_id TEXT;")
     old.commit()
     old.close()
     db = Database(path)

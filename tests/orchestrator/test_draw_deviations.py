@@ -34,12 +34,14 @@ class DeviatingVerifier(FakeVerifier):
         self.near_ties = near_ties
 
     def verify_many(self, jobs):
-        return [v.model_copy(update={"near_ties": self.near_ties, "near_tie_allowance": 1.0}) if v.status == VerdictStatus.accepted else v
+        return [v.model_copy(update={"near_ties": self.near_ties, "near_tie_allowance": 1.0})
+            if v.status == VerdictStatus.accepted else v
                 for v in super().verify_many(jobs)]
 
 
 def run_worker(tmp_path, near_ties: int, submissions: int, decay: int = 0, ban_at: float = 100.0):
-    orch = make_orchestrator(run_config(tmp_path, strikes_to_ban=3, near_tie_burst=4.0, near_tie_ban=ban_at, strike_decay_accepted=decay),
+    orch = make_orchestrator(run_config(tmp_path, strikes_to_ban=3, near_tie_burst=4.0, near_tie_ban=ban_at,
+        strike_decay_accepted=decay),
                              DeviatingVerifier(near_ties))
     reg = orch.register(WorkerRegistration(name="w"), orch.cfg.join_tokens[0].get_secret_value())
     wid = orch.authenticate(reg.secret)

@@ -17,14 +17,16 @@ from trainer.samples import samples_from_groups
 def episode(sample_index: int, mask: list[int]) -> Completion:
     n_model = mask.count(0)
     return Completion(prompt_index=0, sample_index=sample_index, token_ids=np.arange(3, 3 + len(mask), dtype=np.int32),
-                      logprobs=np.full(n_model, -0.5 - sample_index, dtype=np.float32), finish_reason="stop", proofs=[b"p"],
-                      env_mask=np.array(mask, dtype=np.uint8), turn_finish_reasons=["stop"] * (1 + sum(1 for a, b in zip(mask, mask[1:]) if a == 1 and b == 0)))
+                      logprobs=np.full(n_model, -0.5 - sample_index, dtype=np.float32), finish_reason="stop",
+                      proofs=[b"p"], env_mask=np.array(mask, dtype=np.uint8), turn_finish_reasons=["stop"] * (1 + sum(1
+                      for a, b in zip(mask, mask[1:]) if a == 1 and b == 0)))
 
 
 def lease() -> TaskLease:
-    return TaskLease(lease_id="L", prompts=[TaskPrompt(prompt_id="p", token_ids=np.array([1, 2], np.int32), seeds=[1, 2], env_item='{"answer":"1","meta":{},"prompt":"ask:="}')],
-                     samples_per_prompt=2, sampling=SamplingParams(max_tokens=24), policy_version=0, min_policy_version=0, deadline=time.time() + 60,
-                     environment="lookup")
+    return TaskLease(lease_id="L", prompts=[TaskPrompt(prompt_id="p", token_ids=np.array([1, 2], np.int32), seeds=[1,
+        2], env_item='{"answer":"1","meta":{},"prompt":"ask:="}')],
+                     samples_per_prompt=2, sampling=SamplingParams(max_tokens=24), policy_version=0,
+                     min_policy_version=0, deadline=time.time() + 60, environment="lookup")
 
 
 @pytest.mark.parametrize("trusted_logprobs", [True, False])
@@ -42,8 +44,10 @@ def test_episode_groups_give_masked_samples(trusted_logprobs):
 
 
 def test_single_turn_groups_carry_no_masks():
-    c = Completion(prompt_index=0, sample_index=0, token_ids=np.array([5, 6], np.int32), logprobs=np.array([-1, -1], np.float32), finish_reason="stop", proofs=[b"p"])
-    sub = RolloutSubmission(lease_id="L", policy_version=0, model_hash="a" * 64, completions=[c, c.model_copy(update={"sample_index": 1})])
+    c = Completion(prompt_index=0, sample_index=0, token_ids=np.array([5, 6], np.int32), logprobs=np.array([-1, -1],
+        np.float32), finish_reason="stop", proofs=[b"p"])
+    sub = RolloutSubmission(lease_id="L", policy_version=0, model_hash="a" * 64, completions=[c,
+        c.model_copy(update={"sample_index": 1})])
     groups = build_groups("s", sub, lease().model_copy(update={"environment": None}), [1.0, 0.0])
     assert groups.rows[0].env_masks == b""
     assert all(s.loss_mask is None for s in samples_from_groups(groups.rows))
@@ -70,6 +74,8 @@ def test_admission_refuses_a_completion_of_the_wrong_kind():
     check_shape(sub, lease())  # the right kind passes
     with pytest.raises(ApiError, match="multi-turn episode .* single-turn lease"):
         check_shape(sub, lease().model_copy(update={"environment": None}))
-    single = [c.model_copy(update={"env_mask": None, "turn_finish_reasons": None, "logprobs": np.full(c.token_ids.size, -1.0, np.float32)}) for c in comps]
+    single = [c.model_copy(update={"env_mask": None, "turn_finish_reasons": None, "logprobs": np.full(c.token_ids.size,
+        -1.0, np.float32)}) for c in comps]
     with pytest.raises(ApiError, match="env_mask and turn_finish_reasons are required"):
-        check_shape(RolloutSubmission.model_construct(lease_id="L", policy_version=0, model_hash="a" * 64, completions=single), lease())
+        check_shape(RolloutSubmission.model_construct(lease_id="L", policy_version=0, model_hash="a" * 64,
+            completions=single), lease())

@@ -38,8 +38,8 @@ def test_pass_at_k_is_the_unbiased_estimator():
 
 
 def test_summary_averages_over_prompts():
-    r = summarize(3, [([1.0, 0.0, 1.0, 0.5], [2, 3, 4, 5]), ([0.0, 0.0, 0.0, 0.0], [1, 1, 1, 1])], planned=3, k=4, pass_ks=[1, 2, 4],
-                  threshold=1.0, complete=False)
+    r = summarize(3, [([1.0, 0.0, 1.0, 0.5], [2, 3, 4, 5]), ([0.0, 0.0, 0.0, 0.0], [1, 1, 1, 1])], planned=3, k=4,
+                  pass_ks=[1, 2, 4], threshold=1.0, complete=False)
     assert r.policy_version == 3 and r.prompts == 2 and r.prompts_planned == 3
     assert r.avg_reward == pytest.approx(2.5 / 8)
     assert r.pass_at["1"] == pytest.approx((2 / 4 + 0) / 2)
@@ -87,18 +87,22 @@ def test_a_held_out_split_of_a_dataset(tmp_path, tiny_model_dir):
     import datasets
 
     rows = [{"prompt": f"copy:{i:03d}=", "answer": f"{i:03d}"} for i in range(12)]
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:9]), "test": datasets.Dataset.from_list(rows[9:])}).save_to_disk(str(tmp_path / "dd"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:9]),
+        "test": datasets.Dataset.from_list(rows[9:])}).save_to_disk(str(tmp_path / "dd"))
     data = DataConfig(task="toy", path=str(tmp_path / "dd"))
     assert held_out_data(data, EvalConfig(every_steps=1)) is None  # no split or path of its own: a slice
     with pytest.raises(DataError, match="data.path or eval.path"):
         held_out_data(DataConfig(task="toy"), EvalConfig(every_steps=1, split="test"))
     source = held_out_data(data, EvalConfig(every_steps=1, split="test"))
     assert source.path == data.path and source.split == "test"
-    prompts = HeldOutPrompts(PromptSet.from_config(data, tiny_model_dir, 0), PromptSet.from_config(source, tiny_model_dir, 0).prompts)
-    assert prompts.num_train == 9 and [prompts.prompts[i].item.prompt for i in prompts.held_out] == [r["prompt"] for r in rows[9:]]
+    prompts = HeldOutPrompts(PromptSet.from_config(data, tiny_model_dir, 0), PromptSet.from_config(source,
+        tiny_model_dir, 0).prompts)
+    assert prompts.num_train == 9 and [prompts.prompts[i].item.prompt for i in prompts.held_out] == [r["prompt"]
+        for r in rows[9:]]
     assert {prompts.order(pos) for pos in range(30)} == set(range(9))
     with pytest.raises(DataError, match="no training prompts left"):  # the same split for both: nothing to train on
-        HeldOutPrompts(PromptSet.from_config(data, tiny_model_dir, 0), PromptSet.from_config(data, tiny_model_dir, 0).prompts)
+        HeldOutPrompts(PromptSet.from_config(data, tiny_model_dir, 0), PromptSet.from_config(data, tiny_model_dir,
+            0).prompts)
 
 
 def test_eval_leases_go_first_pinned_to_the_version_and_outside_the_async_bound(tmp_path):
@@ -166,11 +170,13 @@ def test_eval_results_are_recorded_never_buffered_and_a_released_lease_comes_bac
     for ls, sub in subs:
         items = [orch.prompts.prompts[i].item for i in orch.leases.get(ls.lease_id).prompt_indices]
         for c in sub.completions:
-            rewards.append(task.reward(items[c.prompt_index], tok.decode(c.token_ids.tolist(), skip_special_tokens=True)))
+            rewards.append(task.reward(items[c.prompt_index], tok.decode(c.token_ids.tolist(),
+                skip_special_tokens=True)))
             lengths.append(c.token_ids.size)
     assert result.avg_reward == pytest.approx(np.mean(rewards))
     assert result.mean_completion_tokens == pytest.approx(np.mean(lengths))
-    assert set(result.pass_at) == {"1", "2", "4"} and 0.0 <= result.pass_at["1"] <= result.pass_at["2"] <= result.pass_at["4"] <= 1.0
+    assert set(result.pass_at) == {"1", "2",
+        "4"} and 0.0 <= result.pass_at["1"] <= result.pass_at["2"] <= result.pass_at["4"] <= 1.0
     st = orch.status()
     assert st.eval_latest == result and st.evals_open == 0
     orch.housekeeping()
@@ -214,7 +220,8 @@ def test_eval_over_http(tmp_path):
     admin = {"Authorization": "Bearer admin"}
     try:
         with httpx.Client(base_url=srv.url, timeout=10) as client:
-            r = client.post(api.REGISTER.path, json={"name": "w", "device": "cpu"}, headers={"Authorization": "Bearer join"})
+            r = client.post(api.REGISTER.path, json={"name": "w", "device": "cpu"},
+                headers={"Authorization": "Bearer join"})
             w = WorkerRegistered.model_validate_json(r.content)
             auth = {"Authorization": f"Bearer {w.secret}"}
             leases = []
@@ -225,17 +232,20 @@ def test_eval_over_http(tmp_path):
             *evals, training = leases
             for ls in evals:  # the same fields and values as a training lease but for ids, prompts and seeds
                 assert ls.keys() == training.keys()
-                for key in ("samples_per_prompt", "sampling", "policy_version", "min_policy_version", "generation_version"):
+                for key in ("samples_per_prompt", "sampling", "policy_version", "min_policy_version",
+                    "generation_version"):
                     assert ls[key] == training[key], key
                 assert len(ls["prompts"]) == len(training["prompts"])
                 sub = make_submission(LeaseResponse.model_validate({"lease": ls}).lease, rng)
-                r = client.post(api.SUBMIT.path, content=encode(sub), headers={**auth, "Content-Type": "application/json"})
+                r = client.post(api.SUBMIT.path, content=encode(sub), headers={**auth,
+                    "Content-Type": "application/json"})
                 assert r.status_code == 200, r.text
             deadline = time.time() + 30
             while True:
                 st = RunStatus.model_validate_json(client.get(api.STATUS.path, headers=admin).content)
                 metrics = client.get("/metrics", headers=admin).text
-                if (st.eval_latest is not None and f"swarmrl_eval_avg_reward {st.eval_latest.avg_reward}" in metrics) or time.time() > deadline:
+                if (st.eval_latest is not None
+                    and f"swarmrl_eval_avg_reward {st.eval_latest.avg_reward}" in metrics) or time.time() > deadline:
                     break
                 time.sleep(0.2)
             assert st.eval_latest is not None and st.eval_latest.complete and st.eval_latest.prompts == 4

@@ -12,8 +12,8 @@ import httpx
 import numpy as np
 import pytest
 import zstandard
-
 from orch_fakes import encode, make_orchestrator, make_submission, run_config
+
 from orchestrator.server import OrchestratorServer
 from protocol import api, limits
 from protocol.models import LeaseResponse, WorkerRegistered
@@ -47,7 +47,8 @@ def test_refused_credentials_are_limited_per_address_but_known_workers_keep_work
     try:
         with httpx.Client(base_url=srv.url, timeout=10) as c:
             w = register(c)
-            statuses = [c.post(api.LEASE.path, json={"loaded_policy_version": 0}, headers=bearer(f"w-{i:016x}.forged")).status_code for i in range(10)]
+            statuses = [c.post(api.LEASE.path, json={"loaded_policy_version": 0},
+                headers=bearer(f"w-{i:016x}.forged")).status_code for i in range(10)]
             assert statuses[:6] == [401] * 6 and set(statuses[6:]) == {429}  # no more database reads for guesses
             assert c.get(api.STATUS.path, headers=bearer("wrong-admin")).status_code == 429
             # Correct credentials are never refused for their address's sake: a worker that authenticated
@@ -68,18 +69,21 @@ def test_requests_in_flight_per_worker_are_capped(tmp_path):
             held = []
             for _ in range(2):  # two requests whose bodies never come: both in flight
                 s = raw(srv)
-                s.sendall(f"POST {api.SUBMIT.path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {w.secret}\r\nContent-Length: 100\r\n\r\n".encode())
+                s.sendall(f"POST {api.SUBMIT.path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                    f"{w.secret}\r\nContent-Length: 100\r\n\r\n".encode())
                 held.append(s)
             time.sleep(0.3)
             # Every one refused while both are held: a refusal gives back no slot it never took (it once
             # did, and each refusal let one more request through).
             for _ in range(4):
-                r = c.post(api.HEARTBEAT.url("", worker_id=w.worker_id), json={"state": "idle"}, headers=bearer(w.secret))
+                r = c.post(api.HEARTBEAT.url("", worker_id=w.worker_id), json={"state": "idle"},
+                    headers=bearer(w.secret))
                 assert r.status_code == 429 and "in flight" in r.json()["detail"]
             for s in held:
                 s.close()  # the client goes away: its slots are free again
             deadline = time.time() + 5
-            while (r := c.post(api.HEARTBEAT.url("", worker_id=w.worker_id), json={"state": "idle"}, headers=bearer(w.secret))).status_code != 200:
+            while (r := c.post(api.HEARTBEAT.url("", worker_id=w.worker_id), json={"state": "idle"},
+                headers=bearer(w.secret))).status_code != 200:
                 assert time.time() < deadline, r.text
                 time.sleep(0.1)
     finally:
@@ -105,8 +109,10 @@ def test_a_refusal_over_budget_is_held_so_one_connection_cannot_flood(tmp_path):
             assert held and codes.count(200) >= 5  # the burst passes; then the budget is what it is
             assert min(held) >= -0.01  # every refusal was held (a deliberate sleep, not a measured speed)
             # Forged credentials over the address's budget are held too.
-            forged = [c.post(api.LEASE.path, json={"loaded_policy_version": 0}, headers=bearer(f"w-{i:016x}.forged")) for i in range(40)]
-            late = [r.status_code for r in forged[30:]]  # past the burst of 30: mostly held 429s, a 401 as the budget refills
+            forged = [c.post(api.LEASE.path, json={"loaded_policy_version": 0}, headers=bearer(f"w-{i:016x}.forged"))
+                for i in range(40)]
+            # past the burst of 30: mostly held 429s, a 401 as the budget refills
+            late = [r.status_code for r in forged[30:]]
             assert late.count(429) >= 7 and set(late) <= {401, 429}
     finally:
         srv.stop()
@@ -150,9 +156,11 @@ def test_body_bytes_are_a_budget_per_worker(tmp_path):
         with httpx.Client(base_url=srv.url, timeout=10) as c:
             w = register(c)
             junk = b"x" * 3000
-            first = c.post(api.SUBMIT.path, content=junk, headers=bearer(w.secret) | {"content-type": "application/json"})
+            first = c.post(api.SUBMIT.path, content=junk,
+                headers=bearer(w.secret) | {"content-type": "application/json"})
             assert first.status_code == 422  # read, then refused by admission
-            second = c.post(api.SUBMIT.path, content=junk, headers=bearer(w.secret) | {"content-type": "application/json"})
+            second = c.post(api.SUBMIT.path, content=junk,
+                headers=bearer(w.secret) | {"content-type": "application/json"})
             assert second.status_code == 429 and "retry-after" in second.headers
     finally:
         srv.stop()
@@ -165,19 +173,23 @@ def test_submission_bodies_are_capped_at_the_largest_honest_one(tmp_path):
     try:
         with httpx.Client(base_url=srv.url, timeout=10) as c:
             w = register(c)
-            lease = LeaseResponse.model_validate_json(c.post(api.LEASE.path, json={"loaded_policy_version": 0, "max_prompts": 64}, headers=bearer(w.secret)).content).lease
+            lease = LeaseResponse.model_validate_json(c.post(api.LEASE.path, json={"loaded_policy_version": 0,
+                "max_prompts": 64}, headers=bearer(w.secret)).content).lease
             # The largest honest submission (every completion max_tokens long) fits...
             sub = make_submission(lease, np.random.default_rng(0))
             longest = [cc.model_copy(update={"token_ids": np.full(cfg.sampling.max_tokens, 5, np.int32),
                                              "logprobs": np.full(cfg.sampling.max_tokens, -1.0, np.float32),
-                                             "proofs": [b"p" * limits.MAX_PROOF_BYTES] * -(-cfg.sampling.max_tokens // limits.PROOF_CHUNK_TOKENS)})
+                                             "proofs": [b"p" * limits.MAX_PROOF_BYTES] * -(
+                                             -cfg.sampling.max_tokens // limits.PROOF_CHUNK_TOKENS)})
                        for cc in sub.completions]
             body = encode(sub.model_copy(update={"completions": longest}))
             assert len(body) <= cap
             r = c.post(api.SUBMIT.path, content=body, headers=bearer(w.secret) | {"content-type": "application/json"})
             assert r.status_code == 200, r.text
-            # ...a bigger body is refused from its length, and a small zstd body that expands past it while decompressing.
-            assert c.post(api.SUBMIT.path, content=b"{" + b" " * cap + b"}", headers=bearer(w.secret)).status_code == 413
+            # ...a bigger body is refused from its length, and a small zstd body that expands past it while
+            # decompressing.
+            assert c.post(api.SUBMIT.path, content=b"{" + b" " * cap + b"}",
+                headers=bearer(w.secret)).status_code == 413
             bomb = zstandard.ZstdCompressor().compress(b" " * (cap + 1))
             r = c.post(api.SUBMIT.path, content=bomb, headers=bearer(w.secret) | {"content-encoding": "zstd"})
             assert len(bomb) < 1000 and r.status_code == 413 and "decompresses to more than" in r.json()["detail"]
@@ -217,8 +229,10 @@ def test_big_submissions_are_parsed_off_the_event_loop(tmp_path):
     try:
         with httpx.Client(base_url=srv.url, timeout=10) as c:
             w = register(c)
-            lease = LeaseResponse.model_validate_json(c.post(api.LEASE.path, json={"loaded_policy_version": 0}, headers=bearer(w.secret)).content).lease
-            r = c.post(api.SUBMIT.path, content=encode(make_submission(lease, np.random.default_rng(0))), headers=bearer(w.secret))
+            lease = LeaseResponse.model_validate_json(c.post(api.LEASE.path, json={"loaded_policy_version": 0},
+                headers=bearer(w.secret)).content).lease
+            r = c.post(api.SUBMIT.path, content=encode(make_submission(lease, np.random.default_rng(0))),
+                headers=bearer(w.secret))
             assert r.status_code == 200, r.text
         assert threads and all(t != "orchestrator-http" for t in threads)
     finally:
@@ -233,18 +247,22 @@ def test_join_tokens_through_the_admin_api(tmp_path):
             body = {"label": "alice", "max_identities": 2}
             assert c.post(api.MINT_TOKEN.path, json=body).status_code == 401
             assert c.post(api.MINT_TOKEN.path, json=body, headers=bearer(w.secret)).status_code == 403
-            minted = JoinTokenMinted.model_validate_json(c.post(api.MINT_TOKEN.path, json=body, headers=bearer(ADMIN)).content)
+            minted = JoinTokenMinted.model_validate_json(c.post(api.MINT_TOKEN.path, json=body,
+                headers=bearer(ADMIN)).content)
             alice = register(c, minted.token, "alice-1")
             listed = JoinTokenList.model_validate_json(c.get(api.TOKENS.path, headers=bearer(ADMIN)).content).tokens
             rec = next(t for t in listed if t.token_id == minted.token_id)
             assert rec.live_identities == 1 and not hasattr(rec, "token")  # the secret is shown once, at minting
             assert minted.token not in c.get(api.TOKENS.path, headers=bearer(ADMIN)).text
-            r = c.post(api.REVOKE_TOKEN.url("", token_id=minted.token_id), json={"reason": "left"}, headers=bearer(ADMIN))
+            r = c.post(api.REVOKE_TOKEN.url("", token_id=minted.token_id), json={"reason": "left"},
+                headers=bearer(ADMIN))
             assert r.status_code == 200 and r.json()["revoked"]
             assert c.post(api.REGISTER.path, json={"name": "alice-2"}, headers=bearer(minted.token)).status_code == 401
-            banned = c.post(api.HEARTBEAT.url("", worker_id=alice.worker_id), json={"state": "idle"}, headers=bearer(alice.secret))
+            banned = c.post(api.HEARTBEAT.url("", worker_id=alice.worker_id), json={"state": "idle"},
+                headers=bearer(alice.secret))
             assert banned.status_code == 403 and banned.json()["error"] == "banned"
-            assert c.post(api.REVOKE_TOKEN.url("", token_id="t-nope"), json={}, headers=bearer(ADMIN)).status_code == 404
+            assert c.post(api.REVOKE_TOKEN.url("", token_id="t-nope"), json={},
+                headers=bearer(ADMIN)).status_code == 404
     finally:
         srv.stop()
 
@@ -261,7 +279,8 @@ def test_a_lease_request_is_held_until_the_async_bound_has_room(tmp_path):
     as a lease is given back, not after a retry-after guessed by the worker; with nothing freeing room it
     is held for wait_s and answered "none now"; wait_s=0 is answered at once."""
     cfg = run_config(tmp_path, admin_token=ADMIN, join_tokens=[JOIN], async_level=0, max_open_leases_per_worker=8)
-    cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"samples_per_step": 8})})  # the bound: 2 prompts
+    # the bound: 2 prompts
+    cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"samples_per_step": 8})})
     srv = OrchestratorServer(make_orchestrator(cfg), port=0).start()
     stopped = False
     try:
@@ -270,7 +289,8 @@ def test_a_lease_request_is_held_until_the_async_bound_has_room(tmp_path):
 
             def ask(wait_s: float) -> tuple[LeaseResponse, float]:
                 started = time.monotonic()
-                r = c.post(api.LEASE.path, json={"loaded_policy_version": 0, "max_prompts": 2, "wait_s": wait_s}, headers=bearer(w.secret))
+                r = c.post(api.LEASE.path, json={"loaded_policy_version": 0, "max_prompts": 2, "wait_s": wait_s},
+                    headers=bearer(w.secret))
                 assert r.status_code == 200, r.text
                 return LeaseResponse.model_validate_json(r.content), time.monotonic() - started
 
@@ -284,14 +304,16 @@ def test_a_lease_request_is_held_until_the_async_bound_has_room(tmp_path):
             got: list = []
             with httpx.Client(base_url=srv.url, timeout=30) as other:  # the poll holds its own connection
                 def poll() -> None:
-                    r = other.post(api.LEASE.path, json={"loaded_policy_version": 0, "max_prompts": 2, "wait_s": 5.0}, headers=bearer(w.secret))
+                    r = other.post(api.LEASE.path, json={"loaded_policy_version": 0, "max_prompts": 2, "wait_s": 5.0},
+                        headers=bearer(w.secret))
                     got.append((r, time.monotonic()))
 
                 waiter = threading.Thread(target=poll)
                 waiter.start()
                 time.sleep(0.5)
                 released_at = time.monotonic()
-                r = c.post(api.RELEASE.url("", lease_id=held.lease_id), json={"reason": "test"}, headers=bearer(w.secret))
+                r = c.post(api.RELEASE.url("", lease_id=held.lease_id), json={"reason": "test"},
+                    headers=bearer(w.secret))
                 assert r.status_code == 200 and r.json()["released"]
                 waiter.join(10)
             resp, answered_at = got[0]

@@ -104,7 +104,8 @@ def test_a_failed_commit_fails_every_request_of_the_batch_and_leaves_state_usabl
     state = Database(path)
     group = GroupCommit(state)
     with state.tx() as db:
-        db.execute("CREATE TABLE t (x INTEGER PRIMARY KEY, y INTEGER REFERENCES meta(key) DEFERRABLE INITIALLY DEFERRED)")
+        db.execute("CREATE TABLE t (x INTEGER PRIMARY KEY, y INTEGER REFERENCES meta(key) DEFERRABLE INITIALLY "
+            "DEFERRED)")
 
     def write(i: int) -> None:
         with state.tx() as db:

@@ -155,8 +155,10 @@ def test_a_database_from_before_prompt_instances_is_migrated(tmp_path):
     path = tmp_path / "old.sqlite"
     old = sqlite3.connect(path)
     old.executescript(
-        "CREATE TABLE leases (lease_id TEXT PRIMARY KEY, seq INTEGER NOT NULL, worker_id TEXT NOT NULL, prompt_indices TEXT NOT NULL, "
-        "body TEXT NOT NULL, issued_at REAL NOT NULL, deadline REAL NOT NULL, status TEXT NOT NULL, request_id TEXT, token_id TEXT, eval_version INTEGER);"
+        "CREATE TABLE leases (lease_id TEXT PRIMARY KEY, seq INTEGER NOT NULL, worker_id TEXT NOT NULL, "
+        "prompt_indices TEXT NOT NULL, "
+        "body TEXT NOT NULL, issued_at REAL NOT NULL, deadline REAL NOT NULL, status TEXT NOT NULL, request_id TEXT, "
+        "token_id TEXT, eval_version INTEGER);"
         "CREATE TABLE reissue (seq INTEGER PRIMARY KEY AUTOINCREMENT, prompt_index INTEGER NOT NULL);"
         "INSERT INTO reissue (prompt_index) VALUES (5);"
         "INSERT INTO leases VALUES ('L-old', 1, 'w0', '[7]', '{}', 0, 1, 'open', NULL, NULL, NULL);"
@@ -191,7 +193,8 @@ def test_the_free_window_follows_the_measured_generation_time(tmp_path):
     assert costs.free_window("t1", 30.0, 2) == pytest.approx(1.0)
     assert costs.free_window("t2", 30.0, 4) == pytest.approx(2.0)  # another token: the swarm's speed
     assert costs.units("t1", 2, 0.0, 30.0, 0.01, 2, 0.25) == 0  # given back at once (shutting down): free
-    assert costs.units("t1", 2, 0.0, 30.0, 0.05 * 30.0, 2, 0.25) == pytest.approx(0.25)  # 5%: charged, at least the floor
+    # 5%: charged, at least the floor
+    assert costs.units("t1", 2, 0.0, 30.0, 0.05 * 30.0, 2, 0.25) == pytest.approx(0.25)
     assert costs.units("t1", 2, 0.0, 30.0, 15.0, 2, 0.25) == pytest.approx(0.5)  # half the lease: half a lease's worth
     costs.note_accepted("t2", 2, 0.0, 60.0)  # a slow token: the swarm's p10 still bounds its window
     assert costs.free_window("t2", 30.0, 2) == pytest.approx(1.0)

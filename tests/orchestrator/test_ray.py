@@ -48,10 +48,12 @@ def test_orchestrator_and_verifier_actors(ray_cluster, tiny_model_dir, tmp_path)
     pool = RayVerifierPool.start(VerifierConfig(), lambda v: model_dir, str(tiny_model_dir), num_actors=1)
     actor = start_orchestrator_actor(cfg, pool.actors)
     try:
-        ray.get(actor.reconcile_trainer.remote([], {}, {0: HASH0}))  # the trainer's first reconciliation announces version 0
+        # the trainer's first reconciliation announces version 0
+        ray.get(actor.reconcile_trainer.remote([], {}, {0: HASH0}))
         url = ray.get(actor.url.remote())
         with httpx.Client(base_url=url, timeout=30) as c:
-            w = WorkerRegistered.model_validate_json(c.post(api.REGISTER.path, json={"name": "honest"}, headers={"Authorization": "Bearer join"}).content)
+            w = WorkerRegistered.model_validate_json(c.post(api.REGISTER.path, json={"name": "honest"},
+                headers={"Authorization": "Bearer join"}).content)
             h = {"Authorization": f"Bearer {w.secret}"}
 
             def lease():
@@ -73,7 +75,9 @@ def test_orchestrator_and_verifier_actors(ray_cluster, tiny_model_dir, tmp_path)
                 raise AssertionError("no verdict")
 
             l1 = lease()
-            good = RolloutSubmission(lease_id=l1.lease_id, policy_version=0, model_hash=HASH0, completions=honest_completions(model_dir, l1))  # the real engine's output
+            # the real engine's output
+            good = RolloutSubmission(lease_id=l1.lease_id, policy_version=0, model_hash=HASH0,
+                completions=honest_completions(model_dir, l1))
             v = submit(good)
             assert v.status.value == "accepted", v.rejections
             assert len(v.rewards) == len(good.completions) and v.verified_tokens == good.num_tokens

@@ -24,9 +24,10 @@ def draws(lease, k: int):
             rng = np.random.default_rng(prompt.seeds[s])
             n = int(rng.integers(1, lease.sampling.max_tokens + 1))
             ids = rng.integers(3, 40, size=n)
-            comps.append(Completion(prompt_index=p, sample_index=s, token_ids=ids, logprobs=-rng.random(n).astype(np.float32),
-                                    finish_reason=FinishReason.length,
-                                    proofs=[rng.bytes(limits.MAX_PROOF_BYTES) for _ in range(math.ceil(n / limits.PROOF_CHUNK_TOKENS))]))
+            comps.append(Completion(prompt_index=p, sample_index=s, token_ids=ids,
+                                    logprobs=-rng.random(n).astype(np.float32), finish_reason=FinishReason.length,
+                                    proofs=[rng.bytes(limits.MAX_PROOF_BYTES)
+                                    for _ in range(math.ceil(n / limits.PROOF_CHUNK_TOKENS))]))
     return RolloutSubmission(lease_id=lease.lease_id, policy_version=0, model_hash=HASH0, completions=comps)
 
 
@@ -43,7 +44,8 @@ def test_selective_release_changes_nothing_trained_and_costs_the_selector(tmp_pa
 
     def group_reward(lease, sub) -> float:  # the worker scores its own draws with the public reward
         item = orch.prompts.prompts[orch.leases.get(lease.lease_id).prompt_indices[0]].item
-        return float(np.mean([verifier.task.reward(item, verifier.tok.decode(c.token_ids.tolist(), skip_special_tokens=True))
+        return float(np.mean([verifier.task.reward(item, verifier.tok.decode(c.token_ids.tolist(),
+            skip_special_tokens=True))
                               for c in sub.completions]))
 
     drawn: dict[int, float] = {}  # instance -> its group's reward, each time it was leased
@@ -73,8 +75,10 @@ def test_selective_release_changes_nothing_trained_and_costs_the_selector(tmp_pa
             trained.setdefault(instance, []).append(r)
     honest_mean = float(np.mean(list(drawn.values())))  # every instance's draws, as an honest swarm trains them
     trained_mean = float(np.mean([r for rs in trained.values() for r in rs]))
-    print(f"selector released {released} of {len(picky_seen)} leases; its submitted groups' mean reward {np.mean(picky_kept):.4f}, "
-          f"all its draws {np.mean(picky_seen):.4f}; trained mean {trained_mean:.4f}, honest draws of the same instances {honest_mean:.4f}")
+    print(f"selector released {released} of {len(picky_seen)} leases; its submitted groups' mean reward "
+        f"{np.mean(picky_kept):.4f}, "
+          f"all its draws {np.mean(picky_seen):.4f}; trained mean {trained_mean:.4f}, honest draws of the same "
+          f"instances {honest_mean:.4f}")
     assert released >= 3 and np.mean(picky_kept) > np.mean(picky_seen)  # it did select among its own groups
     # Every instance was trained exactly once, with its own draws: the trainer's data is an honest swarm's.
     assert sorted(trained) == sorted(drawn) and all(len(rs) == 1 for rs in trained.values())

@@ -34,7 +34,8 @@ def start(run_dir: Path, port: int) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{HERE}")
     log = run_dir / "orchestrator.log"
     with log.open("a") as err:
-        proc = subprocess.Popen([sys.executable, str(HERE / "orch_proc.py"), "--dir", str(run_dir), "--port", str(port)],
+        proc = subprocess.Popen([sys.executable, str(HERE / "orch_proc.py"), "--dir", str(run_dir), "--port",
+            str(port)],
                                 stdout=subprocess.PIPE, stderr=err, text=True, env=env)
     line = proc.stdout.readline().strip()
     if not line.startswith("http://"):
@@ -85,7 +86,8 @@ def test_kill_and_restart(tmp_path):
                 if st["step"] >= 1:
                     break
                 time.sleep(0.05)
-            assert st["submissions_accepted"] < len(receipts) or st["buffer_depth"] > 0 or st["step"] < 4, "kill came too late to test anything"
+            assert st["submissions_accepted"] < len(
+                receipts) or st["buffer_depth"] > 0 or st["step"] < 4, "kill came too late to test anything"
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
@@ -94,7 +96,8 @@ def test_kill_and_restart(tmp_path):
     try:
         with httpx.Client(base_url=url, timeout=10) as c:
             # The worker's secret and its open lease survived.
-            r = c.post(api.HEARTBEAT.url("", worker_id=w.worker_id), json={"state": "generating", "loaded_policy_version": 0},
+            r = c.post(api.HEARTBEAT.url("", worker_id=w.worker_id), json={"state": "generating",
+                "loaded_policy_version": 0},
                        headers=auth(w.secret))
             assert r.status_code == 200, r.text
             r = c.post(api.SUBMIT.path, content=encode(make_submission(open_lease, rng)), headers=auth(w.secret))
@@ -103,7 +106,8 @@ def test_kill_and_restart(tmp_path):
             # Every receipt gets a verdict; the trainer drains the buffer.
             deadline = time.time() + 60
             while time.time() < deadline:
-                verdicts = [Verdict.model_validate_json(c.get(api.VERDICT.url("", submission_id=s), headers=auth(w.secret)).content)
+                verdicts = [Verdict.model_validate_json(c.get(api.VERDICT.url("", submission_id=s),
+                    headers=auth(w.secret)).content)
                             for s in receipts]
                 st = c.get(api.STATUS.path, headers=auth("admin")).json()
                 if all(v.status.value == "accepted" for v in verdicts) and st["buffer_depth"] == 0:
@@ -169,7 +173,8 @@ def test_submission_acknowledged_with_200_survives_kill_9(tmp_path):
     rng = np.random.default_rng(11)
     try:
         with httpx.Client(base_url=url, timeout=10) as c:
-            w = WorkerRegistered.model_validate_json(c.post(api.REGISTER.path, json={"name": "d"}, headers=auth("join")).content)
+            w = WorkerRegistered.model_validate_json(c.post(api.REGISTER.path, json={"name": "d"},
+                headers=auth("join")).content)
             subs = [make_submission(lease(c, w), rng) for _ in range(3)]
             receipts = []
             for sub in subs:
@@ -181,11 +186,13 @@ def test_submission_acknowledged_with_200_survives_kill_9(tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
     db = sqlite3.connect(tmp_path / "orchestrator.sqlite")
-    rows = {sid: (lease_id, status) for sid, lease_id, status in db.execute("SELECT submission_id, lease_id, status FROM submissions")}
+    rows = {sid: (lease_id, status) for sid, lease_id,
+        status in db.execute("SELECT submission_id, lease_id, status FROM submissions")}
     assert set(receipts) <= set(rows)
     for sid, sub in zip(receipts, subs):
         assert rows[sid][0] == sub.lease_id and rows[sid][1] in ("pending", "accepted", "rejected")
-        assert db.execute("SELECT status FROM leases WHERE lease_id=?", (sub.lease_id,)).fetchone()[0] in ("submitted", "done", "rejected")
+        assert db.execute("SELECT status FROM leases WHERE lease_id=?", (sub.lease_id,)).fetchone()[0] in ("submitted",
+            "done", "rejected")
     assert db.execute("SELECT COUNT(*) FROM fingerprints WHERE submission_id IN (?, ?, ?)", receipts).fetchone()[0] == 3
     db.close()
 
@@ -193,7 +200,8 @@ def test_submission_acknowledged_with_200_survives_kill_9(tmp_path):
     proc, url = start(tmp_path, port)
     try:
         with httpx.Client(base_url=url, timeout=10) as c:
-            r = c.post(api.SUBMIT.path, content=encode(subs[0].model_copy(update={"lease_id": lease(c, w).lease_id})), headers=auth(w.secret))
+            r = c.post(api.SUBMIT.path, content=encode(subs[0].model_copy(update={"lease_id": lease(c, w).lease_id})),
+                headers=auth(w.secret))
             assert r.status_code == 409 and r.json()["error"] == "duplicate", r.text
     finally:
         stop(proc)

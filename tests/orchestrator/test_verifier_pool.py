@@ -35,7 +35,8 @@ def test_pending_live_shrink_and_dispatch(ray_cluster, tiny_model_dir, jobs, tmp
     from swarmrl.verifier_pool import VerifierPool
     from verifier.config import VerifierConfig
 
-    pool = VerifierPool(VerifierConfig(), lambda v: tiny_model_dir, str(tiny_model_dir), resources={"verifier": 1}, run_dir=str(tmp_path), retire_after_s=0.0)
+    pool = VerifierPool(VerifierConfig(), lambda v: tiny_model_dir, str(tiny_model_dir), resources={"verifier": 1},
+        run_dir=str(tmp_path), retire_after_s=0.0)
     try:
         pool.grow(1)
         ready = pool.wait_live(1, timeout_s=120)
@@ -132,7 +133,8 @@ def test_the_driver_tick_resizes_the_pool_and_tells_the_orchestrator(ray_cluster
     cfg = run_config(tmp_path, admin_token="adm", join_tokens=["join"])
     cfg.model.path = str(tiny_model_dir)
     run = Run(cfg)
-    run.pool = VerifierPool(VerifierConfig(), lambda v: tiny_model_dir, str(tiny_model_dir), resources={"verifier": 1}, run_dir=str(run.rd.root), retire_after_s=0.0)
+    run.pool = VerifierPool(VerifierConfig(), lambda v: tiny_model_dir, str(tiny_model_dir), resources={"verifier": 1},
+        run_dir=str(run.rd.root), retire_after_s=0.0)
     run.scaler = scripted = ScriptedScaler()
     orch = None
     try:

@@ -16,8 +16,9 @@ def episode(mask, finishes=None, n_logprobs=None, **kw) -> dict:
     mask = np.array(mask, dtype=np.uint8)
     n_model = int((mask == 0).sum()) if n_logprobs is None else n_logprobs
     turns = int(mask[0] == 0) + int(((mask[1:] == 0) & (mask[:-1] == 1)).sum())
-    return dict(prompt_index=0, sample_index=0, token_ids=np.arange(3, 3 + mask.size, dtype=np.int32), logprobs=np.full(n_model, -1.0, np.float32),
-                finish_reason="stop", proofs=[b"p"] * max(1, -(-n_model // 32)), env_mask=mask,
+    return dict(prompt_index=0, sample_index=0, token_ids=np.arange(3, 3 + mask.size, dtype=np.int32),
+                logprobs=np.full(n_model, -1.0, np.float32), finish_reason="stop", proofs=[b"p"] * max(1,
+                -(-n_model // 32)), env_mask=mask,
                 turn_finish_reasons=finishes if finishes is not None else ["stop"] * turns, **kw)
 
 
@@ -27,14 +28,17 @@ def test_a_valid_episode_round_trips_through_json():
     assert back.env_mask.tolist() == [0, 1, 1, 0, 0] and back.turn_finish_reasons == c.turn_finish_reasons
     assert back.model_positions.tolist() == [0, 3, 4]
     sub = RolloutSubmission(lease_id="L", policy_version=0, model_hash="a" * 64, completions=[c])
-    assert RolloutSubmission.model_validate_json(sub.model_dump_json()).completions[0].env_mask.tolist() == [0, 1, 1, 0, 0]
+    assert RolloutSubmission.model_validate_json(sub.model_dump_json()).completions[0].env_mask.tolist() == [0, 1, 1,
+        0, 0]
 
 
 def test_single_turn_json_is_unchanged():
-    c = Completion(prompt_index=0, sample_index=0, token_ids=np.array([5], np.int32), logprobs=np.array([-1.0], np.float32), finish_reason="stop", proofs=[b"p"])
+    c = Completion(prompt_index=0, sample_index=0, token_ids=np.array([5], np.int32), logprobs=np.array([-1.0],
+        np.float32), finish_reason="stop", proofs=[b"p"])
     assert "env_mask" not in c.model_dump_json() and "turn_finish_reasons" not in c.model_dump_json()
-    lease = TaskLease(lease_id="L", prompts=[TaskPrompt(prompt_id="p", token_ids=np.array([1], np.int32), seeds=[1])], samples_per_prompt=1,
-                      sampling=SamplingParams(), policy_version=0, min_policy_version=0, deadline=time.time() + 1)
+    lease = TaskLease(lease_id="L", prompts=[TaskPrompt(prompt_id="p", token_ids=np.array([1], np.int32), seeds=[1])],
+                      samples_per_prompt=1, sampling=SamplingParams(), policy_version=0, min_policy_version=0,
+                      deadline=time.time() + 1)
     text = lease.model_dump_json()
     assert "environment" not in text and "env_item" not in text
     assert TaskLease.model_validate_json(text).environment is None
@@ -58,8 +62,10 @@ def test_malformed_episodes_are_refused(fields, reason):
         Completion(**fields)
     # The same inside a submission (the batched checks), from JSON too.
     good = Completion(**episode([0, 1, 0]))
-    body = RolloutSubmission(lease_id="L", policy_version=0, model_hash="a" * 64, completions=[good]).model_dump(mode="json")
-    bad = Completion.model_construct(**fields).model_dump(mode="json") if fields.get("env_mask") is not None and fields.get("turn_finish_reasons") is not None else None
+    body = RolloutSubmission(lease_id="L", policy_version=0, model_hash="a" * 64,
+        completions=[good]).model_dump(mode="json")
+    bad = Completion.model_construct(**fields).model_dump(mode="json") if fields.get(
+        "env_mask") is not None and fields.get("turn_finish_reasons") is not None else None
     if bad is not None:
         body["completions"] = [bad]
         with pytest.raises(ValidationError):
@@ -70,7 +76,8 @@ def test_episode_submissions_fit_the_body_cap():
     assert limits.submission_bytes_cap(4, 24, episodes=True) > limits.submission_bytes_cap(4, 24)
     n = 24
     c = Completion(**episode([0, 1] * (n // 2 - 1) + [0, 0], finishes=["length"] * (n // 2 - 1) + ["stop"]))
-    sub = RolloutSubmission(lease_id="L" * 64, policy_version=0, model_hash="a" * 64, completions=[c.model_copy(update={"sample_index": i}) for i in range(4)])
+    sub = RolloutSubmission(lease_id="L" * 64, policy_version=0, model_hash="a" * 64,
+        completions=[c.model_copy(update={"sample_index": i}) for i in range(4)])
     assert len(sub.model_dump_json()) <= limits.submission_bytes_cap(4, n, episodes=True)
 
 

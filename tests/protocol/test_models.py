@@ -94,7 +94,8 @@ VALID = [
         dict(
             submission_id="sub-1",
             status="rejected",
-            rejections=[dict(code="proof_mismatch", message="exponents", completion_index=0, chunk_index=1, stats={"exp_mismatch": 40.0})],
+            rejections=[dict(code="proof_mismatch", message="exponents", completion_index=0, chunk_index=1,
+            stats={"exp_mismatch": 40.0})],
         ),
     ),
     (p.Verdict, dict(submission_id="sub-1", status="accepted", rewards=[1.0, 0.0], verified_tokens=80)),
@@ -207,7 +208,8 @@ def test_submission_rules():
     with pytest.raises(ValidationError, match="at least 1"):
         p.RolloutSubmission.model_validate(submission(completions=[]))
     with pytest.raises(ValidationError, match="at most"):
-        many = [completion(n=1, sample_index=i % 64, prompt_index=i // 64) for i in range(limits.MAX_COMPLETIONS_PER_SUBMISSION + 1)]
+        many = [completion(n=1, sample_index=i % 64, prompt_index=i // 64)
+            for i in range(limits.MAX_COMPLETIONS_PER_SUBMISSION + 1)]
         p.RolloutSubmission.model_validate(submission(completions=many))
     with pytest.raises(ValidationError, match="model_hash"):
         p.RolloutSubmission.model_validate(submission(model_hash="xyz"))
@@ -254,7 +256,8 @@ def test_manifest_deltas_name_their_own_files_and_earlier_bases():
     ref = dict(base_version=4, base_model_hash="ee" * 32, file=delta["name"])
     only_delta = p.PolicyManifest.model_validate(manifest(version=5, anchor_version=0, shards=[delta], deltas=[ref]))
     assert only_delta.full_shards == [] and only_delta.file(delta["name"]).size == 9
-    anchor = p.PolicyManifest.model_validate(manifest(version=5, anchor_version=5, shards=[manifest()["shards"][0], delta], deltas=[ref]))
+    anchor = p.PolicyManifest.model_validate(manifest(version=5, anchor_version=5, shards=[manifest()["shards"][0],
+        delta], deltas=[ref]))
     assert [s.name for s in anchor.full_shards] == ["model-00001.safetensors"]
     bad = [
         manifest(version=5, anchor_version=5, shards=[delta], deltas=[ref]),  # no full shards, yet an anchor
@@ -281,7 +284,8 @@ def test_heartbeat_rejects_nan():
         ("token_ids", [-1] + list(range(39)), "completion 2: negative token id -1"),
         ("token_ids", [70] + list(range(39)), "completion 2: token id 70 is outside the vocabulary of 64"),
         ("logprobs", [-0.5] * 39 + [float("nan")], "completion 2: logprobs contain NaN or infinity at index 39"),
-        ("logprobs", [-0.5] * 5 + [float("-inf")] + [-0.5] * 34, "completion 2: logprobs contain NaN or infinity at index 5"),
+        ("logprobs", [-0.5] * 5 + [float("-inf")] + [-0.5] * 34,
+        "completion 2: logprobs contain NaN or infinity at index 5"),
         ("logprobs", [-0.5] * 7 + [0.25] + [-0.5] * 32, "completion 2: logprobs must be <= 0, got 0.25 at index 7"),
     ],
 )
@@ -328,9 +332,11 @@ def test_packed_array_json_path_refuses_bad_arrays():
             p.RolloutSubmission.model_validate_json(json.dumps(d))
     unpadded = json.loads(json.dumps(doc))
     unpadded["completions"][0]["token_ids"] = unpadded["completions"][0]["token_ids"].rstrip("=")
-    assert p.RolloutSubmission.model_validate_json(json.dumps(unpadded)).completions[0].token_ids.tolist() == list(range(3, 43))
+    assert p.RolloutSubmission.model_validate_json(json.dumps(unpadded)).completions[0].token_ids.tolist() == list(
+        range(3, 43))
     arr = p.RolloutSubmission.model_validate_json(json.dumps(doc)).completions[0].token_ids
-    assert arr.dtype == np.int32 and not arr.flags.writeable and arr.tolist() == list(range(3, 43))  # a view of the decoded bytes
+    # a view of the decoded bytes
+    assert arr.dtype == np.int32 and not arr.flags.writeable and arr.tolist() == list(range(3, 43))
 
 
 
@@ -349,7 +355,8 @@ def test_json_arrays_land_in_their_own_completions():
         n = int(rng.integers(1, 71))
         comps.append(completion(n=n, prompt_index=i // 8, sample_index=i % 8, token_ids=rng.integers(0, 64, n).tolist(),
                                 logprobs=(-rng.random(n)).astype(np.float32).tolist()))
-    sub = p.RolloutSubmission.model_validate_json(json.dumps(submission(completions=[wire(c) for c in comps])), context={"vocab_size": 64})
+    sub = p.RolloutSubmission.model_validate_json(json.dumps(submission(completions=[wire(c) for c in comps])),
+        context={"vocab_size": 64})
     for c, got in zip(comps, sub.completions):
         assert got.token_ids.dtype == np.int32 and got.logprobs.dtype == np.float32
         assert got.token_ids.tolist() == c["token_ids"] and got.logprobs.tolist() == c["logprobs"]

@@ -62,7 +62,8 @@ EDGE_TOKENS = [0, 1, 2, 63, 151935, 2**31 - 1, 2**31, 2**32 - 1]
 
 
 def test_prf_is_murmur3_of_the_message_in_torch_and_numpy():
-    want = np.array([[murmur3_32(struct.pack("<QII", s, p, t)) for t in EDGE_TOKENS] for s, p in zip(EDGE_SEEDS, EDGE_POSITIONS)], dtype=np.uint32)
+    want = np.array([[murmur3_32(struct.pack("<QII", s, p, t)) for t in EDGE_TOKENS] for s, p in zip(EDGE_SEEDS,
+        EDGE_POSITIONS)], dtype=np.uint32)
     got_t = prf.prf_bits(torch.tensor(EDGE_SEEDS), torch.tensor(EDGE_POSITIONS), torch.tensor(EDGE_TOKENS))
     assert got_t.dtype == torch.int64 and int(got_t.min()) >= 0 and int(got_t.max()) <= M32
     np.testing.assert_array_equal(got_t.numpy().astype(np.uint32), want)
@@ -105,7 +106,8 @@ def test_same_bits_with_one_and_two_threads():
         for threads in (1, 2):
             torch.set_num_threads(threads)
             states = prf.row_state(prf.seed_state(torch.from_numpy(seeds)), torch.from_numpy(positions))
-            results.append((prf.bits_from_states(states, words), S.log_exponentials(states, words), S.draw(logits, states, words, params)))
+            results.append((prf.bits_from_states(states, words), S.log_exponentials(states, words), S.draw(logits,
+                states, words, params)))
     finally:
         torch.set_num_threads(old)
     (b1, e1, w1), (b2, e2, w2) = results
@@ -149,7 +151,8 @@ def test_rows_do_not_depend_on_the_batch():
 def _chi2_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
     stat = float(((observed - expected) ** 2 / expected).sum())
     df = len(observed) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2,
+        dtype=torch.float64)))
 
 
 def test_uniforms_are_uniform_and_bits_balanced():
@@ -187,7 +190,8 @@ def _tempered_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: f
     return p / p.sum()
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, -1, 1.0), (1.3, 5, 1.0), (1.0, -1, 0.8), (0.9, 6, 0.9)])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, -1, 1.0), (1.3, 5, 1.0), (1.0, -1, 0.8),
+    (0.9, 6, 0.9)])
 def test_draw_frequencies_follow_the_tempered_distribution(temperature, top_k, top_p):
     logits = torch.tensor([2.0, 1.5, 1.2, 1.0, 0.6, 0.5, 0.2, 0.0, -0.3, -0.5, -0.8, -1.0])
     want = _tempered_probs(logits.double().numpy(), temperature, top_k, top_p)
@@ -242,7 +246,8 @@ def test_mixed_rows_equal_rows_drawn_alone():
     n, v = 120, 50
     logits = torch.from_numpy(rng.normal(0, 2, (n, v)).astype(np.float32))
     settings = [
-        (float(rng.choice([0.0, 0.5, 1.0, 1.5])), int(rng.choice([-1, 1, 3, 8, 12, 49, 50])), float(rng.choice([1.0, 0.3, 0.6, 0.9])))
+        (float(rng.choice([0.0, 0.5, 1.0, 1.5])), int(rng.choice([-1, 1, 3, 8, 12, 49, 50])), float(rng.choice([1.0,
+        0.3, 0.6, 0.9])))
         for _ in range(n)
     ]
     states = prf.row_state(prf.seed_state(torch.arange(n) * 31 + 1), torch.arange(n) + 5)
@@ -311,16 +316,19 @@ def test_replay_slack_tells_a_support_boundary_flip_from_another_draw():
     sampling = SamplingParams(temperature=1.0, top_p=0.9)
     params = S.DrawParams.build([1.0], [-1], [0.9], 6)
     words = prf.token_words(torch.arange(6))
-    seed = next(s for s in range(1000) if int(S.draw(drawn_side[None], prf.row_state(prf.seed_state(torch.tensor([s])), torch.tensor([0])), words, params)[0]) == 3)
+    seed = next(s for s in range(1000) if int(S.draw(drawn_side[None], prf.row_state(prf.seed_state(torch.tensor([s])),
+        torch.tensor([0])), words, params)[0]) == 3)
     claimed = torch.tensor([3])
     strict = S.replay(replay_side[None], seed, torch.tensor([0]), claimed, sampling)
     assert not bool(strict.inside[0]) and int(strict.winner[0]) != 3
     loose = S.replay(replay_side[None], seed, torch.tensor([0]), claimed, sampling, top_p_slack=1e-4)
     assert bool(loose.inside[0]) and float(loose.margin[0]) <= 0.0
     # A token clearly outside stays outside, and a wrong token clearly inside keeps a positive margin.
-    assert not bool(S.replay(replay_side[None], seed, torch.tensor([0]), torch.tensor([5]), sampling, top_p_slack=1e-4).inside[0])
+    assert not bool(S.replay(replay_side[None], seed, torch.tensor([0]), torch.tensor([5]), sampling,
+        top_p_slack=1e-4).inside[0])
     other = next(t for t in range(3) if t != int(loose.winner[0]))
-    assert float(S.replay(replay_side[None], seed, torch.tensor([0]), torch.tensor([other]), sampling, top_p_slack=1e-4).margin[0]) > 0
+    assert float(S.replay(replay_side[None], seed, torch.tensor([0]), torch.tensor([other]), sampling,
+        top_p_slack=1e-4).margin[0]) > 0
 
 
 def test_replay_logit_slack_on_top_k():
@@ -334,7 +342,8 @@ def test_replay_logit_slack_on_top_k():
         assert (float(r.margin[0]) == 0.0) == (token == 0)
     assert not bool(S.replay(logits, 1, torch.tensor([0]), torch.tensor([3]), sampling, logit_slack=1e-3).inside[0])
     # top_k=1 raised by the slack still lets the top token compete.
-    r = S.replay(logits, 1, torch.tensor([0]), torch.tensor([0]), SamplingParams(temperature=1.0, top_k=1), logit_slack=1e-3)
+    r = S.replay(logits, 1, torch.tensor([0]), torch.tensor([0]), SamplingParams(temperature=1.0, top_k=1),
+        logit_slack=1e-3)
     assert int(r.winner[0]) == 0 and float(r.margin[0]) == 0.0
 
 
@@ -356,7 +365,8 @@ def test_replay_logit_slack_covers_near_tied_tokens_swapping_at_the_top_p_bounda
         return float(S.log_exponentials(state(seed), words)[0, token].neg() + replay_side[token])
 
     # A seed whose draw is token 2 while token 3 would beat it on the replaying side.
-    seed = next(s for s in range(5000) if int(S.draw(drawn_side[None], state(s), words, params)[0]) == 2 and score(s, 3) > score(s, 2))
+    seed = next(s for s in range(5000) if int(S.draw(drawn_side[None], state(s), words, params)[0]) == 2 and score(s,
+        3) > score(s, 2))
     claimed = torch.tensor([2])
     mass_only = S.replay(replay_side[None], seed, torch.tensor([0]), claimed, sampling, top_p_slack=0.01)
     assert int(mass_only.winner[0]) == 3 and float(mass_only.margin[0]) > 0
@@ -370,7 +380,8 @@ def test_top_p_prefix_equals_the_full_sort(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     v = 5000
     logits = torch.randn(60, v, generator=gen) * torch.tensor([6.0, 0.1, 2.0]).repeat(20)[:, None]
-    settings = [(float(t), int(k), float(p)) for t, k, p in zip([1.0, 0.7, 1.3] * 20, [-1] * 50 + [2000] * 10, [0.5, 0.9, 0.99, 1.0] * 15)]
+    settings = [(float(t), int(k), float(p)) for t, k, p in zip([1.0, 0.7, 1.3] * 20, [-1] * 50 + [2000] * 10, [0.5,
+        0.9, 0.99, 1.0] * 15)]
     params = S.DrawParams.build(*zip(*settings), v)
     z = S.tempered(logits, params)
     fast = S.support_threshold(z, params)

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-
 REPO = Path(__file__).resolve().parents[2]
 RUN = "test-run-0123abcd"  # the run id of every test's manifests
 
@@ -34,7 +33,8 @@ class Trajectory:
 
     def __init__(self, seed: int = 0, layers: int = 6, cols: int = 512, lr: float = 5e-6):
         self.gen = torch.Generator().manual_seed(seed)
-        self.master = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(256, cols, generator=self.gen) * 0.02 for i in range(layers)}
+        self.master = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(256, cols, generator=self.gen) * 0.02
+            for i in range(layers)}
         self.master["model.norm.weight"] = torch.ones(256)
         self.lr = lr
         self.version = -1
@@ -88,7 +88,8 @@ def stop_proc(proc: subprocess.Popen) -> None:
 def tmpfs(size_bytes: int):
     """A real small filesystem (root only); skips the test where mounting is not allowed."""
     path = Path(tempfile.mkdtemp(prefix="shardcast-tmpfs-"))
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", f"shardcast-{uuid.uuid4().hex[:8]}", str(path)], capture_output=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", f"shardcast-{uuid.uuid4().hex[:8]}",
+        str(path)], capture_output=True)
     if r.returncode != 0:
         path.rmdir()
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")

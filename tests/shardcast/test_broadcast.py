@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from shardcast_helpers import REPO, RUN, start_cli, state_dict, stop_proc, tmpfs
 
 from protocol import api
 from shardcast.client import ShardcastClient, ShardcastError
@@ -25,10 +26,9 @@ from shardcast.keys import public_key_b64
 from shardcast.origin import Origin
 from shardcast.relay import Relay
 from shardcast.server import REQUESTS, SHARD_BYTES_SERVED, ShardServer, serve_origin, serve_relay
-from shardcast.transfer import ServerPool
 from shardcast.store import MANIFEST_FILE, DiskFullError, FolderInUse, VersionStore, lock_folder
+from shardcast.transfer import ServerPool
 from shardcast.weights import load_version_dir, model_hash
-from shardcast_helpers import REPO, RUN, start_cli, state_dict, stop_proc, tmpfs
 
 
 def wait_until(cond, timeout=30.0, what="condition"):
@@ -83,7 +83,8 @@ def test_origin_two_relays_three_clients(tmp_path, pub, origin, running):
     # The second relay mirrors the first (a relay of a relay) and starts empty.
     relay2, r2 = start_relay(running, [r1.url], tmp_path / "relay2", pub)
     orders = [[r1.url, r2.url, origin_server.url], [r2.url, r1.url], [r2.url]]
-    clients = [ShardcastClient(urls, pub, tmp_path / f"client{i}", run_id=RUN, parallelism=4, seed=i) for i, urls in enumerate(orders)]
+    clients = [ShardcastClient(urls, pub, tmp_path / f"client{i}", run_id=RUN, parallelism=4, seed=i) for i,
+        urls in enumerate(orders)]
     wait_until(lambda: relay_has(r2.url, 0), what="relay2 to list version 0")
 
     results: dict[int, object] = {}
@@ -122,7 +123,8 @@ def test_origin_two_relays_three_clients(tmp_path, pub, origin, running):
 
 def test_relay_killed_mid_download_client_finishes_elsewhere(tmp_path, pub, origin, running):
     o, origin_server = origin
-    proc, info = start_cli("relay", "--upstream", origin_server.url, "--root", str(tmp_path / "doomed"), "--public-key", pub, "--poll-interval-s", "0.05")
+    proc, info = start_cli("relay", "--upstream", origin_server.url, "--root", str(tmp_path / "doomed"),
+        "--public-key", pub, "--poll-interval-s", "0.05")
     try:
         doomed = info["url"]
         _, healthy = start_relay(running, [origin_server.url], tmp_path / "healthy", pub)
@@ -135,7 +137,8 @@ def test_relay_killed_mid_download_client_finishes_elsewhere(tmp_path, pub, orig
                 proc.wait()
                 killed.set()
 
-        client = ShardcastClient([doomed, healthy.url], pub, tmp_path / "client", run_id=RUN, parallelism=2, seed=0, on_progress=on_progress, chunk_bytes=64 << 10)
+        client = ShardcastClient([doomed, healthy.url], pub, tmp_path / "client", run_id=RUN, parallelism=2, seed=0,
+            on_progress=on_progress, chunk_bytes=64 << 10)
         client.stats[doomed].throughput = 1e12  # it looks fastest, so it is picked first
         client.stats[healthy.url].throughput = 1.0
         pulled = client.pull()
@@ -158,7 +161,8 @@ def test_tampering_relay_is_detected_per_shard_and_avoided(tmp_path, pub, origin
             f.seek(s.size // 2)
             f.write(bytes([byte[0] ^ 0xFF]))
     parallelism = 2
-    client = ShardcastClient([bad.url, origin_server.url], pub, tmp_path / "client", run_id=RUN, parallelism=parallelism, seed=0)
+    client = ShardcastClient([bad.url, origin_server.url], pub, tmp_path / "client", run_id=RUN,
+        parallelism=parallelism, seed=0)
     client.stats[bad.url].throughput = 1e12
     client.stats[origin_server.url].throughput = 1.0
     pulled = client.pull()
@@ -227,7 +231,8 @@ def test_client_disk_full_is_a_clear_error_and_leaves_nothing(tmp_path, pub, ori
                     except OSError as e:
                         assert e.errno == errno.ENOSPC
 
-        client = ShardcastClient([origin_server.url], pub, fs / "dest", run_id=RUN, on_progress=fill_disk, chunk_bytes=256 << 10)
+        client = ShardcastClient([origin_server.url], pub, fs / "dest", run_id=RUN, on_progress=fill_disk,
+            chunk_bytes=256 << 10)
         with pytest.raises(DiskFullError, match="no space left"):
             client.pull()
         assert list((fs / "dest").iterdir()) == [], "a half-written version was left behind"
@@ -273,7 +278,8 @@ def test_origin_keeps_a_version_that_is_being_downloaded(tmp_path, pub, key):
             o.publish(2, state_dict(seed=2, layers=2))
 
     with serve_origin(o) as server:
-        client = ShardcastClient([server.url], pub, tmp_path / "client", run_id=RUN, parallelism=1, on_progress=publish_more, chunk_bytes=64 << 10)
+        client = ShardcastClient([server.url], pub, tmp_path / "client", run_id=RUN, parallelism=1,
+            on_progress=publish_more, chunk_bytes=64 << 10)
         pulled = client.pull(0)
         assert published.is_set() and pulled.version == 0
         assert files_of(pulled.path) == files_of(o.version_dir(0))
@@ -287,21 +293,25 @@ def test_cli_origin_relay_pull(tmp_path, tiny_model_dir):
     from shardcast.keys import load_or_generate_signing_key
 
     # Published here (torch is already loaded); the origin process then serves the folder without torch.
-    Origin(tmp_path / "origin", load_or_generate_signing_key(tmp_path / "key.pem"), run_id=RUN, shard_bytes=64 << 10).publish(4, load_version_dir(tiny_model_dir))
-    origin_proc, origin_info = start_cli("origin", "--root", str(tmp_path / "origin"), "--key", str(tmp_path / "key.pem"), "--run-id", RUN)
+    Origin(tmp_path / "origin", load_or_generate_signing_key(tmp_path / "key.pem"), run_id=RUN,
+        shard_bytes=64 << 10).publish(4, load_version_dir(tiny_model_dir))
+    origin_proc, origin_info = start_cli("origin", "--root", str(tmp_path / "origin"), "--key",
+        str(tmp_path / "key.pem"), "--run-id", RUN)
     try:
         pub = origin_info["public_key"]
         assert origin_info["versions"] == [4]
         # No --run-id: the relay follows the run its upstream signs.
-        relay_proc, relay_info = start_cli("relay", "--upstream", origin_info["url"], "--root", str(tmp_path / "relay"), "--public-key", pub, "--poll-interval-s", "0.05")
+        relay_proc, relay_info = start_cli("relay", "--upstream", origin_info["url"], "--root",
+            str(tmp_path / "relay"), "--public-key", pub, "--poll-interval-s", "0.05")
         try:
             wait_until(lambda: relay_has(relay_info["url"], 4), what="the relay to list version 4")
+            import json
             import subprocess
             import sys
-            import json
 
             out = subprocess.run(
-                [sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", "pull", "--server", relay_info["url"], "--public-key", pub, "--run-id", RUN, "--dest", str(tmp_path / "dest")],
+                [sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", "pull", "--server",
+                relay_info["url"], "--public-key", pub, "--run-id", RUN, "--dest", str(tmp_path / "dest")],
                 capture_output=True, text=True, timeout=120, check=True,
             )
             result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -311,17 +321,22 @@ def test_cli_origin_relay_pull(tmp_path, tiny_model_dir):
             assert set(pulled) == set(original) and all((pulled[k] == original[k]).all() for k in original)
             assert result["model_hash"] == model_hash(original)
             bad = subprocess.run(
-                [sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", "pull", "--server", relay_info["url"], "--public-key", public_key_b64(Ed25519PrivateKey.generate()), "--run-id", RUN, "--dest", str(tmp_path / "dest2")],
+                [sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", "pull", "--server",
+                relay_info["url"], "--public-key", public_key_b64(Ed25519PrivateKey.generate()), "--run-id", RUN,
+                "--dest", str(tmp_path / "dest2")],
                 capture_output=True, text=True, timeout=120,
             )
             assert bad.returncode == 1 and "forged" in bad.stderr and not (tmp_path / "dest2" / "v0000000004").exists()
             other_run = subprocess.run(
-                [sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", "pull", "--server", relay_info["url"], "--public-key", pub, "--run-id", "a-later-run", "--dest", str(tmp_path / "dest4")],
+                [sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", "pull", "--server",
+                relay_info["url"], "--public-key", pub, "--run-id", "a-later-run", "--dest", str(tmp_path / "dest4")],
                 capture_output=True, text=True, timeout=120,
             )
-            assert other_run.returncode == 1 and f"belongs to run '{RUN}'" in other_run.stderr and not (tmp_path / "dest4" / "v0000000004").exists()
+            assert other_run.returncode == 1 and f"belongs to run '{RUN}'" in other_run.stderr and not (
+                tmp_path / "dest4" / "v0000000004").exists()
             garbled = subprocess.run(
-                [sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", "pull", "--server", relay_info["url"], "--public-key", "A" * 44, "--run-id", RUN, "--dest", str(tmp_path / "dest3")],
+                [sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", "pull", "--server",
+                relay_info["url"], "--public-key", "A" * 44, "--run-id", RUN, "--dest", str(tmp_path / "dest3")],
                 capture_output=True, text=True, timeout=120,
             )
             assert garbled.returncode == 2 and "public-key" in garbled.stderr
@@ -385,7 +400,8 @@ def test_readers_never_see_a_half_published_version(tmp_path, key, pub):
                 for v in c.get(api.SHARDCAST_VERSIONS).json()["versions"]:
                     if v in seen:
                         continue
-                    m = parse_verified_manifest(c.get(api.SHARDCAST_MANIFEST.format(version=v)).content, pub, v, run_id=RUN)
+                    m = parse_verified_manifest(c.get(api.SHARDCAST_MANIFEST.format(version=v)).content, pub, v,
+                        run_id=RUN)
                     for s in m.shards:
                         r = c.get(api.SHARDCAST_SHARD.format(version=v, name=s.name))
                         if r.status_code != 200 or hashlib.sha256(r.content).hexdigest() != s.sha256:
@@ -418,13 +434,14 @@ def test_a_second_relay_on_the_same_folder_waits_until_the_first_is_gone(tmp_pat
     port at once and its folder moments later; the next one on the folder starts only then."""
     o, origin_server = origin
     root = tmp_path / "relay"
-    args = ["relay", "--upstream", origin_server.url, "--root", str(root), "--public-key", pub, "--run-id", RUN, "--poll-interval-s", "0.05"]
+    args = ["relay", "--upstream", origin_server.url, "--root", str(root), "--public-key", pub, "--run-id", RUN,
+        "--poll-interval-s", "0.05"]
     first, first_info = start_cli(*args)
     second = None
     try:
         wait_until(lambda: relay_has(first_info["url"], 0), what="the first relay to mirror version 0")
-        second = subprocess.Popen([sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", *args], cwd=REPO,
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        second = subprocess.Popen([sys.executable, "-c", "from swarmrl.shardcast_cli import app; app()", *args],
+                                  cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         ready, _, _ = select.select([second.stdout], [], [], 3.0)
         assert not ready and second.poll() is None, "the second relay started while the first held the folder"
         assert (root / ".lock").read_text().strip() == str(first.pid)

@@ -25,7 +25,8 @@ from shardcast.delta_format import MAGIC
 from shardcast.precision import cast_for_publishing
 from shardcast.weights import model_hash
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.int8, torch.uint8,
+    torch.int32, torch.int64, torch.bool]
 
 
 def bits(t: torch.Tensor) -> bytes:
@@ -72,8 +73,10 @@ def roundtrip(base: dict, new: dict) -> tuple[bytes, dict]:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_roundtrip_sparse_dense_and_unchanged(dtype):
     g = torch.Generator().manual_seed(0)
-    base = {"dense": rand(dtype, (64, 100), g), "sparse": rand(dtype, (300, 7), g), "same": rand(dtype, (50,), g), "empty": rand(dtype, (0, 3), g), "scalar": rand(dtype, (), g)}
-    new = dict(base, dense=perturb(base["dense"], 0.9, g), sparse=perturb(base["sparse"], 0.01, g), scalar=perturb(base["scalar"], 1.0, g))
+    base = {"dense": rand(dtype, (64, 100), g), "sparse": rand(dtype, (300, 7), g), "same": rand(dtype, (50,), g),
+        "empty": rand(dtype, (0, 3), g), "scalar": rand(dtype, (), g)}
+    new = dict(base, dense=perturb(base["dense"], 0.9, g), sparse=perturb(base["sparse"], 0.01, g),
+        scalar=perturb(base["scalar"], 1.0, g))
     delta, out = roundtrip(base, new)
     stats = delta_stats(delta)
     assert (stats["xor"], stats["sparse"], stats["same"]) == (2, 1, 2)  # a changed scalar is 100% dense
@@ -84,7 +87,8 @@ def test_roundtrip_sparse_dense_and_unchanged(dtype):
 def test_big_tensors_choose_their_encoding_on_a_sample():
     g = torch.Generator().manual_seed(5)
     n = 4 * CHOICE_SAMPLE_ELEMENTS
-    base = {"dense": rand(torch.bfloat16, (n,), g), "sparse": rand(torch.bfloat16, (n,), g), "one": rand(torch.float16, (n,), g)}
+    base = {"dense": rand(torch.bfloat16, (n,), g), "sparse": rand(torch.bfloat16, (n,), g), "one": rand(torch.float16,
+        (n,), g)}
     one = base["one"].clone()
     one.view(torch.int16)[20000] ^= 1  # between the first two sampled runs: the sample sees no change
     new = dict(base, dense=perturb(base["dense"], 0.95, g), sparse=perturb(base["sparse"], 0.02, g), one=one)
@@ -122,12 +126,14 @@ def from_bits(values: list[int], dtype: torch.dtype) -> torch.Tensor:
 def test_special_values_are_carried_bit_for_bit():
     # NaN payloads, -0.0 <-> +0.0, inf -> NaN, subnormals: changes that value comparisons miss or mangle.
     base = {
-        "f32": from_bits([0x7FC00000, 0x7FC00001, 0xFFC00000, 0x7F800001, 0x80000000, 0x00000000, 0x7F800000, 0x00000001], torch.float32),
+        "f32": from_bits([0x7FC00000, 0x7FC00001, 0xFFC00000, 0x7F800001, 0x80000000, 0x00000000, 0x7F800000,
+        0x00000001], torch.float32),
         "bf16": from_bits([0x7FC0, 0x7FC1, 0x8000, 0x0000, 0x0001, 0xFF80], torch.bfloat16),
         "f16": from_bits([0x7E00, 0x8000, 0x0001], torch.float16),
     }
     new = {
-        "f32": from_bits([0x7FC00002, 0x7FC00001, 0xFFC00001, 0x7F800002, 0x00000000, 0x80000000, 0x7FC00000, 0x00000002], torch.float32),
+        "f32": from_bits([0x7FC00002, 0x7FC00001, 0xFFC00001, 0x7F800002, 0x00000000, 0x80000000, 0x7FC00000,
+        0x00000002], torch.float32),
         "bf16": from_bits([0x7FC1, 0x7FC0, 0x0000, 0x8000, 0x0002, 0xFFC0], torch.bfloat16),
         "f16": from_bits([0x7E01, 0x0000, 0x8001], torch.float16),
     }
@@ -138,9 +144,11 @@ def test_special_values_are_carried_bit_for_bit():
 def test_tied_aliases_stay_tied():
     g = torch.Generator().manual_seed(2)
     emb = rand(torch.bfloat16, (64, 32), g)
-    base = {"model.embed_tokens.weight": emb, "lm_head.weight": emb, "model.norm.weight": rand(torch.bfloat16, (32,), g)}
+    base = {"model.embed_tokens.weight": emb, "lm_head.weight": emb, "model.norm.weight": rand(torch.bfloat16, (32,),
+        g)}
     emb2 = perturb(emb, 0.05, g)
-    new = {"model.embed_tokens.weight": emb2, "lm_head.weight": emb2, "model.norm.weight": base["model.norm.weight"].clone()}
+    new = {"model.embed_tokens.weight": emb2, "lm_head.weight": emb2,
+        "model.norm.weight": base["model.norm.weight"].clone()}
     _, out = roundtrip(base, new)
     assert out["lm_head.weight"] is out["model.embed_tokens.weight"]
     assert model_hash(out) == model_hash(new)
@@ -172,7 +180,8 @@ def test_chain_of_ten_deltas_equals_the_full_version(publish):
 @pytest.fixture
 def pair():
     g = torch.Generator().manual_seed(4)
-    base = {"x": rand(torch.bfloat16, (40, 30), g), "y": rand(torch.float32, (200,), g), "z": rand(torch.int32, (9,), g)}
+    base = {"x": rand(torch.bfloat16, (40, 30), g), "y": rand(torch.float32, (200,), g), "z": rand(torch.int32, (9,),
+        g)}
     new = {"x": perturb(base["x"], 0.05, g), "y": perturb(base["y"], 0.9, g), "z": base["z"].clone()}
     return base, new, encode_delta(base, new)
 
@@ -190,7 +199,8 @@ def test_wrong_base_and_wrong_expectation_are_refused(pair):
 
 def test_changed_tensor_set_is_refused_at_encode(pair):
     base, new, _ = pair
-    for bad in ({**new, "extra": torch.zeros(2)}, {k: v for k, v in new.items() if k != "z"}, dict(new, z=new["z"].to(torch.int64)), dict(new, y=new["y"].reshape(20, 10))):
+    for bad in ({**new, "extra": torch.zeros(2)}, {k: v for k, v in new.items() if k != "z"}, dict(new,
+        z=new["z"].to(torch.int64)), dict(new, y=new["y"].reshape(20, 10))):
         with pytest.raises(DeltaError, match="full version"):
             encode_delta(base, bad)
     tied = dict(base, w=base["x"])

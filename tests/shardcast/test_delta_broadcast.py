@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from shardcast_helpers import RUN, Trajectory
 
 from shardcast.client import ShardcastClient, ShardcastError
 from shardcast.origin import Origin
@@ -17,10 +18,10 @@ from shardcast.relay import Relay
 from shardcast.server import SHARD_BYTES_SERVED, serve_origin, serve_relay
 from shardcast.sources import TransferPolicy
 from shardcast.weights import load_version_dir, model_hash
-from shardcast_helpers import RUN, Trajectory
 from tools.hostile_relay import HostileRelay
 
-POLICY = TransferPolicy(stall_timeout_s=2.0, rate_window_s=0.5, shard_deadline_s=30.0, pull_deadline_s=60.0, request_timeout_s=5.0)
+POLICY = TransferPolicy(stall_timeout_s=2.0, rate_window_s=0.5, shard_deadline_s=30.0, pull_deadline_s=60.0,
+    request_timeout_s=5.0)
 
 
 def wait_until(cond, timeout=30.0, what="condition"):
@@ -34,7 +35,8 @@ def wait_until(cond, timeout=30.0, what="condition"):
 
 def same_weights(path, published: dict) -> bool:
     got = load_version_dir(path)
-    return set(got) == set(published) and all(got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)) for k, v in published.items())
+    return set(got) == set(published) and all(got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8),
+        v.view(torch.uint8)) for k, v in published.items())
 
 
 @pytest.fixture
@@ -81,7 +83,9 @@ def test_chain_through_two_relays_is_bit_exact_and_small(tmp_path, key, pub, run
     assert o.window_floor() == 7 - 7 % 4 == 4
     wait_until(lambda: relay2.store.versions() == o.versions(), what="relay2 to prune like the origin")
     for v in o.versions():
-        assert {p.name: p.read_bytes() for p in (tmp_path / "relay2" / f"v{v:010d}").iterdir()} == {p.name: p.read_bytes() for p in o.version_dir(v).iterdir()}
+        assert {p.name: p.read_bytes()
+            for p in (tmp_path / "relay2" / f"v{v:010d}").iterdir()} == {p.name: p.read_bytes()
+            for p in o.version_dir(v).iterdir()}
 
 
 def test_a_relay_serving_a_delta_with_one_flipped_byte(tmp_path, key, pub, running):
@@ -98,7 +102,8 @@ def test_a_relay_serving_a_delta_with_one_flipped_byte(tmp_path, key, pub, runni
     # bytes; it bans that upstream and takes the file from its other upstream.
     flipper = HostileRelay(server.url, "flip", flip_match="delta")
     running.append(flipper)
-    careful, careful_url = start_relay(running, [flipper.url, server.url], tmp_path / "careful", pub, fastest=flipper.url)
+    careful, careful_url = start_relay(running, [flipper.url, server.url], tmp_path / "careful", pub,
+        fastest=flipper.url)
     wait_until(lambda: careful.store.complete_versions() == [0, 1, 2], what="the relay to mirror the chain")
     assert "signed blake3" in (careful.upstream.stats[flipper.url].banned or "")
     assert (tmp_path / "careful" / "v0000000002" / delta).read_bytes() == (o.version_dir(2) / delta).read_bytes()
@@ -108,7 +113,8 @@ def test_a_relay_serving_a_delta_with_one_flipped_byte(tmp_path, key, pub, runni
 
     # A relay whose disk is altered after verification serves a flipped delta: the client catches it per
     # file, bans the relay, and gets the delta from the origin (its fallback).
-    client = ShardcastClient([careful_url], pub, tmp_path / "client", run_id=RUN, fallback_urls=[server.url], policy=POLICY)
+    client = ShardcastClient([careful_url], pub, tmp_path / "client", run_id=RUN, fallback_urls=[server.url],
+        policy=POLICY)
     assert client.pull(1).steps == ["full 0", "delta 1"]
     careful.stop()
     path = tmp_path / "careful" / "v0000000002" / delta
@@ -197,7 +203,8 @@ def test_a_client_that_restarts_mid_chain_resumes_and_rechecks(tmp_path, key, pu
             raise KeyboardInterrupt("killed")
         done.add(name)
 
-    dying = ShardcastClient([server.url], pub, tmp_path / "client", run_id=RUN, parallelism=1, policy=POLICY, on_progress=die, chunk_bytes=4096)
+    dying = ShardcastClient([server.url], pub, tmp_path / "client", run_id=RUN, parallelism=1, policy=POLICY,
+        on_progress=die, chunk_bytes=4096)
     with pytest.raises(KeyboardInterrupt):
         dying.pull(6)
     assert not (tmp_path / "client" / "v0000000006").exists()
@@ -223,7 +230,8 @@ def test_a_client_that_restarts_mid_chain_resumes_and_rechecks(tmp_path, key, pu
 
 def test_a_worker_joins_at_version_50_of_a_chain_with_anchors_every_10(tmp_path, key, pub, running):
     traj = Trajectory(layers=4, cols=256)
-    o = Origin(tmp_path / "origin", key, run_id=RUN, keep_versions=3, shard_bytes=64 << 10, grace_s=0, anchor_every=10, max_chain_fraction=10)
+    o = Origin(tmp_path / "origin", key, run_id=RUN, keep_versions=3, shard_bytes=64 << 10, grace_s=0, anchor_every=10,
+        max_chain_fraction=10)
     server = serve_origin(o)
     running.append(server)
     states = {}
@@ -231,11 +239,13 @@ def test_a_worker_joins_at_version_50_of_a_chain_with_anchors_every_10(tmp_path,
         states[v] = traj.next_version()
         o.publish(v, states[v])
     # The newest 3 (48-50) and the chain back to their anchors (40): older versions are pruned.
-    assert o.versions() == list(range(40, 51)) and [v for v in o.versions() if o.manifest(v).anchor_version == v] == [40, 50]
+    assert o.versions() == list(range(40, 51)) and [v for v in o.versions()
+        if o.manifest(v).anchor_version == v] == [40, 50]
     relay, relay_url = start_relay(running, [server.url], tmp_path / "relay", pub)
     wait_until(lambda: 50 in relay.store.complete_versions(), what="the relay to mirror version 50")
 
-    joiner = ShardcastClient([relay_url], pub, tmp_path / "joiner", run_id=RUN, fallback_urls=[server.url], policy=POLICY)
+    joiner = ShardcastClient([relay_url], pub, tmp_path / "joiner", run_id=RUN, fallback_urls=[server.url],
+        policy=POLICY)
     pulled = joiner.pull()
     full = o.manifest(50).full_bytes
     assert pulled.version == 50 and pulled.steps == ["full 50"] and same_weights(pulled.path, states[50])
@@ -244,11 +254,13 @@ def test_a_worker_joins_at_version_50_of_a_chain_with_anchors_every_10(tmp_path,
     for v in range(51, 56):
         states[v] = traj.next_version()
         o.publish(v, states[v])
-    wait_until(lambda: relay.store.complete_versions() == list(range(50, 56)), what="the relay to hold 50-55 and prune the rest")
+    wait_until(lambda: relay.store.complete_versions() == list(range(50, 56)),
+        what="the relay to hold 50-55 and prune the rest")
     assert o.versions() == list(range(50, 56))  # the newest 3 and their chain back to 50
 
     follower = joiner.pull()  # holds 50: deltas only
-    assert follower.steps == ["held 50"] + [f"delta {v}" for v in range(51, 56)] and same_weights(follower.path, states[55])
+    assert follower.steps == ["held 50"] + [f"delta {v}" for v in range(51, 56)] and same_weights(follower.path,
+        states[55])
     assert follower.wire_bytes < 0.5 * full
     late = ShardcastClient([relay_url], pub, tmp_path / "late", run_id=RUN, policy=POLICY).pull()  # joins at 55
     assert late.steps == ["full 50"] + [f"delta {v}" for v in range(51, 56)] and same_weights(late.path, states[55])
@@ -264,7 +276,8 @@ def test_write_behind_returns_the_weights_first_and_the_folder_after(tmp_path, k
     states = [traj.next_version() for _ in range(3)]
     for v, s in enumerate(states):
         o.publish(v, s)
-    client = ShardcastClient([server.url], pub, tmp_path / "client", run_id=RUN, write_behind=True, keep_versions=1, policy=POLICY)
+    client = ShardcastClient([server.url], pub, tmp_path / "client", run_id=RUN, write_behind=True, keep_versions=1,
+        policy=POLICY)
     first = client.pull(0)
     assert first.written.is_set() and same_weights(first.path, states[0])  # a full download is its folder
     pulled = client.pull(2)
@@ -273,5 +286,6 @@ def test_write_behind_returns_the_weights_first_and_the_folder_after(tmp_path, k
     # The next pull waits for that folder before it looks at the disk, and builds on it.
     states.append(traj.next_version())
     o.publish(3, states[3])
-    again = ShardcastClient([server.url], pub, tmp_path / "client", run_id=RUN, write_behind=True, policy=POLICY).pull(3)
+    again = ShardcastClient([server.url], pub, tmp_path / "client", run_id=RUN, write_behind=True,
+        policy=POLICY).pull(3)
     assert again.steps == ["held 2", "delta 3"] and same_weights(again.wait_written(30), states[3])

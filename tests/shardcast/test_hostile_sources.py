@@ -9,15 +9,15 @@ import threading
 import time
 
 import pytest
+from shardcast_helpers import RUN, state_dict
 
 from inference_worker.weights import WeightsKeeper
 from shardcast.client import ShardcastClient, ShardcastError
 from shardcast.origin import Origin
 from shardcast.relay import Relay
 from shardcast.server import ShardServer, serve_origin, serve_relay
-from shardcast.store import VersionStore
 from shardcast.sources import TransferPolicy
-from shardcast_helpers import RUN, state_dict
+from shardcast.store import VersionStore
 from tools.hostile_relay import HostileRelay
 
 # Tight enough that a test of a bad source takes seconds; the pull deadline is the bound every test keeps.
@@ -63,9 +63,11 @@ def pull_within_deadline(client: ShardcastClient, version: int | None = None):
 def test_a_relay_that_drips_or_stalls_is_left_and_the_origin_finishes_the_pull(tmp_path, pub, origin, hostile, mode):
     o, server = origin
     bad = hostile(server.url, mode, rate=1000)  # 1 KB/s: the relay of the issue
-    client = ShardcastClient([bad.url], pub, tmp_path / "client", run_id=RUN, fallback_urls=[server.url], parallelism=4, policy=POLICY, seed=0)
+    client = ShardcastClient([bad.url], pub, tmp_path / "client", run_id=RUN, fallback_urls=[server.url],
+        parallelism=4, policy=POLICY, seed=0)
     pulled, seconds = pull_within_deadline(client)
-    assert files_of(pulled.path) == files_of(o.version_dir(0)) | {"manifest.json": (pulled.path / "manifest.json").read_bytes()}
+    assert files_of(pulled.path) == files_of(o.version_dir(0)) | {"manifest.json": (
+        pulled.path / "manifest.json").read_bytes()}
     s = client.stats[bad.url]
     assert s.slow >= 1 and s.banned is None  # left for being slow, not banned: its bytes were right
     assert any("/shards/" in r for r in bad.requests)  # it was tried first (the only primary)
@@ -78,22 +80,26 @@ def test_a_relay_that_says_not_yet_forever_is_left_for_the_origin(tmp_path, pub,
     than a stall, the file comes from the origin instead of waiting for its deadline."""
     o, server = origin
     bad = hostile(server.url, "not_yet")
-    client = ShardcastClient([bad.url], pub, tmp_path / "client", run_id=RUN, fallback_urls=[server.url], parallelism=2, policy=POLICY, seed=0)
+    client = ShardcastClient([bad.url], pub, tmp_path / "client", run_id=RUN, fallback_urls=[server.url],
+        parallelism=2, policy=POLICY, seed=0)
     pulled, _ = pull_within_deadline(client)  # before: every file held to its deadline, then the pull failed
-    assert files_of(pulled.path) == files_of(o.version_dir(0)) | {"manifest.json": (pulled.path / "manifest.json").read_bytes()}
+    assert files_of(pulled.path) == files_of(o.version_dir(0)) | {"manifest.json": (
+        pulled.path / "manifest.json").read_bytes()}
     assert any("/shards/" in r for r in bad.requests)  # it was asked first (the only primary)
     assert client.stats[server.url].bytes >= o.manifest(0).total_bytes and client.stats[bad.url].slow >= 1
 
 
 @pytest.mark.parametrize("listing", [[], [0]])
-def test_a_relay_that_lists_nothing_new_cannot_freeze_a_worker_on_an_old_version(tmp_path, key, pub, origin, hostile, listing):
+def test_a_relay_that_lists_nothing_new_cannot_freeze_a_worker_on_an_old_version(tmp_path, key, pub, origin, hostile,
+    listing):
     """The worker's keeper pulls the newest version its relays list, up to the one the orchestrator announced;
     a relay that lists nothing, or only old versions, holds it back for `relay_lag_s`, then it asks by number."""
     o, server = origin
     o.publish(1, state_dict(seed=1, layers=2))
     bad = hostile(server.url, "listing", listing=listing)
     keeper = WeightsKeeper(tmp_path / "worker", relay_lag_s=1.0, backoff_initial_s=0.1, backoff_max_s=0.3,
-                           make_client=lambda urls, pub_key, dest, **kw: ShardcastClient(urls, pub_key, dest, policy=POLICY, **kw)).start()
+                           make_client=lambda urls, pub_key, dest, **kw: ShardcastClient(urls, pub_key, dest,
+                           policy=POLICY, **kw)).start()
     stop = threading.Event()
     timer = threading.Timer(30.0, stop.set)
     timer.start()
@@ -105,11 +111,13 @@ def test_a_relay_that_lists_nothing_new_cannot_freeze_a_worker_on_an_old_version
         timer.cancel()
         keeper.stop()
     assert ready is not None and ready.version == 1, keeper.last_error
-    assert files_of(ready.path) == files_of(o.version_dir(1)) | {"manifest.json": (ready.path / "manifest.json").read_bytes()}
+    assert files_of(ready.path) == files_of(o.version_dir(1)) | {"manifest.json": (
+        ready.path / "manifest.json").read_bytes()}
 
 
 @pytest.mark.parametrize("run_id", [RUN, None])  # None: the relay follows the run upstream signs
-def test_an_upstream_listing_versions_it_cannot_prove_does_not_keep_a_relay_from_mirroring(tmp_path, pub, origin, hostile, run_id):
+def test_an_upstream_listing_versions_it_cannot_prove_does_not_keep_a_relay_from_mirroring(tmp_path, pub, origin,
+    hostile, run_id):
     """20,000 fake versions above the real ones: the relay asks for one of their manifests per sync (no server
     proves it), stops believing that upstream's listing for the sync, and mirrors what the origin signs."""
     o, server = origin
@@ -126,9 +134,11 @@ def test_a_relay_listing_fake_newer_versions_cannot_fail_a_pull_of_the_newest(tm
     o, server = origin
     o.publish(1, state_dict(seed=1, layers=2))
     liar = hostile(server.url, "listing", listing=[0] + list(range(2**31 - 8, 2**31)))  # 404s their manifests
-    client = ShardcastClient([liar.url], pub, tmp_path / "client", run_id=RUN, fallback_urls=[server.url], policy=POLICY)
+    client = ShardcastClient([liar.url], pub, tmp_path / "client", run_id=RUN, fallback_urls=[server.url],
+        policy=POLICY)
     pulled, _ = pull_within_deadline(client)
-    assert pulled.version == 1 and files_of(pulled.path) == files_of(o.version_dir(1)) | {"manifest.json": (pulled.path / "manifest.json").read_bytes()}
+    assert pulled.version == 1 and files_of(pulled.path) == files_of(o.version_dir(1)) | {"manifest.json": (
+        pulled.path / "manifest.json").read_bytes()}
     assert sum(r.endswith("/manifest") for r in liar.requests) <= 2  # one fake version per listing read, not eight
     alone = ShardcastClient([liar.url], pub, tmp_path / "alone", run_id=RUN, policy=POLICY)  # no origin to turn to
     with pytest.raises(ShardcastError, match="no listed version could be fetched"):
@@ -149,14 +159,17 @@ def test_a_replayed_manifest_of_a_re_published_version_is_refused_with_the_annou
         first = ShardcastClient([stale.url], pub, tmp_path / "unpinned", run_id=RUN, policy=POLICY).pull(1)
         assert first.manifest.model_hash != current.model_hash  # the replay is validly signed: only the hash tells
 
-        client = ShardcastClient([stale.url], pub, tmp_path / "client", run_id=RUN, fallback_urls=[server.url], policy=POLICY)
+        client = ShardcastClient([stale.url], pub, tmp_path / "client", run_id=RUN, fallback_urls=[server.url],
+            policy=POLICY)
         pulled = client.pull(1, model_hash=current.model_hash)
         assert pulled.manifest.model_hash == current.model_hash
-        assert files_of(pulled.path) == files_of(o.version_dir(1)) | {"manifest.json": (pulled.path / "manifest.json").read_bytes()}
+        assert files_of(pulled.path) == files_of(o.version_dir(1)) | {"manifest.json": (
+            pulled.path / "manifest.json").read_bytes()}
         # Neither is blamed: the stale server proves its bytes with the first version 1's manifest, signed earlier.
         assert client.stats[server.url].banned is None and client.stats[stale.url].banned is None
         with pytest.raises(ShardcastError, match="not the announced"):  # the stale relay alone cannot serve it
-            ShardcastClient([stale.url], pub, tmp_path / "alone", run_id=RUN, policy=POLICY).pull(1, model_hash=current.model_hash)
+            ShardcastClient([stale.url], pub, tmp_path / "alone", run_id=RUN, policy=POLICY).pull(1,
+                model_hash=current.model_hash)
     finally:
         stale.stop()
 
@@ -175,7 +188,8 @@ def test_a_version_re_published_under_a_reader_is_read_again_not_blamed_on_its_s
     try:
         o.drop(1)
         current = o.publish(1, state_dict(seed=11, layers=2))
-        client = ShardcastClient([replayer.url], pub, tmp_path / "client", run_id=RUN, fallback_urls=[server.url], policy=POLICY)
+        client = ShardcastClient([replayer.url], pub, tmp_path / "client", run_id=RUN, fallback_urls=[server.url],
+            policy=POLICY)
         with pytest.raises(ShardcastError, match="re-published"):
             client.pull(1)
         assert client.stats[server.url].banned is None
@@ -197,10 +211,12 @@ def test_a_relay_just_above_the_floor_loses_to_a_faster_relay(tmp_path, pub, ori
     o, server = origin
     slow = hostile(server.url, "drip", rate=300_000)
     healthy = running_relays(server.url)
-    client = ShardcastClient([slow.url, healthy], pub, tmp_path / "client", run_id=RUN, parallelism=2, policy=POLICY, seed=1)
+    client = ShardcastClient([slow.url, healthy], pub, tmp_path / "client", run_id=RUN, parallelism=2, policy=POLICY,
+        seed=1)
     client.stats[healthy].throughput = 50e6  # as measured by an earlier pull
     pulled, _ = pull_within_deadline(client)
-    assert files_of(pulled.path) == files_of(o.version_dir(0)) | {"manifest.json": (pulled.path / "manifest.json").read_bytes()}
+    assert files_of(pulled.path) == files_of(o.version_dir(0)) | {"manifest.json": (
+        pulled.path / "manifest.json").read_bytes()}
     if client.stats[slow.url].bytes or slow.bytes_sent:
         assert client.stats[slow.url].slow >= 1
     assert client.stats[healthy].bytes > o.manifest(0).total_bytes / 2
@@ -209,7 +225,8 @@ def test_a_relay_just_above_the_floor_loses_to_a_faster_relay(tmp_path, pub, ori
 def test_a_relay_that_drips_its_response_heads_cannot_hold_a_listing_or_a_file(tmp_path, pub, origin, hostile):
     o, server = origin
     bad = hostile(server.url, "drip_head", head_interval_s=0.3)  # never silent for a whole stall timeout
-    client = ShardcastClient([bad.url], pub, tmp_path / "client", run_id=RUN, fallback_urls=[server.url], parallelism=2, policy=POLICY)
+    client = ShardcastClient([bad.url], pub, tmp_path / "client", run_id=RUN, fallback_urls=[server.url],
+        parallelism=2, policy=POLICY)
     t0 = time.monotonic()
     assert client.latest_version() == 0  # its listing missed the request deadline: the origin's listing answered
     assert time.monotonic() - t0 < POLICY.request_timeout_s + 2  # the listing is bounded by the request deadline
@@ -220,12 +237,14 @@ def test_a_relay_that_drips_its_response_heads_cannot_hold_a_listing_or_a_file(t
 def test_size_lies_are_caught_before_any_body_is_read(tmp_path, pub, origin, hostile):
     o, server = origin
     huge = hostile(server.url, "huge")  # files claim a terabyte
-    client = ShardcastClient([huge.url], pub, tmp_path / "client", run_id=RUN, fallback_urls=[server.url], parallelism=2, policy=POLICY)
+    client = ShardcastClient([huge.url], pub, tmp_path / "client", run_id=RUN, fallback_urls=[server.url],
+        parallelism=2, policy=POLICY)
     pulled, _ = pull_within_deadline(client)
     assert pulled.version == 0 and "Content-Length" in (client.stats[huge.url].banned or "")
 
     big_manifest = hostile(server.url, "huge_manifest")  # the manifest claims a gigabyte, and would send it
-    client = ShardcastClient([big_manifest.url], pub, tmp_path / "client2", run_id=RUN, fallback_urls=[server.url], policy=POLICY)
+    client = ShardcastClient([big_manifest.url], pub, tmp_path / "client2", run_id=RUN, fallback_urls=[server.url],
+        policy=POLICY)
     pulled, _ = pull_within_deadline(client, 0)
     assert pulled.version == 0 and any(r.endswith("/manifest") for r in big_manifest.requests)
     assert big_manifest.manifest_bytes_sent < 64 << 20  # refused at the head; what went out sits in socket buffers
@@ -239,9 +258,11 @@ def test_another_runs_manifest_signed_with_the_same_key_is_refused(tmp_path, key
     earlier.publish(9, state_dict(seed=9, layers=2))
     stale = serve_origin(earlier)
     try:
-        client = ShardcastClient([stale.url], pub, tmp_path / "client", run_id=RUN, fallback_urls=[server.url], policy=POLICY)
+        client = ShardcastClient([stale.url], pub, tmp_path / "client", run_id=RUN, fallback_urls=[server.url],
+            policy=POLICY)
         pulled, _ = pull_within_deadline(client, 0)
-        assert files_of(pulled.path) == files_of(o.version_dir(0)) | {"manifest.json": (pulled.path / "manifest.json").read_bytes()}
+        assert files_of(pulled.path) == files_of(o.version_dir(0)) | {"manifest.json": (
+            pulled.path / "manifest.json").read_bytes()}
         assert "belongs to run 'demo-earlier-run'" in (client.stats[stale.url].banned or "")
 
         lone = ShardcastClient([stale.url], pub, tmp_path / "lone", run_id=RUN, policy=POLICY)
@@ -256,7 +277,8 @@ def test_another_runs_manifest_signed_with_the_same_key_is_refused(tmp_path, key
         follower = Relay([stale.url], tmp_path / "follower", pub, run_id=None, policy=POLICY)
         assert follower.sync_once() == [0, 9] and follower.run_id == "demo-earlier-run"
         follower.upstream = Relay([server.url], tmp_path / "x", pub, run_id=None, policy=POLICY).upstream
-        assert follower.sync_once() == [0, 9] and follower.run_id == "demo-earlier-run"  # its v0 was signed before: not followed
+        # its v0 was signed before: not followed
+        assert follower.sync_once() == [0, 9] and follower.run_id == "demo-earlier-run"
         o.publish(1, state_dict(seed=1, layers=2))  # the new run signs its next version
         assert follower.sync_once() == [0, 1] and follower.run_id == RUN
         assert follower.store.manifest(0).model_hash == o.manifest(0).model_hash
@@ -279,7 +301,8 @@ def test_version_folders_of_another_run_on_disk_are_not_trusted(tmp_path, key, p
     shutil.copytree(other.version_dir(0), tmp_path / "client" / "v0000000000")  # left by the earlier run
     client = ShardcastClient([server.url], pub, tmp_path / "client", run_id=RUN, policy=POLICY)
     pulled = client.pull(0)
-    assert pulled.manifest.run_id == RUN and files_of(pulled.path) == files_of(o.version_dir(0)) | {"manifest.json": (pulled.path / "manifest.json").read_bytes()}
+    assert pulled.manifest.run_id == RUN and files_of(pulled.path) == files_of(o.version_dir(0)) | {"manifest.json": (
+        pulled.path / "manifest.json").read_bytes()}
     # The origin of this run, restarted on a folder holding another run's version, drops it.
     assert Origin(tmp_path / "other", key, run_id=RUN).versions() == []
 

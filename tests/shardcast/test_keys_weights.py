@@ -10,6 +10,7 @@ import stat
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from shardcast_helpers import RUN, state_dict
 
 from protocol.manifests import PolicyManifest, ShardEntry
 from shardcast.files import file_hash, file_matches, signed_entry
@@ -23,7 +24,6 @@ from shardcast.keys import (
 )
 from shardcast.origin import Origin
 from shardcast.weights import load_version_dir, model_hash, split_aliases
-from shardcast_helpers import RUN, state_dict
 
 
 def _manifest(version=3, run_id=RUN) -> PolicyManifest:
@@ -42,8 +42,9 @@ def test_key_file_is_private_and_reloads(tmp_path, key):
 def test_signed_manifest_verifies_and_every_change_breaks_it(key, pub):
     signed = sign_manifest(_manifest(), key)
     verify_manifest(signed, pub)
-    for change in ({"version": 4}, {"model_hash": "ef" * 32}, {"created_at": 2.0}, {"run_id": "another-run"}, {"full_bytes": 11},
-                   {"shards": [ShardEntry(name="model-00001-of-00001.safetensors", sha256="ce" * 32, size=10)]}):
+    for change in ({"version": 4}, {"model_hash": "ef" * 32}, {"created_at": 2.0}, {"run_id": "another-run"},
+                   {"full_bytes": 11}, {"shards": [ShardEntry(name="model-00001-of-00001.safetensors",
+                   sha256="ce" * 32, size=10)]}):
         with pytest.raises(ManifestError, match="forged"):
             verify_manifest(signed.model_copy(update=change), pub)
 
@@ -63,7 +64,8 @@ def test_a_signed_blake3_cannot_be_stripped_or_changed_and_older_manifests_still
     # An older origin's manifest: no blake3 key at all in what it signed.
     body = _manifest().model_dump(mode="json", exclude={"signature"})
     body["shards"] = [{"name": entry.name, "sha256": entry.sha256, "size": entry.size}]
-    body["signature"] = base64.b64encode(key.sign(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())).decode()
+    body["signature"] = base64.b64encode(key.sign(json.dumps(body, sort_keys=True, separators=(",",
+        ":")).encode())).decode()
     older = parse_verified_manifest(json.dumps(body).encode(), pub, version=3, run_id=RUN)
     assert older.shards[0].blake3 is None and file_hash(older.shards[0])[0].name == "sha256"
     path = tmp_path / entry.name

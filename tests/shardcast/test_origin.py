@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import pytest
+from shardcast_helpers import RUN, state_dict, tmpfs
 
 from shardcast.origin import Origin
-from shardcast.store import DiskFullError, MANIFEST_FILE
-from shardcast_helpers import RUN, state_dict, tmpfs
+from shardcast.store import MANIFEST_FILE, DiskFullError
 
 
 def test_publish_writes_signed_shards_and_reloads_after_restart(tmp_path, key, pub):
-    from shardcast.keys import verify_manifest
     import hashlib
+
+    from shardcast.keys import verify_manifest
 
     origin = Origin(tmp_path, key, run_id=RUN, keep_versions=3, shard_bytes=1 << 20)
     m = origin.publish(7, state_dict(layers=3))

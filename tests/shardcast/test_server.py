@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+from shardcast_helpers import RUN, state_dict
 
 from protocol import api
 from protocol.manifests import VersionList
@@ -16,7 +17,6 @@ from protocol.models import ErrorBody
 from shardcast.origin import Origin
 from shardcast.server import ShardServer, serve_origin
 from shardcast.store import VersionStore
-from shardcast_helpers import RUN, state_dict
 
 
 @pytest.fixture
@@ -111,7 +111,8 @@ def test_writes_are_refused_and_garbage_requests_never_500(served):
         assert c.request("BREW", api.SHARDCAST_VERSIONS).status_code == 405
         assert c.get(api.SHARDCAST_VERSIONS).status_code == 200  # the connection was not poisoned
     host, port = server.url.removeprefix("http://").split(":")
-    for junk in (b"\x00\x01\x02garbage\r\n\r\n", b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n", b"GET / HTTP/9.9\r\n\r\n"):
+    for junk in (b"\x00\x01\x02garbage\r\n\r\n", b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n",
+        b"GET / HTTP/9.9\r\n\r\n"):
         with socket.create_connection((host, int(port)), timeout=10) as s:
             s.sendall(junk)
             reply = s.recv(4096)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from shardcast_helpers import RUN
 
 from shardcast.client import ShardcastClient
 from shardcast.origin import Origin
 from shardcast.server import serve_origin
-from shardcast_helpers import RUN
 
 
 @pytest.mark.slow  # ~45 s on 2 busy cores (vLLM start-up); result recorded in bench/results/shardcast_notes.md

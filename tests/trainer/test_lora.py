@@ -110,7 +110,8 @@ def origin_versions(tiny_model_dir, tmp_path_factory):
     """Versions 0 and 1 of a LoRA run on a real origin; version 1's adapter is made large enough that it
     visibly changes the model (a real step at lr 1e-2 moves B only a little)."""
     root = tmp_path_factory.mktemp("lora-origin")
-    origin = Origin(root / "origin", generate_signing_key(root / "key.pem"), run_id="lora-test", keep_versions=4, grace_s=0,
+    origin = Origin(root / "origin", generate_signing_key(root / "key.pem"), run_id="lora-test", keep_versions=4,
+        grace_s=0,
                     deltas=False)  # as the trainer actor's origin in a LoRA run
     trainer = lora_trainer(tiny_model_dir, root / "run", publish=lambda v, s: origin.publish(v, s).model_hash)
     with torch.no_grad():
@@ -140,10 +141,12 @@ def lease(model_dir, version: int, sampling=SamplingParams(temperature=1.0, max_
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     items = get_task("toy").make_prompts(3, seed=5)
-    prompts = [np.array([tok.bos_token_id] + tok.encode(i.prompt, add_special_tokens=False), dtype=np.int32) for i in items]
-    tl = TaskLease(lease_id=f"L{version}", prompts=[TaskPrompt(prompt_id=f"p{i}", token_ids=p, seeds=[100 + 2 * i, 101 + 2 * i]) for i, p in enumerate(prompts)],
-                   samples_per_prompt=2, sampling=sampling, policy_version=version, min_policy_version=version, deadline=time.time() + 60,
-                   generation_version=version)
+    prompts = [np.array([tok.bos_token_id] + tok.encode(i.prompt, add_special_tokens=False), dtype=np.int32)
+        for i in items]
+    tl = TaskLease(lease_id=f"L{version}", prompts=[TaskPrompt(prompt_id=f"p{i}", token_ids=p, seeds=[100 + 2 * i,
+        101 + 2 * i]) for i, p in enumerate(prompts)],
+                   samples_per_prompt=2, sampling=sampling, policy_version=version, min_policy_version=version,
+                   deadline=time.time() + 60, generation_version=version)
     return tl, items
 
 
@@ -154,9 +157,10 @@ def verify(tiny_model_dir, origin, tl, items, completions, version: int, weights
 
     manifest = origin.manifest(version)
     verifier = Verifier(VerifierConfig(keep_versions=2), weights_for_version or origin.version_dir, tiny_model_dir)
-    sub = RolloutSubmission(lease_id=tl.lease_id, policy_version=version, model_hash=manifest.model_hash, completions=completions)
-    return verifier.verify(VerifyJob(submission_id=f"s{version}", submission=sub, lease=tl, items=items, task_name="toy",
-                                     expected_model_hash=manifest.model_hash))
+    sub = RolloutSubmission(lease_id=tl.lease_id, policy_version=version, model_hash=manifest.model_hash,
+        completions=completions)
+    return verifier.verify(VerifyJob(submission_id=f"s{version}", submission=sub, lease=tl, items=items,
+                                     task_name="toy", expected_model_hash=manifest.model_hash))
 
 
 def test_worker_serves_adapter_versions_and_the_verifier_accepts_them(tiny_model_dir, origin_versions, lora_engine):
@@ -192,7 +196,8 @@ def test_worker_serves_adapter_versions_and_the_verifier_accepts_them(tiny_model
     assert verdict.status == VerdictStatus.rejected
 
 
-def test_an_adapter_for_another_base_is_refused(tiny_model_dir, tiny_untied_model_dir, origin_versions, lora_engine, tmp_path):
+def test_an_adapter_for_another_base_is_refused(tiny_model_dir, tiny_untied_model_dir, origin_versions, lora_engine,
+    tmp_path):
     from shardcast.adapter import load_version
     from shardcast.weights import serialize_shard, split_aliases
     from verifier.reference import load_reference_model

@@ -17,7 +17,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trainer.bpe_tokenizer import CHAT_TEMPLATE, IM_END, IM_START, PAD, SPECIAL_TOKENS, build_tokenizer, read_corpus, stdlib_root, train_bpe, trained_bpe
+from trainer.bpe_tokenizer import (
+    CHAT_TEMPLATE,
+    IM_END,
+    IM_START,
+    PAD,
+    SPECIAL_TOKENS,
+    build_tokenizer,
+    read_corpus,
+    stdlib_root,
+    train_bpe,
+    trained_bpe,
+)
 from trainer.model_shapes import PRESETS, init_model, make_config, mean_loss, shapes
 
 # Published parameter counts (tied embeddings): the presets are those models' shapes, not look-alikes.
@@ -64,7 +75,8 @@ def test_presets_have_the_real_shapes(arch):
         assert attn.q_proj.bias is not None  # Qwen2's QKV biases
     if arch == "llama-3.2-1b":
         rope = tied.rope_parameters
-        assert (rope["rope_type"], rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"], rope["original_max_position_embeddings"]) == (
+        assert (rope["rope_type"], rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+            rope["original_max_position_embeddings"]) == (
             "llama3", 32.0, 1.0, 4.0, 8192)
 
 
@@ -95,7 +107,8 @@ def test_tokenizer_covers_every_byte_with_multi_character_tokens(qwen_tokenizer)
     info = qwen_tokenizer.info
     assert info["merges"] > 16000 and info["learned_tokens"] + len(SPECIAL_TOKENS) + info["reserved_tokens"] == 151936
     # Specials after the learned tokens; reserved ids decode to their names and no text encodes to them.
-    assert [tok.convert_tokens_to_ids(s) for s in SPECIAL_TOKENS] == list(range(info["learned_tokens"], info["learned_tokens"] + 4))
+    assert [tok.convert_tokens_to_ids(s) for s in SPECIAL_TOKENS] == list(range(info["learned_tokens"],
+        info["learned_tokens"] + 4))
     assert tok.decode([151935]) == f"<|reserved_{info['reserved_tokens'] - 1}|>"
     assert 151935 not in tok(tok.decode([151935]), add_special_tokens=False)["input_ids"]
 
@@ -121,7 +134,8 @@ def test_training_is_deterministic_and_cached(tmp_path, bpe_cache, qwen_tokenize
     # Another process, tokenizers' threads on: the same bytes.
     code = "import sys; from trainer.bpe_tokenizer import read_corpus, train_bpe; sys.stdout.write(train_bpe(read_corpus(budget=2 << 20), 4096))"
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "true"}
-    b = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env, cwd=Path(__file__).parents[2]).stdout
+    b = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env,
+        cwd=Path(__file__).parents[2]).stdout
     assert a == b and a != train_bpe(small, 3000)
     text, hit = trained_bpe(small, 4096, tmp_path / "c")
     assert (text, hit) == (a, False)
@@ -174,7 +188,8 @@ def test_pretraining_peaks_the_distribution(tmp_path, qwen_tokenizer):
     path = init_model(tmp_path / "p", "qwen3-0.6b", pretrain_steps=8, **kwargs)
     after = AutoModelForCausalLM.from_pretrained(path)
     info = json.loads((path / "swarmrl_model.json").read_text())
-    assert info["pretrain_steps"] == 8 and len(info["pretrain_losses"]) == 8 and info["pretrain_final_loss"] == info["pretrain_losses"][-1]
+    assert info["pretrain_steps"] == 8 and len(
+        info["pretrain_losses"]) == 8 and info["pretrain_final_loss"] == info["pretrain_losses"][-1]
     start, end = mean_loss(before, tok, text, 1), mean_loss(after, tok, text, 1)
     assert abs(start - 11.93) < 0.2 and end < start - 1.5, (start, end)
     assert info["pretrain_eval_loss"] == pytest.approx(end, abs=1e-3)
@@ -187,9 +202,11 @@ def test_pretraining_stops_at_its_time_limit(tmp_path, qwen_tokenizer):
 
     from trainer.model_shapes import pretrain
 
-    model = AutoModelForCausalLM.from_pretrained(init_model(tmp_path / "r", "qwen3-0.6b", seed=1, tokenizer=qwen_tokenizer, **TINY))
+    model = AutoModelForCausalLM.from_pretrained(init_model(tmp_path / "r", "qwen3-0.6b", seed=1,
+        tokenizer=qwen_tokenizer, **TINY))
     text = "\n".join(read_corpus().texts)
-    assert pretrain(model, qwen_tokenizer.tokenizer, text, 50, 0, batch_size=2, seq_len=16, max_seconds=0)["losses"] == []
+    assert pretrain(model, qwen_tokenizer.tokenizer, text, 50, 0, batch_size=2, seq_len=16,
+        max_seconds=0)["losses"] == []
     done = pretrain(model, qwen_tokenizer.tokenizer, text, 3, 0, batch_size=2, seq_len=16, max_seconds=600)
     assert len(done["losses"]) == 3  # `steps` still bounds it
 
@@ -203,16 +220,19 @@ def test_init_model_cli(tmp_path, bpe_cache):
         return CliRunner().invoke(app, ["init-model", *args])
 
     out = tmp_path / "q3"
-    res = run("--arch", "qwen3-0.6b", "--out", str(out), "--layers", "2", "--hidden", "64", "--untied", "--pretrain-steps", "0",
-              "--tokenizer-cache", str(bpe_cache))
+    res = run("--arch", "qwen3-0.6b", "--out", str(out), "--layers", "2", "--hidden", "64", "--untied",
+              "--pretrain-steps", "0", "--tokenizer-cache", str(bpe_cache))
     assert res.exit_code == 0, res.output
     config = json.loads((out / "config.json").read_text())
-    assert (config["model_type"], config["num_hidden_layers"], config["hidden_size"], config["vocab_size"], config["tie_word_embeddings"]) == (
+    assert (config["model_type"], config["num_hidden_layers"], config["hidden_size"], config["vocab_size"],
+        config["tie_word_embeddings"]) == (
         "qwen3", 2, 64, 151936, False)
     assert len(list(bpe_cache.glob("bpe-*.json"))) == 1  # the session's tokenizer, not trained again
     assert run("--arch", "gpt-2", "--out", str(tmp_path / "x")).exit_code != 0
     assert run("--arch", "qwen3-0.6b", "--size", "tiny", "--out", str(tmp_path / "x")).exit_code != 0
-    assert run("--arch", "qwen3-0.6b", "--hidden", "48", "--out", str(tmp_path / "x"), "--tokenizer-cache", str(bpe_cache)).exit_code != 0
+    assert run("--arch", "qwen3-0.6b", "--hidden", "48", "--out", str(tmp_path / "x"), "--tokenizer-cache",
+        str(bpe_cache)).exit_code != 0
     assert run("--size", "tiny", "--layers", "2", "--out", str(tmp_path / "x")).exit_code != 0
     res = run("--out", str(tmp_path / "toy"))  # no --arch: the toy model as before
-    assert res.exit_code == 0 and json.loads((tmp_path / "toy" / "config.json").read_text())["vocab_size"] == 64, res.output
+    assert res.exit_code == 0 and json.loads((
+        tmp_path / "toy" / "config.json").read_text())["vocab_size"] == 64, res.output

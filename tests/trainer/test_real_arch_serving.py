@@ -24,7 +24,8 @@ HASH = "a" * 64
 def chat_prompts(tok, items) -> list[np.ndarray]:
     out = []
     for item in items:
-        text = tok.apply_chat_template([{"role": "user", "content": item.prompt}], tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template([{"role": "user", "content": item.prompt}], tokenize=False,
+            add_generation_prompt=True)
         out.append(np.asarray(tok(text, add_special_tokens=False)["input_ids"], dtype=np.int32))
     return out
 
@@ -43,14 +44,15 @@ def test_made_model_loads_everywhere_and_honest_rollouts_verify(arch, untied, tm
     from verifier.service import Verifier, VerifyJob
 
     # A few steps of pretraining: peaked distributions, as a base model's, not a near-uniform draw over 150k ids.
-    model_dir = init_model(tmp_path / arch, arch, seed=0, untied=untied, layers=2, hidden=64, pretrain_steps=3, batch_size=2, seq_len=64,
-                           lr=1e-2, tokenizer=arch_tokenizers[arch])
+    model_dir = init_model(tmp_path / arch, arch, seed=0, untied=untied, layers=2, hidden=64, pretrain_steps=3,
+                           batch_size=2, seq_len=64, lr=1e-2, tokenizer=arch_tokenizers[arch])
     vocab = PRESETS[arch].vocab
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     assert hf.get_output_embeddings().weight.shape == (vocab, 64)
     ref = load_reference_model(model_dir, None)
-    ref_from_weights = load_reference_model(model_dir, model_dir)  # the path a published version takes: config + safetensors
+    # the path a published version takes: config + safetensors
+    ref_from_weights = load_reference_model(model_dir, model_dir)
     ids = torch.tensor([[5, 17, 300, 4000]])
     with torch.no_grad():
         want = hf(ids).logits
@@ -64,7 +66,8 @@ def test_made_model_loads_everywhere_and_honest_rollouts_verify(arch, untied, tm
     sampling = SamplingParams(temperature=1.0, max_tokens=24)
     lease = TaskLease(lease_id="L", prompts=[TaskPrompt(prompt_id=f"p{i}", token_ids=p, seeds=[11 + 2 * i, 12 + 2 * i])
                                              for i, p in enumerate(chat_prompts(tok, items))],
-                      samples_per_prompt=2, sampling=sampling, policy_version=0, min_policy_version=0, deadline=time.time() + 600, generation_version=0)
+                      samples_per_prompt=2, sampling=sampling, policy_version=0, min_policy_version=0,
+                      deadline=time.time() + 600, generation_version=0)
 
     # The KV cache from the model's shape (the engine's default is a fixed 256 MiB, tools' 64 MiB).
     kv = derived_bytes(AutoConfig.from_pretrained(model_dir), "float32", MAX_MODEL_LEN, CONCURRENT, 0.25)

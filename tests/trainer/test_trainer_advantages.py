@@ -30,7 +30,8 @@ def test_equal_rewards_give_zero_signal():
     assert has_signal(group_advantages([0.0, 1.0]))
 
 
-@pytest.mark.parametrize("bad", [[], [[[1.0, 2.0]]], [1.0, float("nan")], [float("inf"), 0.0], [[0.0, 1.0], [0.0, float("nan")]]])
+@pytest.mark.parametrize("bad", [[], [[[1.0, 2.0]]], [1.0, float("nan")], [float("inf"), 0.0], [[0.0, 1.0], [0.0,
+    float("nan")]]])
 def test_bad_rewards_are_rejected(bad):
     with pytest.raises(ValueError):
         group_advantages(bad)
@@ -61,7 +62,8 @@ def test_same_bits_as_numpy_mean_and_std(use_std):
     """group_advantages calls numpy's reductions directly; the result is bit for bit the textbook
     (R - mean) / (std + eps) of numpy's own mean and std."""
     rng = np.random.default_rng(1)
-    for groups in (rng.random((50, 8)), rng.integers(0, 2, (50, 5)).astype(float), rng.normal(0, 1e6, (20, 33)), rng.random((1, 3))):
+    for groups in (rng.random((50, 8)), rng.integers(0, 2, (50, 5)).astype(float), rng.normal(0, 1e6, (20, 33)),
+        rng.random((1, 3))):
         want = groups - groups.mean(axis=-1, keepdims=True)
         if use_std:
             want = want / (groups.std(axis=-1, keepdims=True) + 1e-6)

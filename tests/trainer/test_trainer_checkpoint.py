@@ -51,8 +51,8 @@ def test_resume_gives_the_same_next_step(tiny_model_dir, tmp_path):
 def test_a_crash_mid_write_leaves_the_previous_checkpoint_usable(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent.parent)]))
-    proc = subprocess.run([sys.executable, str(HERE / "trainer_crash_worker.py"), str(tiny_model_dir), str(run)], env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, str(HERE / "trainer_crash_worker.py"), str(tiny_model_dir), str(run)],
+                          env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 17, proc.stderr[-2000:]
     root = run / "checkpoints"
     leftovers = [p.name for p in root.iterdir() if p.name.startswith(".tmp-")]
@@ -131,7 +131,8 @@ def test_a_checkpoint_is_read_as_data_never_run(tiny_model_dir, tmp_path):
     assert not os.path.exists(marker)
 
 
-def test_a_checkpoint_written_in_the_step_copies_nothing_and_a_background_one_only_when_its_copy_fits(tiny_model_dir, tmp_path, monkeypatch):
+def test_a_checkpoint_written_in_the_step_copies_nothing_and_a_background_one_only_when_its_copy_fits(tiny_model_dir,
+    tmp_path, monkeypatch):
     """At 0.6B a checkpoint's copy is ~7 GB (fp32 weights, AdamW's two moments): the batch loop writes in
     the step, from the live tensors, when that copy would not fit in the memory available."""
     import psutil

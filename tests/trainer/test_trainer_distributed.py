@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_dist_worker import fixed_batch
 from safetensors.torch import load_file
+from trainer_dist_worker import fixed_batch
 
 from trainer.config import TrainerConfig
 from trainer.train import Trainer
@@ -36,7 +36,8 @@ def test_two_ranks_match_one_process(tiny_model_dir, tmp_path, strategy):
     )
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HERE / "trainer_dist_worker.py"), str(tiny_model_dir), str(tmp_path / "run2"), str(out), strategy],
+            [sys.executable, str(HERE / "trainer_dist_worker.py"), str(tiny_model_dir), str(tmp_path / "run2"),
+            str(out), strategy],
             env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from protocol.batches import GROUP_ARRAYS, SampleGroup
 from protocol.arrays import le_bytes
+from protocol.batches import GROUP_ARRAYS, SampleGroup
 from trainer.config import LossConfig
 from trainer.loss import ppo_loss, sequence_weights
 from trainer.packing import make_micro_batches
@@ -62,7 +62,8 @@ def test_environment_positions_get_no_gradient(model):
         handle.remove()
         model.zero_grad()
     grad = seen["logits"].grad[0].abs().sum(-1)  # [T] per input position
-    targets_of = {len(PROMPT) - 1 + i: bool(env) for i, env in enumerate(ENV)}  # input position -> predicts an env token
+    # input position -> predicts an env token
+    targets_of = {len(PROMPT) - 1 + i: bool(env) for i, env in enumerate(ENV)}
     for pos, env in targets_of.items():
         if env:
             assert grad[pos] == 0, pos
@@ -75,8 +76,10 @@ def test_env_masks_travel_through_sample_groups():
     """The orchestrator's group layout carries the masks; each member gets its own slice."""
     other = np.array([0, 0, 1, 0], dtype=np.uint8)
     g = SampleGroup("sub", 0, [0, 1], 0, le_bytes([1.0, -1.0], "float64"), le_bytes([1.0, 0.0], "float64"),
-                    le_bytes([len(EPISODE), 4], "int32"), le_bytes(PROMPT, "int32"), le_bytes(EPISODE + [5, 6, 7, 8], "int32"),
-                    le_bytes(np.full(len(EPISODE) + 4, -1.0), "float32"), le_bytes(np.concatenate([ENV.astype(np.uint8), other]), GROUP_ARRAYS["env_masks"]))
+                    le_bytes([len(EPISODE), 4], "int32"), le_bytes(PROMPT, "int32"), le_bytes(EPISODE + [5, 6, 7, 8],
+                    "int32"),
+                    le_bytes(np.full(len(EPISODE) + 4, -1.0), "float32"),
+                    le_bytes(np.concatenate([ENV.astype(np.uint8), other]), GROUP_ARRAYS["env_masks"]))
     a, b = samples_from_groups([g, g])[:2]
     assert a.loss_mask.tolist() == (~ENV).tolist() and b.loss_mask.tolist() == [True, True, False, True]
     assert a.num_completion_tokens == 4 and b.num_completion_tokens == 3
@@ -84,4 +87,5 @@ def test_env_masks_travel_through_sample_groups():
 
 def test_a_mask_without_model_tokens_is_refused():
     with pytest.raises(ValueError, match="model token"):
-        TrainSample(PROMPT, EPISODE, np.full(len(EPISODE), -1.0), 1.0, 0.5, 0, "bad", loss_mask=np.zeros(len(EPISODE), bool))
+        TrainSample(PROMPT, EPISODE, np.full(len(EPISODE), -1.0), 1.0, 0.5, 0, "bad", loss_mask=np.zeros(len(EPISODE),
+            bool))

@@ -52,7 +52,8 @@ def test_grpo_increases_the_reward(tiny_model_dir, tmp_path, lag):
             adv = group_advantages(r)
             step_rewards.append(r.mean())
             samples += [
-                TrainSample(prompt, comps[i].numpy(), logps[i].numpy(), float(adv[i]), float(r[i]), behaviour_version, f"{step}-{g}-{i}")
+                TrainSample(prompt, comps[i].numpy(), logps[i].numpy(), float(adv[i]), float(r[i]), behaviour_version,
+                f"{step}-{g}-{i}")
                 for i in range(8)
             ]
         rewards.append(float(np.mean(step_rewards)))

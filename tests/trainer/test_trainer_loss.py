@@ -108,7 +108,8 @@ def test_k3_kl_and_entropy_terms_by_hand():
     logp, ref = torch.log(torch.tensor([0.5])), torch.log(torch.tensor([0.25]))
     assert k3(logp, ref).item() == pytest.approx(0.5 + math.log(2) - 1, abs=1e-6)
     assert k3(logp, logp).item() == 0
-    assert entropy_from_logprobs(torch.log_softmax(torch.zeros(2, 16), -1)).tolist() == pytest.approx([math.log(16)] * 2, abs=1e-6)
+    assert entropy_from_logprobs(torch.log_softmax(torch.zeros(2, 16),
+        -1)).tolist() == pytest.approx([math.log(16)] * 2, abs=1e-6)
 
     cfg = LossConfig(kl_coef=0.1, entropy_coef=0.01)
     lp = logp.clone().requires_grad_(True)

@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 from trainer_helpers import random_samples
 
 from trainer.config import LossConfig
@@ -38,7 +38,8 @@ def test_pad_groups_by_hand():
 
 
 def test_layout_positions_and_targets():
-    s = [TrainSample([5, 6, 7], [8, 9], [-1.0, -2.0], 1.0, 0.0, 0), TrainSample([10], [11, 12, 13], [-1, -1, -1], -1.0, 0.0, 0)]
+    s = [TrainSample([5, 6, 7], [8, 9], [-1.0, -2.0], 1.0, 0.0, 0), TrainSample([10], [11, 12, 13], [-1, -1, -1], -1.0,
+        0.0, 0)]
     (mb,) = make_micro_batches(s, np.array([0.5, 0.25]), 64)
     # longest first: sample 0 (5 tokens -> 4 inputs), then sample 1 (4 tokens -> 3 inputs)
     assert mb.input_ids.tolist() == [[5, 6, 7, 8, 10, 11, 12]]
@@ -110,7 +111,8 @@ def test_full_logits_match_unpacked_model_call(model):
     with torch.no_grad():
         together, _ = forward_logprobs(model, packed, bf16=False)
         for i, s in enumerate(samples):
-            torch.testing.assert_close(together[packed.sample_index == i], plain_logprobs(model, s), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(together[packed.sample_index == i], plain_logprobs(model, s), atol=1e-5,
+                rtol=1e-5)
 
 
 @pytest.mark.parametrize("normalizer", ["tokens", "sequence", "constant"])

@@ -19,7 +19,8 @@ def test_trainer_publishes_through_the_shardcast_origin(tiny_model_dir, tmp_path
 
     key = generate_signing_key(tmp_path / "key.pem")
     origin = origin_mod.Origin(tmp_path / "origin", key, run_id=RUN, keep_versions=5, shard_bytes=64 << 10)
-    trainer = Trainer(TrainerConfig(lr=1e-2), tiny_model_dir, tmp_path / "run", publish=lambda v, sd: origin.publish(v, sd).model_hash)
+    trainer = Trainer(TrainerConfig(lr=1e-2), tiny_model_dir, tmp_path / "run", publish=lambda v, sd: origin.publish(v,
+        sd).model_hash)
     trainer.step(random_samples(4, seed=50))
     trainer.step(random_samples(4, seed=51, version=1))
     assert origin.versions() == [0, 1, 2] and origin.latest() == 2

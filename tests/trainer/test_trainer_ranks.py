@@ -39,7 +39,8 @@ def fixed_groups(i: int) -> list[SampleGroup]:
         groups.append(SampleGroup(
             submission_id=f"sub{i}-{g}", prompt_index=0, sample_indices=list(range(K)), behaviour_version=i,
             advantages=le_bytes(rng.normal(size=K), "float64"), rewards=le_bytes(rng.uniform(size=K), "float64"),
-            completion_lengths=le_bytes(lengths, "int32"), prompt_ids=le_bytes(rng.integers(3, 50, size=int(rng.integers(2, 10))), "int32"),
+            completion_lengths=le_bytes(lengths, "int32"), prompt_ids=le_bytes(rng.integers(3, 50,
+            size=int(rng.integers(2, 10))), "int32"),
             completion_ids=le_bytes(rng.integers(3, 50, size=int(lengths.sum())), "int32"),
             logprobs=le_bytes(-rng.uniform(3.5, 4.5, size=int(lengths.sum())), "float32"),
         ))
@@ -79,7 +80,8 @@ class FixedBatches:
     def reconcile_trainer(self, lineage, from_versions, published, superseded=None):
         held = {self.seq_batch[s] for s in Lineage(lineage)}
         self.next_batch = max(held, default=-1) + 1
-        self.calls.append(("reconcile", sorted(held), sorted(from_versions.items()), sorted(published.items()), sorted(superseded or {})))
+        self.calls.append(("reconcile", sorted(held), sorted(from_versions.items()), sorted(published.items()),
+            sorted(superseded or {})))
         return {}
 
     def log(self):
@@ -91,8 +93,9 @@ def run_config(tmp_path, world_size: int) -> RunConfig:
         "name": f"ranks{world_size}", "output_dir": str(tmp_path),
         "orchestrator": {"samples_per_prompt": K},
         "shardcast": {"origin_port": free_port("127.0.0.1"), "run_id": "ranks-test"},
-        "trainer": {"world_size": world_size, "samples_per_step": 3 * K, "lr": 1e-2, "micro_batch_tokens": 64, "checkpoint_every": 1,
-                    "keep_checkpoints": 10, "max_steps": STEPS, "num_threads": 1, "max_staleness": 2},
+        "trainer": {"world_size": world_size, "samples_per_step": 3 * K, "lr": 1e-2, "micro_batch_tokens": 64,
+                    "checkpoint_every": 1, "keep_checkpoints": 10, "max_steps": STEPS, "num_threads": 1,
+                    "max_staleness": 2},
     })
 
 

@@ -25,7 +25,8 @@ def accumulate_gradients(trainer: Trainer, samples) -> None:
     """Forward/backward over `samples` as one optimizer step, leaving the gradients in `.grad` (proximal
     policy = the current weights): the first half of `Trainer.step`, without the optimizer."""
     plan = plan_micro_batches(list(samples), trainer.config, trainer.env, trainer.device)
-    reference = [trainer._logprobs_no_grad(trainer.reference, mb) for mb in plan] if trainer.reference is not None else None
+    reference = [trainer._logprobs_no_grad(trainer.reference, mb)
+        for mb in plan] if trainer.reference is not None else None
     trainer._backward(plan, None, reference)
 
 
@@ -233,7 +234,8 @@ def test_every_logprob_is_of_the_sampling_temperature(tiny_model_dir, tmp_path):
     samples = random_samples(4, seed=90)
     trainer = Trainer(TrainerConfig(micro_batch_tokens=4096), tiny_model_dir, tmp_path, sampling_temperature=0.7)
     with torch.no_grad():
-        got = torch.cat([forward_logprobs(trainer.model, mb, bf16=False, temperature=trainer.temperature)[0] for s in samples for mb in plan_micro_batches([s], trainer.config, trainer.env, trainer.device)])
+        got = torch.cat([forward_logprobs(trainer.model, mb, bf16=False, temperature=trainer.temperature)[0]
+            for s in samples for mb in plan_micro_batches([s], trainer.config, trainer.env, trainer.device)])
         want = torch.cat([plain_logprobs(trainer.model, s, temperature=0.7) for s in samples])
         at_one = torch.cat([plain_logprobs(trainer.model, s) for s in samples])
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -241,7 +243,8 @@ def test_every_logprob_is_of_the_sampling_temperature(tiny_model_dir, tmp_path):
     # On-policy samples at T = 0.7 (mu = pi at 0.7): every importance weight is exactly where it should be.
     on = with_behaviour(samples, list(want.split([s.num_completion_tokens for s in samples])))
     stats = trainer.step(on)
-    assert stats["importance_weight/mean"] == pytest.approx(1.0, abs=1e-4) and stats["importance_weight/max"] == pytest.approx(1.0, abs=1e-3)
+    assert stats["importance_weight/mean"] == pytest.approx(1.0,
+        abs=1e-4) and stats["importance_weight/max"] == pytest.approx(1.0, abs=1e-3)
     assert Trainer(TrainerConfig(), tiny_model_dir, tmp_path / "greedy", sampling_temperature=0.0).temperature == 1.0
 
 
@@ -253,7 +256,8 @@ def test_a_non_finite_gradient_skips_the_step_and_keeps_the_weights(tiny_model_d
     cfg = TrainerConfig(lr=1e-2, loss=LossConfig(advantage_std=False))
     trainer = Trainer(cfg, tiny_model_dir, tmp_path / "run", publish=pub)
     before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-    huge = [TrainSample(s.prompt_ids, s.completion_ids, s.behaviour_logprobs, 3e38, s.reward, 0, s.sample_id) for s in random_samples(4, seed=9)]
+    huge = [TrainSample(s.prompt_ids, s.completion_ids, s.behaviour_logprobs, 3e38, s.reward, 0, s.sample_id)
+        for s in random_samples(4, seed=9)]
     m = trainer.step(huge)
     assert m["optimizer_steps_skipped"] == 1 and m["optimizer_steps"] == 0 and trainer.totals["optimizer_steps_skipped"] == 1
     assert trainer.version == 0 and trainer.last_published == {} and pub.versions == [0]

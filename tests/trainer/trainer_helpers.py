@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 from trainer.samples import TrainSample
 
 
-def random_samples(n: int, seed: int = 0, version: int = 0, max_prompt: int = 12, max_completion: int = 40) -> list[TrainSample]:
+def random_samples(n: int, seed: int = 0, version: int = 0, max_prompt: int = 12,
+    max_completion: int = 40) -> list[TrainSample]:
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):

@@ -17,7 +17,8 @@ def test_runs_as_a_module_from_the_checkout_with_every_part():
     out = subprocess.run([sys.executable, "-m", "tools.calibrate", "--help"], capture_output=True, text=True, cwd=REPO,
                          env={**os.environ, "COLUMNS": "250", "NO_COLOR": "1", "TERM": "dumb"})
     assert out.returncode == 0, out.stderr
-    for option in ("--part", "--trials", "--honest-scale", "--completions", "--models", "--accumulate", "--batches", "--dtypes", "--burst"):
+    for option in ("--part", "--trials", "--honest-scale", "--completions", "--models", "--accumulate", "--batches",
+        "--dtypes", "--burst"):
         assert option in out.stdout
 
 

@@ -111,7 +111,8 @@ def plugin_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def pool(plugin_dir):
-    cfg = RewardPoolConfig(processes=2, time_limit_s=LIMIT_S, memory_limit_mb=1024, cpu_limit_s=4, import_paths=[str(plugin_dir)])
+    cfg = RewardPoolConfig(processes=2, time_limit_s=LIMIT_S, memory_limit_mb=1024, cpu_limit_s=4,
+        import_paths=[str(plugin_dir)])
     with RewardPool(cfg, warmup=[("math", {})]) as p:
         yield p
 
@@ -224,7 +225,8 @@ def test_valid_plugin_values_and_params(pool):
         RewardRequest(f"{MOD}:scaled", item, "abcde", params={"scale": 0.1}),
         RewardRequest(f"{MOD}:scaled", item, "abcde", params={"scale": 4.0}),
     ])
-    assert [(r.status, r.reward) for r in results] == [(RewardStatus.ok, 1.0), (RewardStatus.ok, 0.5), (RewardStatus.ok, 0.05), (RewardStatus.ok, 1.0)]
+    assert [(r.status, r.reward) for r in results] == [(RewardStatus.ok, 1.0), (RewardStatus.ok, 0.5),
+        (RewardStatus.ok, 0.05), (RewardStatus.ok, 1.0)]
     assert all(type(r.reward) is float for r in results)
 
 
@@ -250,14 +252,16 @@ def test_each_kind_of_error_is_logged_once(pool, caplog):
     item = TaskItem("x", "p", "1")
     with caplog.at_level(logging.WARNING, logger="verifier.reward_pool"):
         for _ in range(3):
-            pool.score_many([RewardRequest(f"{MOD}:boom", item, "a")] * 5 + [RewardRequest(f"{MOD}:nan", item, "a")] * 5)
+            pool.score_many([RewardRequest(f"{MOD}:boom", item, "a")] * 5 + [RewardRequest(f"{MOD}:nan", item,
+                "a")] * 5)
     messages = [r.getMessage() for r in caplog.records]
     assert sum("ValueError" in m for m in messages) <= 1  # 0 if an earlier test already logged it
     assert sum("NaN" in m for m in messages) <= 1
     assert pool.counts["error"] >= 30
 
 
-@pytest.mark.parametrize("fn, status", [("sleepy", RewardStatus.timed_out), ("die", RewardStatus.crashed), ("boom", RewardStatus.error)])
+@pytest.mark.parametrize("fn, status", [("sleepy", RewardStatus.timed_out), ("die", RewardStatus.crashed), ("boom",
+    RewardStatus.error)])
 def test_only_the_completion_that_was_running_is_blamed(plugin_dir, fn, status):
     """One process, one chunk: the honest completions before the bad one finish in microseconds, so their
     results are still in the child (not yet sent) when it is killed or dies; they must be scored again, not blamed."""
@@ -351,7 +355,8 @@ def test_children_die_with_their_parent(plugin_dir, tmp_path):
             os.kill(os.getpid(), signal.SIGKILL)
     '''))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env,
+        cwd=tmp_path)
     assert out.returncode == -9, out.stderr
     pids = [int(x) for x in out.stdout.split()]
     assert len(pids) == 2

@@ -99,8 +99,10 @@ def test_rewards_score_decoded_answers_however_they_are_split(bpe, name):
 def completion(pi: int, ids, mask) -> Completion:
     n_model = mask.count(0)
     finishes = ["stop"] * len(model_turns(np.array(mask)))
-    return Completion(prompt_index=pi, sample_index=0, token_ids=np.array(ids, np.int32), logprobs=np.full(n_model, -1.0, np.float32),
-                      finish_reason="stop", proofs=[b"p"] * -(-n_model // 32), env_mask=np.array(mask, np.uint8), turn_finish_reasons=finishes)
+    return Completion(prompt_index=pi, sample_index=0, token_ids=np.array(ids, np.int32), logprobs=np.full(n_model,
+        -1.0, np.float32),
+                      finish_reason="stop", proofs=[b"p"] * -(-n_model // 32), env_mask=np.array(mask, np.uint8),
+                      turn_finish_reasons=finishes)
 
 
 def episode(turns: list[list[int]], observations: list[list[int]]) -> tuple[list[int], list[int]]:
@@ -130,20 +132,26 @@ def test_the_verifier_replays_bpe_calculator_episodes_and_scores_them(bpe, tmp_p
     seeds = [11, 12, 13]
     wrong = wrong_answer("countdown", items[1])
     played = [
-        episode([enc(bpe, "(2+3") + [ender], enc(bpe, items[0].answer) + [bpe.eos_token_id]], [enc(bpe, f"={int(value)};")]),  # then right: 1.0
+        # then right: 1.0
+        episode([enc(bpe, "(2+3") + [ender], enc(bpe, items[0].answer) + [bpe.eos_token_id]], [enc(bpe,
+        f"={int(value)};")]),
         episode([enc(bpe, "1+2?"), enc(bpe, wrong) + [bpe.eos_token_id]], [enc(bpe, "=3;")]),  # then a wrong answer
         episode([enc(bpe, items[2].answer) + [bpe.eos_token_id]], []),  # no tool call at all
     ]
     comps = [completion(pi, ids, mask) for pi, (ids, mask) in enumerate(played)]
     assert multi_char(bpe, comps[0].token_ids) and multi_char(bpe, comps[1].token_ids)
-    prompts = [TaskPrompt(prompt_id=f"p{i}", token_ids=np.array(enc(bpe, it.prompt), np.int32), seeds=[s], env_item=item_to_wire(it))
+    prompts = [TaskPrompt(prompt_id=f"p{i}", token_ids=np.array(enc(bpe, it.prompt), np.int32), seeds=[s],
+        env_item=item_to_wire(it))
                for i, (it, s) in enumerate(zip(items, seeds))]
-    lease = TaskLease(lease_id="B1", prompts=prompts, samples_per_prompt=1, sampling=SamplingParams(temperature=1.0, max_tokens=96),
-                      policy_version=0, min_policy_version=0, deadline=time.time() + 600, generation_version=0, environment="calculator")
+    lease = TaskLease(lease_id="B1", prompts=prompts, samples_per_prompt=1, sampling=SamplingParams(temperature=1.0,
+        max_tokens=96),
+                      policy_version=0, min_policy_version=0, deadline=time.time() + 600, generation_version=0,
+                      environment="calculator")
 
     def job(completions, sid):
         sub = RolloutSubmission(lease_id="B1", policy_version=0, model_hash=HASH0, completions=completions)
-        return VerifyJob(submission_id=sid, submission=sub, lease=lease, items=items, task_name="countdown", expected_model_hash=HASH0)
+        return VerifyJob(submission_id=sid, submission=sub, lease=lease, items=items, task_name="countdown",
+            expected_model_hash=HASH0)
 
     cfg = VerifierConfig(spot_check_rate={"new": 0.0}, rewards=RewardPoolConfig(processes=1))
     v = Verifier(cfg, lambda version: tmp_path, tmp_path)

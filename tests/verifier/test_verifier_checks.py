@@ -31,11 +31,14 @@ def test_token_stats_raw_and_tempered_logprobs():
 def draw_of(logits, seed, tokens, sampling, slack=(0.0, 0.0)):
     r = replay(logits, seed, torch.arange(len(tokens)), torch.tensor(tokens), sampling, *slack)
     t = sampling.temperature if sampling.temperature > 0 else 1.0
-    scale = torch.maximum(logits.gather(1, r.winner[:, None]).abs(), logits.gather(1, torch.tensor(tokens)[:, None]).abs())[:, 0]
-    return checks.Draw(r.winner.numpy(), r.margin.double().numpy() * t, r.inside.numpy(), scale.double().numpy(), r.exact.numpy())
+    scale = torch.maximum(logits.gather(1, r.winner[:, None]).abs(), logits.gather(1, torch.tensor(tokens)[:,
+        None]).abs())[:, 0]
+    return checks.Draw(r.winner.numpy(), r.margin.double().numpy() * t, r.inside.numpy(), scale.double().numpy(),
+        r.exact.numpy())
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(top_k=2), SamplingParams(temperature=0.0)])
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9),
+    SamplingParams(top_k=2), SamplingParams(temperature=0.0)])
 def test_the_seeds_own_draws_pass_and_any_other_token_fails(sampling):
     logits = torch.randn(40, 50, generator=torch.Generator().manual_seed(1)) * 2
     winners = draw_of(logits, 12345, [0] * 40, sampling).winner
@@ -50,7 +53,8 @@ def test_the_seeds_own_draws_pass_and_any_other_token_fails(sampling):
         assert bad.finding.stats["token_index"] <= first
     # One token changed to the runner-up: caught at that position.
     edited = winners.copy()
-    edited[7] = int(torch.topk(logits[7], 2).indices[1]) if winners[7] == int(logits[7].argmax()) else int(logits[7].argmax())
+    edited[7] = int(torch.topk(logits[7],
+        2).indices[1]) if winners[7] == int(logits[7].argmax()) else int(logits[7].argmax())
     bad = checks.check_draws(draw_of(logits, 12345, edited.tolist(), sampling), edited, 1e-3)
     assert bad.finding is not None and bad.finding.stats["token_index"] == 7
 
@@ -79,7 +83,8 @@ def test_a_near_tie_within_the_margin_passes_and_is_counted():
 def test_the_tolerance_grows_with_the_size_of_the_logits():
     """bf16 rounds a logit of 20 in steps of 0.06: the same small margin that fails at logits near 0 passes
     near 20, but a real difference (a token that lost by 1 logit) fails at any size."""
-    small = checks.check_draws(checks.Draw(np.array([5]), np.array([0.05]), np.array([True]), np.array([0.5])), np.array([6]), 0.02, 2**-7)
+    small = checks.check_draws(checks.Draw(np.array([5]), np.array([0.05]), np.array([True]), np.array([0.5])),
+        np.array([6]), 0.02, 2**-7)
     assert small.finding is not None and small.finding.code == "not_seeded_draw"
     large = checks.Draw(np.array([5]), np.array([0.05]), np.array([True]), np.array([20.0]))
     assert checks.check_draws(large, np.array([6]), 0.02, 2**-7).finding is None
@@ -126,7 +131,8 @@ def test_one_noisy_token_in_a_short_completion_passes_the_submission_mean():
     assert all(checks.check_logprob_max(d, 1e-3) is None for d in diffs)
     assert checks.check_logprob_mean(sum(float(d.sum()) for d in diffs), sum(d.size for d in diffs), 2e-5) is None
     drifted = [d + 5e-5 for d in diffs]  # a systematic drift on every token is still caught
-    assert checks.check_logprob_mean(sum(float(d.sum()) for d in drifted), sum(d.size for d in drifted), 2e-5) is not None
+    assert checks.check_logprob_mean(sum(float(d.sum()) for d in drifted), sum(d.size for d in drifted),
+        2e-5) is not None
 
 
 EOS = {2}
@@ -179,7 +185,8 @@ def test_a_boundary_pick_that_beats_the_tightened_winner_is_counted():
     # token 2 outscores token 0: a worker whose noise swapped 1 and 2 sends 2, our exact draw is 1 (or 0).
     logits = torch.tensor([[2.0, 1.0, 1.0 - 1e-6, -1.0]])
     sampling = SamplingParams(temperature=1.0, top_k=2)
-    seed = next(s for s in range(500) if float(replay(logits, s, torch.tensor([0]), torch.tensor([2]), sampling, 0.0, 1e-3).margin[0]) <= 0)
+    seed = next(s for s in range(500) if float(replay(logits, s, torch.tensor([0]), torch.tensor([2]), sampling, 0.0,
+        1e-3).margin[0]) <= 0)
     d = draw_of(logits, seed, [2], sampling, (0.0, 1e-3))
     assert d.exact[0] != 2
     report = checks.check_draws(d, np.array([2]), 1e-4)

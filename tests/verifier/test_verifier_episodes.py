@@ -26,10 +26,12 @@ def make_lease(model_dir, n_prompts=6, samples=4, environment="lookup", task="lo
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     items = get_task(task).make_prompts(n_prompts, seed=3)
-    prompts = [TaskPrompt(prompt_id=f"p{i}", token_ids=np.array([tok.bos_token_id] + tok.encode(it.prompt, add_special_tokens=False), dtype=np.int32),
-                          seeds=[1000 * i + s for s in range(samples)], env_item=item_to_wire(it)) for i, it in enumerate(items)]
-    lease = TaskLease(lease_id="E1", prompts=prompts, samples_per_prompt=samples, sampling=SAMPLING, policy_version=0, min_policy_version=0,
-                      deadline=time.time() + 600, generation_version=0, environment=environment)
+    prompts = [TaskPrompt(prompt_id=f"p{i}", token_ids=np.array([tok.bos_token_id] + tok.encode(it.prompt,
+        add_special_tokens=False), dtype=np.int32),
+                          seeds=[1000 * i + s for s in range(samples)], env_item=item_to_wire(it)) for i,
+                          it in enumerate(items)]
+    lease = TaskLease(lease_id="E1", prompts=prompts, samples_per_prompt=samples, sampling=SAMPLING, policy_version=0,
+                      min_policy_version=0, deadline=time.time() + 600, generation_version=0, environment=environment)
     return lease, items
 
 
@@ -57,7 +59,8 @@ def verifier(tool_model_dir):
 
 def job(lease, items, completions, sid="s1"):
     sub = RolloutSubmission(lease_id=lease.lease_id, policy_version=0, model_hash=HASH0, completions=completions)
-    return VerifyJob(submission_id=sid, submission=sub, lease=lease, items=items, task_name="lookup", expected_model_hash=HASH0)
+    return VerifyJob(submission_id=sid, submission=sub, lease=lease, items=items, task_name="lookup",
+        expected_model_hash=HASH0)
 
 
 def test_honest_episodes_are_accepted_with_the_environments_reward(episodes, verifier):
@@ -103,8 +106,10 @@ def test_episode_attacks_are_rejected(episodes, verifier, attack):
         except ValueError:
             continue
     assert forged, f"no episode to attack with {attack}"
-    expected = {"forged_observation": {RejectionCode.env_mismatch}, "truncated_claimed_complete": {RejectionCode.episode_incomplete},
-                "extra_turn": {RejectionCode.env_mismatch, RejectionCode.bad_termination}, "env_tokens_as_model": {RejectionCode.bad_termination},
+    expected = {"forged_observation": {RejectionCode.env_mismatch},
+                "truncated_claimed_complete": {RejectionCode.episode_incomplete},
+                "extra_turn": {RejectionCode.env_mismatch, RejectionCode.bad_termination},
+                "env_tokens_as_model": {RejectionCode.bad_termination},
                 "model_tokens_as_env": {RejectionCode.env_mismatch}}[attack]
     for i, f in enumerate(forged):
         # One forged episode per submission, the rest honest: the episode alone must sink it.
@@ -173,12 +178,14 @@ def test_a_tool_that_hangs_on_the_trusted_side_is_cut_off_by_the_pool(episodes, 
     lease, items, comps, _ = episodes
     multi = [c for c in comps if episode_attacks.multi_turn(c)]
     spinning = lease.model_copy(update=dict(environment="swarmrl_test_envs:SpinningLookupEnv"))
-    cfg = VerifierConfig(keep_versions=1, rewards=RewardPoolConfig(processes=1, time_limit_s=0.5, import_paths=[str(tmp_path)]))
+    cfg = VerifierConfig(keep_versions=1, rewards=RewardPoolConfig(processes=1, time_limit_s=0.5,
+        import_paths=[str(tmp_path)]))
     v = Verifier(cfg, lambda version: tool_model_dir, tool_model_dir)
     try:
         verdict = v.verify(job(spinning, items, multi, sid="spin"))
         assert verdict.status == VerdictStatus.rejected
-        assert {r.code for r in verdict.rejections} == {RejectionCode.tool_failed} and RejectionCode.tool_failed in NO_STRIKE
+        assert {r.code
+            for r in verdict.rejections} == {RejectionCode.tool_failed} and RejectionCode.tool_failed in NO_STRIKE
         assert v.rewards.counts["timed_out"] == cfg.rewards.group_failure_budget  # then the rest were skipped
         assert v.rewards.counts["skipped"] == len(multi) - cfg.rewards.group_failure_budget
         verdict = v.verify(job(lease, items, comps, sid="honest-after"))

@@ -109,7 +109,8 @@ def test_build_many_equals_one_by_one():
     assert proofs.build_proofs_many(many) == [proofs.build_proofs(h) for h in many]
 
 
-@pytest.mark.parametrize("bad", [torch.zeros(0, 8), torch.zeros(8), torch.zeros(3, 4, dtype=torch.int64), torch.zeros(4, 0)])
+@pytest.mark.parametrize("bad", [torch.zeros(0, 8), torch.zeros(8), torch.zeros(3, 4, dtype=torch.int64),
+    torch.zeros(4, 0)])
 def test_bad_hidden_states_raise(bad):
     with pytest.raises(ValueError):
         proofs.build_proofs(bad)

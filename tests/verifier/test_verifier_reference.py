@@ -12,7 +12,8 @@ from verifier.reference import eos_token_ids, load_reference_model, prefill
 def test_prefill_rows_batching_and_weights_dir(tiny_untied_model_dir):
     model = load_reference_model(tiny_untied_model_dir, None, "float32")
     rng = np.random.default_rng(0)
-    seqs = [(rng.integers(3, 54, n).astype(np.int32), rng.integers(3, 54, t).astype(np.int32)) for n, t in ((5, 1), (9, 40), (3, 17))]
+    seqs = [(rng.integers(3, 54, n).astype(np.int32), rng.integers(3, 54, t).astype(np.int32)) for n, t in ((5, 1), (9,
+        40), (3, 17))]
     samplings = [SamplingParams(), SamplingParams(temperature=0.5, top_k=5), SamplingParams(top_p=0.5)]
     seeds = [11, 22, 33]
     batched = prefill(model, seqs, samplings, seeds=seeds)
@@ -22,7 +23,8 @@ def test_prefill_rows_batching_and_weights_dir(tiny_untied_model_dir):
         with torch.no_grad():
             out = model(full, output_hidden_states=True)
         want_h = out.hidden_states[-1][0, len(p) - 1 : len(p) - 1 + len(c)]
-        want_lp = torch.log_softmax(out.logits[0, len(p) - 1 : len(p) - 1 + len(c)], -1).gather(1, torch.tensor(c[:, None].astype(np.int64)))[:, 0]
+        want_lp = torch.log_softmax(out.logits[0, len(p) - 1 : len(p) - 1 + len(c)], -1).gather(1, torch.tensor(c[:,
+            None].astype(np.int64)))[:, 0]
         assert got.hidden.shape == (len(c), model.config.hidden_size)
         torch.testing.assert_close(got.hidden, want_h, atol=1e-5, rtol=1e-5)
         np.testing.assert_allclose(got.stats.logprob, want_lp.numpy(), atol=1e-5)
@@ -41,7 +43,8 @@ def test_bf16_reference_and_bad_weights(tiny_model_dir, tmp_path):
     import pytest
 
     model = load_reference_model(tiny_model_dir, tiny_model_dir, "bfloat16")
-    out = prefill(model, [(np.array([1, 5, 6], dtype=np.int32), np.array([7, 8], dtype=np.int32))], [SamplingParams()])[0]
+    out = prefill(model, [(np.array([1, 5, 6], dtype=np.int32), np.array([7, 8], dtype=np.int32))],
+        [SamplingParams()])[0]
     assert out.hidden.dtype == torch.bfloat16 and out.stats.logprob.dtype == np.float64
     with pytest.raises(FileNotFoundError):
         load_reference_model(tiny_model_dir, tmp_path, "float32")

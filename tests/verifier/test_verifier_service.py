@@ -37,10 +37,12 @@ def make_lease(tiny_model_dir, sampling=SAMPLING, lease_id="L1", seeds=((11, 12)
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     items = get_task("toy").make_prompts(len(seeds), seed=1)
-    prompts = [np.array([tok.bos_token_id] + tok.encode(i.prompt, add_special_tokens=False), dtype=np.int32) for i in items]
-    lease = TaskLease(lease_id=lease_id, prompts=[TaskPrompt(prompt_id=f"p{i}", token_ids=p, seeds=list(sd)) for i, (p, sd) in enumerate(zip(prompts, seeds))],
-                      samples_per_prompt=len(seeds[0]), sampling=sampling, policy_version=0, min_policy_version=0, deadline=time.time() + 60,
-                      generation_version=0)
+    prompts = [np.array([tok.bos_token_id] + tok.encode(i.prompt, add_special_tokens=False), dtype=np.int32)
+        for i in items]
+    lease = TaskLease(lease_id=lease_id, prompts=[TaskPrompt(prompt_id=f"p{i}", token_ids=p, seeds=list(sd)) for i, (p,
+        sd) in enumerate(zip(prompts, seeds))],
+                      samples_per_prompt=len(seeds[0]), sampling=sampling, policy_version=0, min_policy_version=0,
+                      deadline=time.time() + 60, generation_version=0)
     return lease, items
 
 
@@ -55,8 +57,8 @@ def job(honest, *, completions=None, version=0, model_hash=HASH0, lease=None, si
     lease0, items0, comps = honest
     sub = RolloutSubmission(lease_id=(lease or lease0).lease_id, policy_version=version, model_hash=model_hash,
                             completions=completions if completions is not None else comps)
-    return VerifyJob(submission_id=sid, submission=sub, lease=lease or lease0, items=items if items is not None else items0,
-                     task_name="toy", expected_model_hash={0: HASH0, 1: HASH1}[version], trust_level=trust)
+    return VerifyJob(submission_id=sid, submission=sub, lease=lease or lease0, items=items if items is not None
+                     else items0, task_name="toy", expected_model_hash={0: HASH0, 1: HASH1}[version], trust_level=trust)
 
 
 @pytest.fixture(scope="module")
@@ -107,10 +109,12 @@ def test_tokens_must_be_the_leased_seeds_draws(verifier, honest):
     bad = [r for r in v.rejections if r.code == RejectionCode.not_seeded_draw]
     assert {r.completion_index for r in bad} == {i for i, c in enumerate(comps) if c.prompt_index == 0}
     assert bad[0].stats["margin"] > 1e-3 and "not the draw of the leased seed" in bad[0].message
-    reseeded = lease.model_copy(update={"prompts": [p.model_copy(update={"seeds": [s + 1000 for s in p.seeds]}) for p in lease.prompts]})
+    reseeded = lease.model_copy(update={"prompts": [p.model_copy(update={"seeds": [s + 1000 for s in p.seeds]})
+        for p in lease.prompts]})
     v = verifier.verify(job(honest, lease=reseeded))
     assert v.status == VerdictStatus.rejected
-    assert {r.completion_index for r in v.rejections if r.code == RejectionCode.not_seeded_draw} == set(range(len(comps)))
+    assert {r.completion_index for r in v.rejections
+        if r.code == RejectionCode.not_seeded_draw} == set(range(len(comps)))
 
 
 def test_the_lease_pins_the_generation_version(verifier, honest):
@@ -153,13 +157,15 @@ def test_structural_rejections(verifier, honest):
 def test_batch_of_jobs_judged_independently(verifier, honest):
     _, _, comps = honest
     forged = comps[1].model_copy(update={"logprobs": comps[1].logprobs * np.float32(0.5)})
-    lie = comps[2].model_copy(update={"finish_reason": FinishReason.length if comps[2].finish_reason == FinishReason.stop else FinishReason.stop})
+    lie = comps[2].model_copy(update={"finish_reason": FinishReason.length
+        if comps[2].finish_reason == FinishReason.stop else FinishReason.stop})
     verdicts = verifier.verify_many([job(honest, sid="a"), job(honest, completions=[comps[0], forged], sid="b"),
                                      job(honest, completions=[lie], sid="c")])
     assert [v.submission_id for v in verdicts] == ["a", "b", "c"]
     assert [v.status for v in verdicts] == [VerdictStatus.accepted, VerdictStatus.rejected, VerdictStatus.rejected]
     # The forged completion fails per token, and drags the submission's mean over its limit too.
-    assert {(r.code, r.completion_index) for r in verdicts[1].rejections} == {(RejectionCode.logprob_mismatch, 1), (RejectionCode.logprob_mismatch, None)}
+    assert {(r.code, r.completion_index) for r in verdicts[1].rejections} == {(RejectionCode.logprob_mismatch, 1),
+        (RejectionCode.logprob_mismatch, None)}
     assert verdicts[2].rejections[0].code == RejectionCode.bad_termination
 
 
@@ -172,7 +178,8 @@ def test_spot_check_rate_per_trust_level(versions, tiny_model_dir, honest):
     assert ver.verify(job(honest, completions=[forged], trust="trusted")).status == VerdictStatus.accepted
     assert ver.loaded_versions() == [0]
     # ... but termination, which needs no model, is still checked.
-    lie = comps[0].model_copy(update={"finish_reason": FinishReason.length if comps[0].finish_reason == FinishReason.stop else FinishReason.stop})
+    lie = comps[0].model_copy(update={"finish_reason": FinishReason.length
+        if comps[0].finish_reason == FinishReason.stop else FinishReason.stop})
     assert ver.verify(job(honest, completions=[lie], trust="trusted")).status == VerdictStatus.rejected
     half = Verifier(VerifierConfig(spot_check_rate={"trusted": 0.5}), lambda v: versions[v], tiny_model_dir)
     checked = sum(half._spot_checked(job(honest, sid=f"s{i}", trust="trusted")) for i in range(200))
@@ -215,7 +222,8 @@ def test_cli_check_verifies_a_saved_bundle(tiny_model_dir, honest, tmp_path):
     assert res.exit_code == 2 and "cannot read" in res.output
 
 
-def test_rewards_run_sandboxed_and_their_failures_are_reported_per_completion(versions, tiny_model_dir, honest, tmp_path):
+def test_rewards_run_sandboxed_and_their_failures_are_reported_per_completion(versions, tiny_model_dir, honest,
+    tmp_path):
     """A reward that returns NaN, raises, or runs forever never reaches the trainer as anything but 0, and
     never leaves a submission without a verdict: each completion's reward status says what happened
     (error: the run's reward code is at fault; timed_out: counted against the worker by the orchestrator)."""
@@ -232,7 +240,8 @@ def test_rewards_run_sandboxed_and_their_failures_are_reported_per_completion(ve
         "        time.sleep(60)\n"
         "    return 1.0\n"
     )
-    cfg = VerifierConfig(keep_versions=1, rewards=RewardPoolConfig(processes=1, time_limit_s=1.0, import_paths=[str(tmp_path)]))
+    cfg = VerifierConfig(keep_versions=1, rewards=RewardPoolConfig(processes=1, time_limit_s=1.0,
+        import_paths=[str(tmp_path)]))
     v = Verifier(cfg, lambda ver: versions[ver], tiny_model_dir)
     try:
         lease, items, comps = honest
@@ -245,7 +254,8 @@ def test_rewards_run_sandboxed_and_their_failures_are_reported_per_completion(ve
         assert slow.reward_status.count(RewardStatus.timed_out) == 1  # the one slow completion, killed at the limit
         timed_out = slow.reward_status.index(RewardStatus.timed_out)
         assert comps[timed_out].prompt_index == 0 and slow.rewards[timed_out] == 0.0
-        assert all(r == 1.0 and st == RewardStatus.ok for i, (r, st) in enumerate(zip(slow.rewards, slow.reward_status)) if i != timed_out)
+        assert all(r == 1.0 and st == RewardStatus.ok for i, (r, st) in enumerate(zip(slow.rewards,
+            slow.reward_status)) if i != timed_out)
     finally:
         v.close()
 
