@@ -8,7 +8,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export RAY_AUTH_MODE ?= disabled
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install system-deps test test-all demo bench clean
+.PHONY: install system-deps lint test test-all demo bench clean
 
 install: $(STAMP)
 
@@ -44,6 +44,10 @@ system-deps:
 	    echo "installing:$$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	  else echo "missing Debian packages (tests that need them skip):$$missing"; fi; \
 	fi
+
+# ruff, configured in pyproject.toml ([tool.ruff]: line length 120, pyflakes, import order)
+lint: install
+	$(VENV)/bin/ruff check .
 
 test: install system-deps
 	PY=$(PY) tests/run_suites.sh

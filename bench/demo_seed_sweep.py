@@ -174,7 +174,8 @@ def table(runs: list[dict]) -> str:
             f"| {r['steps']} | {fmt(r['reward_first'])} / {fmt(r['reward_final'])} / {fmt(r['reward_peak'])} "
             f"| {fmt(r['startup_s'])} ({fmt(r['startup_model_s'])}) | {fmt(r['pretrain_steps'])} "
             f"({fmt(r['pretrain_echo_accuracy'])}) "
-            f"| {fmt(r['wall_s'])} | {fmt((r['load_avg_1min'] or {}).get('mean'))} / {fmt((r['load_avg_1min'] or {}).get('max'))} "
+            f"| {fmt(r['wall_s'])} | {fmt((r['load_avg_1min'] or {}).get('mean'))} "
+            f"/ {fmt((r['load_avg_1min'] or {}).get('max'))} "
             f"| {' '.join([*(f'{k}={v}' for k, v in r.get('env', {}).items()), *r.get('extra', [])]) or '—'} |"
         )
     # added by hand to the JSON

@@ -66,7 +66,7 @@ def step_times(run_dir: Path) -> dict:
     """Per step, steady state (the first step excluded): the trainer's critical path (training, plus the
     publishing and checkpoint it waited for: `time/step` where the code has it, else the sum of its
     parts), each part, and the wall time between consecutive steps."""
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()][1:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()][1:]
     mean = lambda key: sum(r.get(key, 0.0) for r in rows) / len(rows)  # noqa: E731
     critical = [r["time/step"] if "time/step" in r else r["time/train"] + r.get("time/publish",
         0.0) + r.get("time/checkpoint", 0.0) for r in rows]
@@ -177,7 +177,7 @@ def compare_checkpoints(args) -> None:
 
 
 def summarize_run(run_dir: Path, async_level: int) -> dict:
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     if len(rows) < 3:
         raise SystemExit(f"{run_dir.name}: only {len(rows)} steps; see its log")
     # Steady state: from the end of the first step (start-up excluded) to the end of the last.
@@ -271,7 +271,10 @@ def main() -> None:
         "config": {"size": args.size, "minutes": args.minutes, "extra": args.extra},
     }
     lw = summary["learning_window"]
-    fmt_t = lambda t: "not reached" if t is None else f"{t:.0f} s"
+
+    def fmt_t(t: float | None) -> str:
+        return "not reached" if t is None else f"{t:.0f} s"
+
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "e2e_async_bench.json").write_text(json.dumps({**summary, "curves": {str(k): v["curve"] for k,
         v in results.items()}}, indent=2))
@@ -312,7 +315,8 @@ def main() -> None:
         "generates,",
         "submits, and the verifier scores, all while the trainer idles. Async overlaps these fixed latencies too, so "
         "the",
-        "ratio can exceed the ceiling computed from the two phases alone. The trainer's step is slower in the async run",
+        "ratio can exceed the ceiling computed from the two phases alone. The trainer's step is slower in the "
+        "async run",
         "because verification and the orchestrator share its core while it trains.",
     ]
     (RESULTS / "e2e_async_bench.md").write_text("\n".join(lines) + "\n")

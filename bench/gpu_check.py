@@ -10,8 +10,9 @@ its top, carried in bench/gpu_wheels/) are installed with no index into a folder
 Parts, in order, each with its own time budget (--budget part=seconds); one that overruns is recorded as
 "ran out of time" and the next one starts:
   setup       the BPE tokenizer (trained from this Python's standard library), the qwen3-0.6b-shaped model
-  trainer     Trainer.step with bf16 autocast: tokens/s, peak memory; a tiny model's fp32 step on the device equals the
-  CPU's pretrain    a short corpus pretraining on the device, so that the sampled distributions are peaked
+  trainer     Trainer.step with bf16 autocast: tokens/s, peak memory; a tiny model's fp32 step on the device
+              equals the CPU's
+  pretrain    a short corpus pretraining on the device, so that the sampled distributions are peaked
   worker      an honest worker: a KV-cache generation loop drawing every token with protocol.sampling's seeded
               draw, raw logprobs, proofs from its own final hidden states; T=1 and T=0.7 / top-p 0.9, bf16 and fp32
   verify_cpu  the real Verifier on the CPU in fp32 over the fp32 completions (bf16 ones fail fp32 checks by design)
@@ -38,8 +39,7 @@ from pathlib import Path
 
 # the project, the helpers
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
-# noqa: E402
-from gpu_check_lib import (
+from gpu_check_lib import (  # noqa: E402
     IMPORTS,
     ensure_wheels,
     generate,
@@ -130,7 +130,8 @@ def part_trainer(ctx: Ctx, r: dict, deadline: float) -> None:
         torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(cfg, ctx.model_dir, ctx.work / "run", resume=False)
     vocab = trainer.model_config.vocab_size
-    r["fsdp2"] = "not engaged: trainer/distributed.py wraps the model only when WORLD_SIZE > 1 (world size 1 trains the plain module)"
+    r["fsdp2"] = ("not engaged: trainer/distributed.py wraps the model only when WORLD_SIZE > 1 (world size 1 trains "
+                  "the plain module)")
     r["config"] = {"bf16": True, "attention": cfg.attention, "micro_batch_tokens": micro, "samples": n,
         "tokens_per_sequence": [2 * lo, 2 * hi]}
     r["steps"] = []

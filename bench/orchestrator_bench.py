@@ -431,7 +431,8 @@ async def worker_loop(conn: Conn, tmpl: str, stop_at: float, measure_from: float
 
 
 def poisson_schedule(rng, rate: float, start: float, stop_at: float) -> list[float]:
-    """Start times of a Poisson process of `rate` per second on [start, stop_at): exponential gaps stand in for generation."""
+    """Start times of a Poisson process of `rate` per second on [start, stop_at): exponential gaps stand in for
+    generation."""
     times: list[float] = []
     t = start
     while True:

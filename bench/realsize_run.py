@@ -97,9 +97,10 @@ def main() -> None:
     args.out.mkdir(parents=True)
     model = json.loads((args.model / "swarmrl_model.json").read_text()) if args.model else {"arch": "qwen3-0.6b",
         "made": "by the run"}
-    result = {
-              "machine": f"{os.cpu_count()} cores, {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.1f} GiB", "model": {k: model.get(k) for k in ("arch", "parameters", "pretrain_steps", "pretrain_final_loss", "made") if k in model},
-              "sessions": {}}
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    keys = ("arch", "parameters", "pretrain_steps", "pretrain_final_loss", "made")
+    result = {"machine": f"{os.cpu_count()} cores, {memory:.1f} GiB",
+              "model": {k: model.get(k) for k in keys if k in model}, "sessions": {}}
     result["sessions"]["first session"] = session(args.out, "realsize", args.steps, args)
     result["sessions"]["resumed"] = session(args.out, "realsize", args.steps + args.resume_steps, args)
     (RESULTS / "realsize_run.json").write_text(json.dumps(result, indent=1))

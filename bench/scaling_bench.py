@@ -409,7 +409,7 @@ def part_train(spec: dict, ctx: dict) -> dict:
     rec: dict = {"lr": lr, "trainer_start_s": time.perf_counter() - started, "runs": [],
         "synthetic_advantages": synthetic}
 
-    def publish(k: int) -> Path:
+    def publish(trainer: Trainer, k: int) -> Path:
         from shardcast.weights import split_aliases
 
         state = trainer.state_dict_for_publish()  # the bf16 cast the trainer publishes (a fresh copy)
@@ -419,7 +419,7 @@ def part_train(spec: dict, ctx: dict) -> dict:
         del state, tensors
         return path
 
-    paths = [publish(0)]
+    paths = [publish(trainer, 0)]
     for i, batch in enumerate(batches):
         t0 = time.perf_counter()
         m = trainer.step(batch)
@@ -433,7 +433,7 @@ def part_train(spec: dict, ctx: dict) -> dict:
         else:
             rec["runs"].append(run)
         if i < 2:
-            paths.append(publish(i + 1))
+            paths.append(publish(trainer, i + 1))
     rec["peak_rss_bytes"] = vm_kib("VmHWM") * 1024  # the training process's peak, before any delta is encoded
     rec["rss_at_start_bytes"] = rss_start * 1024
     del trainer
@@ -820,14 +820,16 @@ def write_report(data: dict, out: Path) -> None:
             return "-" if b is None else f"{fmt_num(b, 'B')} ({100 * r:.1f}%)"
 
         L.append(
-            f"| {n} | {i['parameters']:,} | {i['layers']} | {i['hidden']} | {i['vocab']:,} | {cell(s, 'gen_shipped_tokens_per_s')} | "
-                 f"{cell(s, 'sampler_overhead', '%')} | {cell(s, 'proofs_overhead', '%')} | {cell(s, 'verify_tokens_per_s')} | "
-                 f"{cell(s, 'verify_over_gen_time')} | {cell(s, 'verify_replay_share', 'share')} | {cell(s, 'train_tokens_per_s')} | "
-                 f"{cell(s, 'train_peak_rss_bytes', 'B')} | {cell(s, 'full_bytes', 'B')} | {delta('1e-06')} | "
-                 f"{delta('1e-05')} | "
-                 f"{cell(s, 'publish_to_generating_s')} |")
+            f"| {n} | {i['parameters']:,} | {i['layers']} | {i['hidden']} | {i['vocab']:,} | "
+            f"{cell(s, 'gen_shipped_tokens_per_s')} | {cell(s, 'sampler_overhead', '%')} | "
+            f"{cell(s, 'proofs_overhead', '%')} | {cell(s, 'verify_tokens_per_s')} | "
+            f"{cell(s, 'verify_over_gen_time')} | {cell(s, 'verify_replay_share', 'share')} | "
+            f"{cell(s, 'train_tokens_per_s')} | {cell(s, 'train_peak_rss_bytes', 'B')} | "
+            f"{cell(s, 'full_bytes', 'B')} | {delta('1e-06')} | {delta('1e-05')} | "
+            f"{cell(s, 'publish_to_generating_s')} |")
     L += ["",
-          "- tokens are completion tokens (generated, verified, trained); `dtype` of engines and verifier: " + meta["args"]["dtype"] + "; "
+          "- tokens are completion tokens (generated, verified, trained); `dtype` of engines and verifier: "
+          + meta["args"]["dtype"] + "; "
           f"{meta['args']['completions']} completions per lease (one vLLM batch), max_tokens "
           f"{meta['args']['max_tokens']}, T={meta['args']['temperature']}, "
           f"top_p={meta['args']['top_p']}, toy task prompts; {meta['args']['rounds']} measured rounds after a warm-up "
@@ -875,10 +877,12 @@ def write_report(data: dict, out: Path) -> None:
         for a, b in zip(order, order[1:]):
             ia, ib = models[a]["info"], models[b]["info"]
             L.append(
-                f"- {a} → {b}: parameters ×{ib['parameters'] / ia['parameters']:.3g}, vocabulary ×{ib['vocab'] / ia['vocab']:.3g}, "
-                     f"hidden ×{ib['hidden'] / ia['hidden']:.3g}, layers ×{ib['layers'] / ia['layers']:.3g}; "
-                     f"embedding share of the parameters "
-                     f"{ia['embedding_parameters'] / ia['parameters']:.0%} → {ib['embedding_parameters'] / ib['parameters']:.0%}.")
+                f"- {a} → {b}: parameters ×{ib['parameters'] / ia['parameters']:.3g}, "
+                f"vocabulary ×{ib['vocab'] / ia['vocab']:.3g}, "
+                f"hidden ×{ib['hidden'] / ia['hidden']:.3g}, layers ×{ib['layers'] / ia['layers']:.3g}; "
+                f"embedding share of the parameters "
+                f"{ia['embedding_parameters'] / ia['parameters']:.0%} → "
+                f"{ib['embedding_parameters'] / ib['parameters']:.0%}.")
         L.append("")
         faster = [(key, label, p) for key, label, _ in COSTS if key in sl for p in sl[key]["pairs"] if p["slope"] > 1.1]
         slower = [(key, label, p) for key, label, _ in COSTS if key in sl for p in sl[key]["pairs"] if p["slope"] < 0.5]
@@ -950,10 +954,11 @@ def write_report(data: dict, out: Path) -> None:
                 x = t.get(d)
                 if x:
                     L.append(
-                        f"  - {d.replace('delta_', '').replace('_', ' → ')}: {fmt_num(x['bytes'], 'B')} = {100 * x['ratio']:.2f}% of "
-                             f"{fmt_num(t['full_bytes'], 'B')}; bf16 values changed {100 * x['changed_share']:.3f}%; "
-                             f"encode {x['encode_s']:.3g} s "
-                             f"(tensors same/xor/sparse {x['same']}/{x['xor']}/{x['sparse']})")
+                        f"  - {d.replace('delta_', '').replace('_', ' → ')}: {fmt_num(x['bytes'], 'B')} = "
+                        f"{100 * x['ratio']:.2f}% of "
+                        f"{fmt_num(t['full_bytes'], 'B')}; bf16 values changed {100 * x['changed_share']:.3f}%; "
+                        f"encode {x['encode_s']:.3g} s "
+                        f"(tensors same/xor/sparse {x['same']}/{x['xor']}/{x['sparse']})")
         r = p.get("reload", {})
         if r.get("runs"):
             L.append("- publish → generating (write + reload + first token = total s): " + "; ".join(
@@ -1029,7 +1034,8 @@ def machine() -> str:
             if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{os.cpu_count()} cores ({cpu or platform.processor()}), {mem / 2**30:.1f} GiB memory, {platform.system()} {platform.release()}"
+    return (f"{os.cpu_count()} cores ({cpu or platform.processor()}), {mem / 2**30:.1f} GiB memory, "
+            f"{platform.system()} {platform.release()}")
 
 
 def main() -> None:

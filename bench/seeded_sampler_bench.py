@@ -187,7 +187,8 @@ def bench_overhead(model_dir: Path, args) -> tuple[dict, list]:
     def sampler_forward(self, logits, *a, **kw):
         t0, c0 = time.perf_counter(), time.thread_time()
         out = originals[0](self, logits, *a, **kw)
-        last["batch"], last["sampler"], last["sampler_cpu"] = logits.shape[0], time.perf_counter() - t0, time.thread_time() - c0
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        last["batch"], last["sampler"], last["sampler_cpu"] = logits.shape[0], wall, cpu
         return out
 
     def engine_step(self):

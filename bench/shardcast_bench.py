@@ -64,7 +64,8 @@ def client_main(argv: list[str]) -> None:
     p.add_argument("--dest", required=True)
     p.add_argument("--parallelism", type=int, default=8)
     a = p.parse_args(argv)
-    from shardcast.client import ShardcastClient, describe_stats
+    from shardcast.client import ShardcastClient
+    from shardcast.sources import describe_stats
 
     client = ShardcastClient(a.urls.split(","), a.pub, Path(a.dest), run_id=RUN_ID, parallelism=a.parallelism,
         keep_state=False)
@@ -350,7 +351,8 @@ NGINX_ORIGIN_LOCATIONS = """
 # A caching relay in front of the nginx origin: each shard is fetched upstream once (concurrent requests for
 # it wait on the lock) and streamed to the first client while it is written to the cache.
 NGINX_RELAY_HTTP = """
-  proxy_cache_path {work}/nginx-relay{i}-cache levels=1 keys_zone=relay{i}:10m max_size=8g inactive=60m use_temp_path=off;
+  proxy_cache_path {work}/nginx-relay{i}-cache levels=1 keys_zone=relay{i}:10m max_size=8g \
+inactive=60m use_temp_path=off;
   upstream origin {{ server {upstream}; keepalive 16; }}
 """
 NGINX_RELAY_LOCATIONS = """
@@ -621,7 +623,8 @@ def write_results(out: str, rounds: list[list[dict]], meta: dict) -> None:
         rs = [r for rows in rounds for r in rows if r["scenario"] == name]
         lines.append(
             f"| {name} | {rs[0].get('verified')} | {spread([r.get('seconds_until_all_clients_done') for r in rs])} | "
-            f"{spread([r.get('aggregate_goodput_MBps') for r in rs])} | {spread([r.get('cpu_seconds_all_processes') for r in rs])} |"
+            f"{spread([r.get('aggregate_goodput_MBps') for r in rs])} | "
+            f"{spread([r.get('cpu_seconds_all_processes') for r in rs])} |"
         )
     lines += ["", "Where the CPU seconds went, per round (our clients: before \"go\" / during the pull):", ""]
     for name in scenarios:

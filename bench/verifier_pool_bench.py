@@ -32,7 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-FINDINGS = """Where the ratio goes (recorded runs, loads 4-30 on 2 cores): two things keep it below 2. (1) The other jobs leave the
+FINDINGS = """\
+Where the ratio goes (recorded runs, loads 4-30 on 2 cores): two things keep it below 2. (1) The other jobs leave the
 two actors about 1.3 cores, not 2 (the cores-obtained column). (2) Each actor verifies half of the call's jobs, and
 an actor's tokens per CPU-second falls to ~0.6-0.7 of the whole-batch value at half the batch: the control row shows
 the same drop with one actor, so it is the smaller call, not the two actors running at once. An in-process profile of

@@ -44,7 +44,7 @@ import torch
 
 from inference_worker.config import EngineConfig
 
-# noqa: F401 - re-exported
+# LeaseNotGeneratable is also imported from here (inference_worker.loop, tests)
 from inference_worker.generation import GenerationStats, LeaseNotGeneratable
 from inference_worker.generation import finish_reason as _finish_reason
 from protocol import limits, memory

@@ -137,7 +137,8 @@ def check_shape(sub: RolloutSubmission, lease: TaskLease) -> None:
             ErrorCode.lease_mismatch,
             f"lease {lease.lease_id} needs {len(want)} completions ({len(lease.prompts)} prompts x "
             f"{lease.samples_per_prompt} samples); "
-            f"missing {missing[:4]}{'...' if len(missing) > 4 else ''}, unexpected {extra[:4]}{'...' if len(extra) > 4 else ''}",
+            f"missing {missing[:4]}{'...' if len(missing) > 4 else ''}, "
+            f"unexpected {extra[:4]}{'...' if len(extra) > 4 else ''}",
         )
     max_tokens = lease.sampling.max_tokens
     for i, c in enumerate(sub.completions):

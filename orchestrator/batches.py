@@ -44,7 +44,8 @@ CREATE TABLE IF NOT EXISTS batches (
     settled_at REAL                     -- committed or returned
 );
 CREATE INDEX IF NOT EXISTS batches_unsettled ON batches (status) WHERE status IN ('taken', 'trained');
-CREATE TABLE IF NOT EXISTS batch_groups (batch_seq INTEGER NOT NULL, group_seq INTEGER NOT NULL, PRIMARY KEY (batch_seq, group_seq)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS batch_groups (batch_seq INTEGER NOT NULL, group_seq INTEGER NOT NULL, \
+PRIMARY KEY (batch_seq, group_seq)) WITHOUT ROWID;
 """
 UNSETTLED = ("taken", "trained")
 COUNTERS = ("batches_returned", "samples_returned", "reconcile_conflicts")

@@ -115,6 +115,8 @@ function render(data) {
     ["zero-signal groups", s.groups_dropped_zero_signal], ["stale samples", s.samples_dropped_stale],
     ["verification queue", s.verify_queue], ["verified / s (in / s)", fmt(s.verify_out_per_s, 2) + " (" + fmt(s.verify_in_per_s, 2) + ")"],
     ["verified tokens / s", fmt(s.verify_tokens_per_s, 1)], ["verifier actors (pending)", s.verifier_actors + " (" + s.verifier_actors_pending + ")"],
+    ["task level (pass rate)", s.curriculum ? s.curriculum.level + " / " + (s.curriculum.levels - 1) +
+      (s.curriculum.pass_rate == null ? "" : " (" + fmt(s.curriculum.pass_rate * 100, 0) + " %)") : "none"],
     ["restarts (time lost)", Object.entries(s.restarts || {}).map(([c, r]) => `${c} ${r.count} (${fmt(r.seconds_lost, 0)} s)`).join(", ") || "none"],
   ];
   const tbox = document.getElementById("tiles");
@@ -175,7 +177,7 @@ setInterval(poll, 2000);
 </script>
 </body>
 </html>
-"""
+"""  # noqa: E501 - the page as served (its script and style are hashed into the CSP); wrapping it would change it
 
 
 def _hashes(tag: str) -> str:

@@ -201,7 +201,8 @@ class Database:
     def add(db: sqlite3.Connection, key: str, delta: float) -> None:
         """Add to a counter, inside the caller's transaction (so it moves with the rows it counts)."""
         db.execute(
-            "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = CAST(value AS REAL) + ?",
+            "INSERT INTO meta (key, value) VALUES (?, ?) "
+            "ON CONFLICT(key) DO UPDATE SET value = CAST(value AS REAL) + ?",
             (key, str(delta), delta),
         )
 

@@ -16,7 +16,8 @@ from orchestrator.db import Database
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS versions (version INTEGER PRIMARY KEY, model_hash TEXT NOT NULL, created_at REAL NOT NULL);
 -- hashes a version had before a trainer restart re-published it with other weights
-CREATE TABLE IF NOT EXISTS superseded_versions (version INTEGER NOT NULL, model_hash TEXT NOT NULL, PRIMARY KEY (version, model_hash)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS superseded_versions (version INTEGER NOT NULL, model_hash TEXT NOT NULL, \
+PRIMARY KEY (version, model_hash)) WITHOUT ROWID;
 """
 
 T = TypeVar("T")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import errno
 import functools
-import json
 import logging
 import os
 import shutil
@@ -114,8 +113,8 @@ class ShardcastClient:
     ):
         self.dest_root = Path(dest_root)
         self.dest_root.mkdir(parents=True, exist_ok=True)
-        self.keep_versions, self.keep_state, self.shard_bytes, self.delta_workers = keep_versions, keep_state, shard_bytes, delta_workers
-        self.write_behind = write_behind and keep_state
+        self.keep_versions, self.keep_state, self.shard_bytes = keep_versions, keep_state, shard_bytes
+        self.delta_workers, self.write_behind = delta_workers, write_behind and keep_state
         self._writer: threading.Thread | None = None
         self.pool = ServerPool(
             urls, public_key_b64, run_id=run_id, fallback_urls=fallback_urls, parallelism=parallelism, retries=retries,
@@ -279,8 +278,8 @@ class ShardcastClient:
             # had a wrong base: stop trusting the held weights. A later step's base was checked: avoid it.
             bad: Step = e.step  # type: ignore[attr-defined]
             if bad is rest[0]:
-                raise self._bad_base(start,
-                    f"version {bad.version}'s delta did not yield its signed result from held {start[0]}: {e}") from None
+                raise self._bad_base(start, f"version {bad.version}'s delta did not yield its signed result "
+                    f"from held {start[0]}: {e}") from None
             (self.dest_root / partial_dir_name(bad.version) / bad.delta.file).unlink(missing_ok=True)
             raise _Replan(f"delta {bad.delta.file} of version {bad.version}: {e}", avoid=(bad.version,
                 bad.delta.file)) from None
@@ -397,9 +396,3 @@ class _Replan(Exception):
         super().__init__(msg)
         self.drop_held, self.avoid, self.reheld = drop_held, avoid, reheld
 
-
-def describe_stats(stats: dict[str, ServerStats]) -> str:
-    return json.dumps(
-        {u: {"MB": round(s.bytes / 1e6, 1), "MB/s": round((s.throughput or 0) / 1e6, 1), "failures": s.failures,
-        "slow": s.slow, "banned": s.banned} for u, s in stats.items()}
-    )

@@ -181,7 +181,8 @@ class Http:
             conn = self._local.by_url.pop(url, None) or self._connect(u, deadline)
             try:
                 extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-                request = f"GET {target} HTTP/1.1\r\nHost: {conn.host_header}\r\nUser-Agent: swarmrl-shardcast\r\nAccept-Encoding: identity\r\n{extra}\r\n"
+                request = (f"GET {target} HTTP/1.1\r\nHost: {conn.host_header}\r\nUser-Agent: swarmrl-shardcast\r\n"
+                           f"Accept-Encoding: identity\r\n{extra}\r\n")
                 # The head comes promptly or not at all (a relay holds a request at most relay_shard_wait_s):
                 # a server that drips its head is left after twice the stall timeout, whatever the deadline.
                 head_deadline = min(deadline, time.monotonic() + 2 * self.stall_timeout_s)

@@ -92,8 +92,8 @@ class FileFetch:
         pauses = backoff_delays(0.1, 2.0)  # after every server was tried once (protocol.retry)
         while True:
             if time.monotonic() >= self.deadline:
-                raise ShardcastError(
-                    f"file {entry.name} of version {version} not verified before its deadline: {'; '.join(errors[-4:])}")
+                raise ShardcastError(f"file {entry.name} of version {version} not verified before its deadline: "
+                                     f"{'; '.join(errors[-4:])}")
             # While relays only say "not yet", wait for them a little before falling back to the origin.
             patient = waiting_since is not None and time.monotonic() - waiting_since < pool.policy.stall_timeout_s
             server = pool.sources.choose(tried | lacking,

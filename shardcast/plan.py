@@ -92,9 +92,9 @@ def explain_no_path(target: PolicyManifest, manifests: dict[int, PolicyManifest]
     """Why no path exists: which chain versions no server could prove, and what the client holds."""
     lo = min([target.anchor_version, *[v for v in held if v < target.version]], default=target.anchor_version)
     missing = [v for v in range(lo, target.version) if v not in manifests]
+    why = "no server has versions " + _ranges(missing) if missing else "no full version or usable delta chain is served"
     return (
-        f"no way to version {target.version} (anchor {target.anchor_version}): "
-        f"{'no server has versions ' + _ranges(missing) if missing else 'no full version or usable delta chain is served'}; "
+        f"no way to version {target.version} (anchor {target.anchor_version}): {why}; "
         f"held here: {sorted(held)[-5:] or 'nothing'}"
     )
 

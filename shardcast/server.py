@@ -75,7 +75,8 @@ class _HTTPServer(ThreadingHTTPServer):
             REQUESTS.labels("refused", "503").inc()
             try:
                 body = _error_body("rate_limited", "too many connections; retry later", 1.0)
-                head = f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\nConnection: close\r\nContent-Length: {len(body)}\r\n\r\n"
+                head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+                        f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n")
                 request.sendall(head.encode() + body)
             except OSError:
                 pass

@@ -10,6 +10,7 @@ server is usable, so relays carry the load and the origin is always there when t
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import threading
@@ -151,3 +152,11 @@ class Sources:
     @staticmethod
     def _ema(s: ServerStats, rate: float, weight: float = 0.3) -> None:
         s.throughput = rate if s.throughput is None else (1 - weight) * s.throughput + weight * rate
+
+
+def describe_stats(stats: dict[str, ServerStats]) -> str:
+    """Per server: megabytes, throughput, failures and verdicts, as one JSON line."""
+    return json.dumps(
+        {u: {"MB": round(s.bytes / 1e6, 1), "MB/s": round((s.throughput or 0) / 1e6, 1), "failures": s.failures,
+        "slow": s.slow, "banned": s.banned} for u, s in stats.items()}
+    )

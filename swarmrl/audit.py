@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-import tomllib
 
 from protocol.batches import Lineage
 from trainer import checkpoint as ckpt
@@ -132,7 +131,8 @@ def _judge(a: Audit, kept: int) -> None:
         a.problems.append(f"{a.trained_twice} samples trained twice")
     if a.lost:
         a.problems.append(f"{a.lost} samples lost")
-    if a.accepted != a.zero_signal + a.unscored + a.trained_once + a.trained_twice + a.dropped_stale + a.buffered + a.lost:
+    accounted = a.zero_signal + a.unscored + a.trained_once + a.trained_twice + a.dropped_stale + a.buffered + a.lost
+    if a.accepted != accounted:
         a.problems.append(f"accepted {a.accepted} != zero-signal {a.zero_signal} + unscored {a.unscored} + kept {kept}")
     if not a.versions_consecutive:
         a.problems.append("the announced versions are not consecutive from 0")

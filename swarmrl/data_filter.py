@@ -108,7 +108,8 @@ def filter_dataset(cfg: RunConfig, model_dir: str | Path, out: str | Path, sampl
         and min_pass <= rate <= max_pass]
     if not kept:
         raise DataError(
-            f"no prompt's pass rate lies in [{min_pass}, {max_pass}] (rates: {sorted(r for r in rates if r is not None)})")
+            f"no prompt's pass rate lies in [{min_pass}, {max_pass}] "
+            f"(rates: {sorted(r for r in rates if r is not None)})")
     datasets.Dataset.from_list(kept).save_to_disk(str(out))
     log.info("data filter done", extra={"rows": len(rows), "kept": len(kept), "too_long": too_long, "out": str(out)})
     return FilterResult(kept, rates, len(kept), too_long)

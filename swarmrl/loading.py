@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import tomllib
 from pathlib import Path
 from typing import Any
 
-import tomllib
 from pydantic import BaseModel, ValidationError
 
 ENV_PREFIX = "SWARMRL_"

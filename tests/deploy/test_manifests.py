@@ -346,7 +346,8 @@ def test_probes_hit_real_health_endpoints(base):
     assert head["livenessProbe"]["httpGet"]["path"] == head["startupProbe"]["httpGet"]["path"] == api.HEALTH.path
     assert head["readinessProbe"]["httpGet"]["path"] == api.READY.path
     relay = _one(base, "Deployment", "swarmrl-relay")["spec"]["template"]["spec"]["containers"][0]
-    assert relay["readinessProbe"]["httpGet"]["path"] == relay["livenessProbe"]["httpGet"]["path"] == api.SHARDCAST_VERSIONS
+    assert relay["readinessProbe"]["httpGet"]["path"] == api.SHARDCAST_VERSIONS
+    assert relay["livenessProbe"]["httpGet"]["path"] == api.SHARDCAST_VERSIONS
 
 
 # --------------------------------------------------------------------------------------------------
@@ -392,7 +393,7 @@ def test_configmap_run_toml_validates_and_matches_the_manifests(overlay, request
               [("head", rc["headGroupSpec"]["template"])] + [(g["groupName"], g["template"])
               for g in rc["workerGroupSpecs"]]}
     run_dir = str(cfg.run_dir)
-    assert cfg.output_dir in mounts["head"] and cfg.output_dir in mounts["trainer"] and cfg.output_dir in mounts["verifier"]
+    assert all(cfg.output_dir in mounts[k] for k in ("head", "trainer", "verifier"))
     assert f"{run_dir}/checkpoints" in mounts["trainer"]
     assert f"{run_dir}/verifier-weights" in mounts["verifier"]
     assert str(Path(cfg.orchestrator.db_path).parent) in mounts["head"]
@@ -593,7 +594,8 @@ def test_every_swarmrl_command_in_manifests_compose_dockerfiles_and_docs_is_vali
             argv = argv if "--dry-run" in argv else [*argv, "--dry-run"]
             res = subprocess.run([sys.executable, "-m", "swarmrl", *argv], capture_output=True, text=True,
                 env=proc_env, cwd=REPO, timeout=60)
-            assert res.returncode == 0, f"{place}: `swarmrl {' '.join(argv)}` failed:\n{res.stdout[-1500:]}\n{res.stderr[-1500:]}"
+            assert res.returncode == 0, (f"{place}: `swarmrl {' '.join(argv)}` failed:\n"
+                                         f"{res.stdout[-1500:]}\n{res.stderr[-1500:]}")
             dry_runs += 1
     assert dry_runs >= 4
 

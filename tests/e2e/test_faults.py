@@ -54,7 +54,8 @@ def check(run_dir, kills, lines):
     print(report)
     assert audit.problems == [], report
     assert audit.trained_twice == 0 and audit.lost == 0, report
-    assert audit.accepted == audit.zero_signal + audit.unscored + audit.trained_once + audit.dropped_stale + audit.buffered, report
+    assert audit.accepted == (audit.zero_signal + audit.unscored + audit.trained_once + audit.dropped_stale
+                              + audit.buffered), report
     assert audit.trained_once > 0 and audit.versions_consecutive and audit.versions >= len(kills), report
     # Every kill is counted where operators look (/v1/status reads the same counters). A driver killed
     # right after it saw a restart may take that count with it, hence at most, and at least one.

@@ -12,15 +12,16 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 
 import pytest
-import tomllib
 from e2e_helpers import FAST, REPO, db, metrics, stop_run
 
 pytestmark = pytest.mark.e2e
 
 RECIPE = REPO / "configs" / "math-gsm8k-style.toml"
-TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }};{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }};{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
 CPU = [
     "--model.path", "",
     "--num_workers", "1",

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 
 from swarmrl.config import RunConfig
 from swarmrl.config import load_run_config as load_config
@@ -70,7 +70,8 @@ def test_environment_between_file_and_command_line():
     env = {"SWARMRL_TRAINER__LR": "0.5", "SWARMRL_ORCHESTRATOR__ADMIN_TOKEN": "from-env", "SWARMRL_LOG_LEVEL": "DEBUG",
         "UNRELATED": "x"}
     cfg = load_config(DEMO, environ=env)
-    assert cfg.trainer.lr == 0.5 and cfg.orchestrator.admin_token.get_secret_value() == "from-env" and cfg.log_level == "DEBUG"
+    assert cfg.trainer.lr == 0.5 and cfg.orchestrator.admin_token.get_secret_value() == "from-env"
+    assert cfg.log_level == "DEBUG"
     cfg = load_config(DEMO, ["--trainer.lr", "0.25"], environ=env)
     assert cfg.trainer.lr == 0.25
 

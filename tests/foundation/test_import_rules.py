@@ -7,9 +7,8 @@ dependency): `from a import b` is an edge to the module `a.b` when that is a mod
 from __future__ import annotations
 
 import ast
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("protocol", "shardcast", "verifier", "environments", "inference_worker", "trainer", "orchestrator",

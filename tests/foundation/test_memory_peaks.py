@@ -15,7 +15,8 @@ import subprocess, sys, time
 n = int(sys.argv[1])
 block = bytearray(n << 20)
 del block
-child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(64 << 20); print('up', flush=True); time.sleep(60)"],
+child = subprocess.Popen([sys.executable, "-c", \
+"import time; b = bytearray(64 << 20); print('up', flush=True); time.sleep(60)"],
                          stdout=subprocess.PIPE)
 child.stdout.readline()
 print("ready", flush=True)

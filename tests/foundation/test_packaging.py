@@ -7,9 +7,8 @@ import ast
 import re
 import subprocess
 import sys
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 # peft: workers serve adapters with vLLM's LoRA

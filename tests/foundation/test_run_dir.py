@@ -61,7 +61,8 @@ def test_the_run_folder_and_its_config_are_the_owners_only(tmp_path):
     assert rd.root.stat().st_mode & 0o077 == 0 and rd.config_path.stat().st_mode & 0o077 == 0
 
 
-LISTENER = "import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); print(s.getsockname()[1], flush=True); time.sleep(600)"
+LISTENER = ("import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); "
+            "print(s.getsockname()[1], flush=True); time.sleep(600)")
 
 
 def test_a_resumed_run_ends_its_dead_drivers_leftover_that_holds_a_port_and_nothing_else():

@@ -141,9 +141,11 @@ def _run(cmd, *, env, cwd, timeout, what, check: bool = True) -> subprocess.Comp
     args = cmd if isinstance(cmd, list) else ["bash", "-c", cmd]
     out = subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     status = "ok" if out.returncode == 0 else f"failed, exit {out.returncode}"
-    print(f"[{time.perf_counter() - started:6.1f} s, {status}] {what}: {cmd if isinstance(cmd, str) else shlex.join(map(str, cmd))}")
+    print(f"[{time.perf_counter() - started:6.1f} s, {status}] {what}: "
+          f"{cmd if isinstance(cmd, str) else shlex.join(map(str, cmd))}")
     if check:
-        assert out.returncode == 0, f"{what} failed (exit {out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
+        assert out.returncode == 0, (f"{what} failed (exit {out.returncode}):\n"
+                                     f"{out.stdout[-3000:]}\n{out.stderr[-6000:]}")
     return out
 
 

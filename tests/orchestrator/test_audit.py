@@ -44,7 +44,8 @@ def test_a_clean_run_is_counted_as_clean(tmp_path):
     checkpoint(run_dir, 1, [[1, 1]])
     audit = audit_run(run_dir, tmp_path / "orchestrator.sqlite")
     assert audit.problems == []
-    assert audit.trained_once == 4 and audit.buffered == audit.accepted - audit.zero_signal - 4 and audit.lost == audit.trained_twice == 0
+    assert audit.trained_once == 4 and audit.buffered == audit.accepted - audit.zero_signal - 4
+    assert audit.lost == audit.trained_twice == 0
     assert audit.batches == {"committed": 1, "returned": 1} and audit.versions == 2 and audit.versions_consecutive
 
 

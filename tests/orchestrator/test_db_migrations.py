@@ -17,23 +17,28 @@ from orchestrator.workers import Workers
 # The oldest tables that the migrations know: every column added since is missing.
 OLDEST = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE workers (worker_id TEXT PRIMARY KEY, name TEXT NOT NULL, device TEXT NOT NULL, client_version TEXT NOT NULL,
+CREATE TABLE workers (worker_id TEXT PRIMARY KEY, name TEXT NOT NULL, device TEXT NOT NULL, \
+    client_version TEXT NOT NULL,
     secret_hash TEXT NOT NULL, created_at REAL NOT NULL, last_seen REAL, state TEXT, loaded_version INTEGER,
     tokens_per_s REAL NOT NULL DEFAULT 0, strikes INTEGER NOT NULL DEFAULT 0, banned INTEGER NOT NULL DEFAULT 0,
     ban_reason TEXT NOT NULL DEFAULT '', accepted INTEGER NOT NULL DEFAULT 0, rejected INTEGER NOT NULL DEFAULT 0,
     verified_tokens INTEGER NOT NULL DEFAULT 0);
-CREATE TABLE leases (lease_id TEXT PRIMARY KEY, seq INTEGER NOT NULL, worker_id TEXT NOT NULL, prompt_indices TEXT NOT NULL,
+CREATE TABLE leases (lease_id TEXT PRIMARY KEY, seq INTEGER NOT NULL, worker_id TEXT NOT NULL, \
+    prompt_indices TEXT NOT NULL,
     body TEXT NOT NULL, issued_at REAL NOT NULL, deadline REAL NOT NULL, status TEXT NOT NULL);
 CREATE TABLE reissue (seq INTEGER PRIMARY KEY AUTOINCREMENT, prompt_index INTEGER NOT NULL);
 CREATE TABLE sample_groups (seq INTEGER PRIMARY KEY, submission_id TEXT NOT NULL, prompt_index INTEGER NOT NULL,
-    num_samples INTEGER NOT NULL, sample_indices TEXT NOT NULL, behaviour_version INTEGER NOT NULL, created_at REAL NOT NULL,
-    status TEXT NOT NULL, batch_id TEXT, advantages BLOB NOT NULL, rewards BLOB NOT NULL, completion_lengths BLOB NOT NULL,
+    num_samples INTEGER NOT NULL, sample_indices TEXT NOT NULL, behaviour_version INTEGER NOT NULL, \
+    created_at REAL NOT NULL,
+    status TEXT NOT NULL, batch_id TEXT, advantages BLOB NOT NULL, rewards BLOB NOT NULL, \
+    completion_lengths BLOB NOT NULL,
     prompt_ids BLOB NOT NULL, completion_ids BLOB NOT NULL, logprobs BLOB NOT NULL);
 INSERT INTO workers (worker_id, name, device, client_version, secret_hash, created_at, strikes, accepted)
     VALUES ('w1', 'old', 'cpu', '0.1', 'h', 1.0, 2, 7);
 INSERT INTO leases VALUES ('L1', 1, 'w1', '[3]', '{}', 1.0, 2.0, 'open');
 INSERT INTO reissue (prompt_index) VALUES (5);
-INSERT INTO sample_groups VALUES (1, 's1', 3, 2, '[0, 1]', 0, 1.0, 'ready', NULL, x'0000803f000080bf', x'0000803f00000000',
+INSERT INTO sample_groups VALUES (1, 's1', 3, 2, '[0, 1]', 0, 1.0, 'ready', NULL, \
+    x'0000803f000080bf', x'0000803f00000000',
     x'0100000001000000', x'01000000', x'0200000003000000', x'0000000000000000');
 """
 TABLES = ("workers", "leases", "reissue", "sample_groups")

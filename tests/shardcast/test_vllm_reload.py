@@ -29,11 +29,10 @@ def test_vllm_reloads_a_pulled_version(tmp_path, key, pub, tiny_model_dir):
     prompt = [1, 10, 11, 12, 40, 13]
     # The worker's own engine and reload path (which repacks a tied lm_head: inference_worker/capture.py).
     engine = RolloutEngine(tiny_model_dir, EngineConfig(max_model_len=256, kv_cache_bytes=64 << 20))
-    llm = engine.llm
     params = vllm.SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
 
     def prompt_logprobs() -> list[float]:
-        out = llm.generate([vllm.TokensPrompt(prompt_token_ids=prompt)], params)[0].prompt_logprobs
+        out = engine.llm.generate([vllm.TokensPrompt(prompt_token_ids=prompt)], params)[0].prompt_logprobs
         return [out[i][tok].logprob for i, tok in enumerate(prompt) if i > 0]
 
     try:
@@ -41,7 +40,6 @@ def test_vllm_reloads_a_pulled_version(tmp_path, key, pub, tiny_model_dir):
         engine.reload(pulled.path, 1, pulled.manifest.model_hash)
         after = prompt_logprobs()
     finally:
-        del llm
         engine.close()
     with torch.no_grad():
         logp = torch.log_softmax(trained(torch.tensor([prompt])).logits[0], dim=-1)

@@ -83,7 +83,8 @@ def test_presets_have_the_real_shapes(arch):
 @pytest.mark.parametrize("arch", sorted(PRESETS))
 def test_scaled_down_keeps_class_vocabulary_and_grouped_heads(arch):
     s = shapes(arch, **TINY)
-    assert s["layers"] == 2 and s["hidden"] == 64 and s["heads"] * s["head_dim"] == 64 and s["heads"] % s["kv_heads"] == 0
+    assert s["layers"] == 2 and s["hidden"] == 64
+    assert s["heads"] * s["head_dim"] == 64 and s["heads"] % s["kv_heads"] == 0
     config = make_config(arch, **TINY)
     assert type(config).__name__ == PRESETS[arch].config_class and config.vocab_size == PRESETS[arch].vocab
     s = shapes(arch, hidden=256)
@@ -132,7 +133,8 @@ def test_training_is_deterministic_and_cached(tmp_path, bpe_cache, qwen_tokenize
     small = read_corpus(budget=2 << 20)
     a = train_bpe(small, 4096)
     # Another process, tokenizers' threads on: the same bytes.
-    code = "import sys; from trainer.bpe_tokenizer import read_corpus, train_bpe; sys.stdout.write(train_bpe(read_corpus(budget=2 << 20), 4096))"
+    code = ("import sys; from trainer.bpe_tokenizer import read_corpus, train_bpe; "
+            "sys.stdout.write(train_bpe(read_corpus(budget=2 << 20), 4096))")
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "true"}
     b = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env,
         cwd=Path(__file__).parents[2]).stdout

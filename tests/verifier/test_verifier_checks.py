@@ -96,7 +96,8 @@ def test_a_token_outside_the_support_is_named_as_such():
     sampling = SamplingParams(top_k=2)
     d = draw_of(LOGITS, 3, [4, 0, 0], sampling)
     found = checks.check_draws(d, np.array([4, 0, 0]), 1e9)  # even an infinite margin never admits it
-    assert found.finding is not None and found.finding.code == "token_outside_support" and found.finding.stats["token_index"] == 0
+    assert found.finding is not None and found.finding.code == "token_outside_support"
+    assert found.finding.stats["token_index"] == 0
 
 
 def test_slack_widens_the_support_for_tokens_at_its_boundary():

@@ -128,6 +128,8 @@ def test_module_imports_no_cluster_or_hf_code():
     import subprocess
     import sys
 
-    code = "import sys, verifier.proofs; bad = [m for m in ('transformers', 'ray', 'fastapi', 'vllm') if m in sys.modules]; print(bad); sys.exit(bool(bad))"
+    code = ("import sys, verifier.proofs; "
+            "bad = [m for m in ('transformers', 'ray', 'fastapi', 'vllm') if m in sys.modules]; "
+            "print(bad); sys.exit(bool(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -211,7 +211,8 @@ def test_cli_check_verifies_a_saved_bundle(tiny_model_dir, honest, tmp_path):
     assert res.exit_code == 0, res.output
     assert '"accepted"' in res.output
     forged = json.loads(json.dumps(bundle))
-    forged["submission"]["completions"][0]["finish_reason"] = "length" if comps[0].finish_reason == FinishReason.stop else "stop"
+    flipped = "length" if comps[0].finish_reason == FinishReason.stop else "stop"
+    forged["submission"]["completions"][0]["finish_reason"] = flipped
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(forged))
     res = runner.invoke(app, ["check", str(bad), "--model-dir", str(tiny_model_dir)])
