@@ -31,6 +31,7 @@ from typing import Callable
 from inference_worker import client as c
 from inference_worker.config import WorkerConfig
 from inference_worker.display import LiveDisplay, WorkerStats
+from inference_worker.engine_start import EngineStarter
 from inference_worker.weights import WeightsKeeper
 from protocol import staleness
 from protocol.models import Heartbeat, RolloutSubmission, TaskLease, WorkerState
@@ -58,6 +59,7 @@ class Worker:
         self.work_dir = Path(config.work_dir) if config.work_dir else Path(tempfile.mkdtemp(prefix="swarmrl-worker-"))
         self.keeper = keeper or WeightsKeeper(self.work_dir / "weights", backoff_max_s=min(10.0, config.backoff_max_s))
         self._engine_factory = engine_factory
+        self.starter = EngineStarter(config, engine_factory)
         self.engine = None
         self.max_prompts = config.max_prompts_per_lease
         self.min_version = 0
@@ -69,6 +71,7 @@ class Worker:
     # ----------------------------------------------------------------------------------------------
 
     def run(self) -> int:
+        self.starter.start_early()
         self.keeper.start()
         beat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         beat.start()
@@ -87,6 +90,7 @@ class Worker:
             self._poll_verdicts(self.client)
             self.client.close()
             self.beat_client.close()
+            self.starter.close()
             if self._engine_factory is None and self.engine is not None:
                 self.engine.close()
         log.info("worker stopped: %d tasks submitted, %d accepted, %d rejected", self.stats.tasks_submitted,
@@ -207,7 +211,7 @@ class Worker:
                 return True  # newest we have; the next version downloads in the background
         if self.engine is None:
             self._set_state(WorkerState.starting)
-            self.engine = self._make_engine(pulled.wait_written())
+            self.engine = self.starter.engine_for(pulled.wait_written())
             # Starting the engine takes seconds; meanwhile the keeper may have pulled newer versions and
             # pruned this one (a worker restarted mid-run meets a stream of new versions): load the newest.
             pulled = self.keeper.ready or pulled
@@ -217,23 +221,6 @@ class Worker:
         self.stats.loaded_version = pulled.version
         self.stats.event(f"loaded policy version {pulled.version} ({took:.2f} s)")
         return True
-
-    def _make_engine(self, version_dir: Path):
-        model = self.config.model or str(version_dir)
-        if not self.config.model and not (version_dir / "config.json").is_file():
-            raise SystemExit("the weights folder has no config.json: pass --model <base model folder or hub id>")
-        engine_config = self.config.engine
-        from shardcast.adapter import is_adapter, load_version, unpack_adapter
-
-        if not engine_config.max_lora_rank and is_adapter(version_dir):
-            # The run publishes LoRA adapters: vLLM needs LoRA on from the start, at least at their rank.
-            _, adapter_config, _ = unpack_adapter(load_version(version_dir))
-            engine_config = engine_config.model_copy(update={"max_lora_rank": int(adapter_config["r"])})
-        if self._engine_factory is not None:
-            return self._engine_factory(model, engine_config)
-        from inference_worker.engine import RolloutEngine
-
-        return RolloutEngine(model, engine_config)
 
     # ----------------------------------------------------------------------------------------------
     # Tasks

@@ -161,6 +161,12 @@ class VerifierActor:
         """(pid, when this incarnation was ready): the supervisor tells restarts apart by the pid."""
         return os.getpid(), self.started_at
 
+    def check_rewards(self, request: Any, reward_name: str, strict: bool) -> Any:
+        """The run's start-up check of its reward, in this actor's reward pool (swarmrl/reward_check.py)."""
+        from verifier.reward_preflight import check
+
+        return check(self.verifier.rewards, request, reward_name, strict)
+
 
 class RayVerifierPool:
     """`verify_many` over a pool of VerifierActors: jobs are split evenly, verified in parallel, and

@@ -26,8 +26,6 @@ import signal
 import sys
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,29 +34,12 @@ from swarmrl.loading import dump_toml
 from swarmrl.memory_peaks import MemoryPeaks
 from swarmrl.processes import RunFailed, free_port, start_relay, start_worker, wait_until_free
 from swarmrl.run_dir import RunDir
+from swarmrl.run_record import RunRecord
 from swarmrl.supervisor import RestartPolicy, Supervisor
-from swarmrl.tracking import JsonlTracker, Trackers, make_trackers
+from swarmrl.tracking import make_trackers
 from swarmrl.verifier_scaling import VerifierAutoscaler
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Progress:
-    step: int = 0
-    version: int = 0
-    reward: float | None = None
-    rewards: deque = field(default_factory=lambda: deque(maxlen=5))
-    reward_totals: tuple[float, int] = (0.0, 0)
-    status: Any = None
-    last_metrics: dict[str, Any] = field(default_factory=dict)
-    wait_for_trainer_total: float = 0.0
-    started: float = field(default_factory=time.time)
-    events: list[str] = field(default_factory=list)
-    restarts: dict[str, tuple[int, float]] = field(default_factory=dict)  # component -> (restarts, seconds lost)
-    recorded_version: int = 0  # the newest version in metrics.jsonl: a restarted trainer may report a step again
-    recorded_eval_version: int = -1  # the newest evaluated version in eval.jsonl
-    last_eval: Any = None  # the newest protocol.operator_models.EvalResult
 
 
 def ensure_model(cfg: RunConfig, rd: RunDir) -> Path:
@@ -109,7 +90,8 @@ class Run:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.rd = RunDir(cfg.run_dir)
-        self.progress = Progress()
+        self.record = RunRecord(cfg, self.rd, ask=self._orch)
+        self.progress = self.record.progress
         res = cfg.resources
         self.supervisor = Supervisor(RestartPolicy(res.max_restarts, res.restart_window_s), on_restart=self._restarted)
         self.trainers: Any = None  # the TrainerGroup
@@ -125,7 +107,6 @@ class Run:
         self._pids: dict[str, Any] = {}
         self._leftover_pids: frozenset[int] = frozenset()  # components of a killed previous driver (pids.json)
         self._heartbeat_lock = threading.Lock()
-        self.tracker = Trackers([JsonlTracker(self.rd)])  # the configured backends join in start()
         self.memory = MemoryPeaks()
 
     # ---------------------------------------------------------------- start
@@ -133,7 +114,9 @@ class Run:
     def start(self) -> None:
         import ray
 
+        from shardcast.keys import load_or_generate_signing_key, public_key_b64
         from swarmrl.actors import ShardcastWeights, init_ray, start_orchestrator_actor
+        from swarmrl.reward_check import check_rewards
         from swarmrl.trainer_group import TrainerGroup
         from swarmrl.verifier_pool import VerifierPool
 
@@ -142,39 +125,43 @@ class Run:
         cfg, ports = fix_ports(self.cfg, rd)
         self.cfg = cfg
         rd.write_config(dump_toml(cfg))
-        self.tracker = make_trackers(cfg.tracking, rd, cfg.name, cfg.model_dump(mode="json"))
+        self.record.tracker = make_trackers(cfg.tracking, rd, cfg.name, cfg.model_dump(mode="json"))
         if not cfg.shardcast.run_id:  # made once per run folder; every component checks manifests against it
             cfg = self.cfg = cfg.model_copy(update={"shardcast": cfg.shardcast.model_copy(update={"run_id": rd.run_id(
                 cfg.name)})})
+        self.record.cfg = cfg
         model_dir = ensure_model(cfg, rd)
-        key_path = Path(cfg.shardcast.signing_key_path or rd.signing_key)
-        self._started_ray = not ray.is_initialized() and not cfg.ray_address
-        init_ray(cfg.ray_address, num_cpus=None if cfg.ray_address else max(2, os.cpu_count() or 2))
+        clock = self.record.clock
+        clock.done("model")
         if not cfg.ray_address:  # the actors of a driver killed a moment ago may still hold them
             wait_until_free(cfg.orchestrator.host, ports["orchestrator"], leftovers=self._leftover_pids)
             wait_until_free(cfg.shardcast.host, ports["origin"], leftovers=self._leftover_pids)
+        # The workers first: their vLLM engine start is the longest phase, and they retry registering until
+        # the orchestrator answers at the URL its fixed port gives.
+        self.url = f"http://{cfg.orchestrator.host}:{ports['orchestrator']}"
+        for i in range(cfg.num_workers):
+            self.supervisor.watch_process(f"worker-{i}", lambda i=i: start_worker(self.url, model_dir, rd, i, cfg))
+        clock.done("workers spawned")
+        key_path = Path(cfg.shardcast.signing_key_path or rd.signing_key)
+        public_key = public_key_b64(load_or_generate_signing_key(key_path))  # the trainer loads the same file
+        origin_url = f"http://{cfg.shardcast.host}:{ports['origin']}"
+        advertised_origin = cfg.shardcast.advertise_origin_url or origin_url
+        self._started_ray = not ray.is_initialized() and not cfg.ray_address
+        init_ray(cfg.ray_address, num_cpus=None if cfg.ray_address else max(2, os.cpu_count() or 2))
+        clock.done("ray")
 
-        log.info("starting trainer and shardcast origin", extra={"world_size": cfg.trainer.world_size})
+        # Everything trusted starts at once: each learns the others' URLs from the fixed ports, and a call to
+        # an actor still in its constructor waits for it. Below, we wait for each and watch it.
+        lo, hi = cfg.verifier.actor_bounds()
+        log.info("starting trainer, shardcast origin, relays, verifier pool, orchestrator",
+                 extra={"world_size": cfg.trainer.world_size, "min_verifiers": lo, "max_verifiers": hi})
         self.trainers = TrainerGroup(cfg, str(model_dir), str(rd.root), str(key_path)).start()
         self.trainer = self.trainers.leader
-        info = self.trainers.call("info")
-        info["origin_url"] = cfg.shardcast.advertise_origin_url or info["origin_url"]
-        self.progress.version = info["version"]
-        self.progress.recorded_version = max((int(r.get("version", 0)) for r in rd.read_metrics()), default=0)
-        self.progress.recorded_eval_version = max((int(r.get("policy_version", -1)) for r in rd.read_evals()),
-            default=-1)
-        self.supervisor.watch_actor("trainer", None, rd.logs / "trainer.log", info["pid"], info["started_at"])
-
         for i in range(cfg.shardcast.num_relays):
-            self.supervisor.watch_process(f"relay-{i}", lambda i=i: start_relay(info["origin_url"], info["public_key"],
-                rd, i, cfg, port=ports[f"relay-{i}"]))
+            self.supervisor.watch_process(f"relay-{i}", lambda i=i: start_relay(advertised_origin, public_key, rd, i,
+                cfg, port=ports[f"relay-{i}"]))
         relay_urls = list(cfg.shardcast.advertise_relay_urls) + [r.url for r in self.supervisor.processes("relay-")]
-        relay_urls = relay_urls or [info["origin_url"]]
-
-        lo, hi = cfg.verifier.actor_bounds()
-        log.info("starting verifier pool", extra={"min_actors": lo, "max_actors": hi})
-        weights = ShardcastWeights([info["origin_url"]], info["public_key"], str(rd.verifier_weights),
-            cfg.shardcast.run_id)
+        weights = ShardcastWeights([advertised_origin], public_key, str(rd.verifier_weights), cfg.shardcast.run_id)
         res = cfg.resources
         self.pool = VerifierPool(
             cfg.verifier, weights, str(model_dir), num_cpus=res.verifier_cpus, num_gpus=res.verifier_gpus,
@@ -183,23 +170,35 @@ class Run:
         self.scaler = VerifierAutoscaler(lo, hi, cfg.verifier.scale_up_cooldown_s, cfg.verifier.scale_down_idle_s,
             cfg.verifier.target_drain_s)
         self.pool.grow(lo)
+        self.orch = start_orchestrator_actor(cfg, self.pool.requested_handles(),
+            relay_urls=relay_urls or [advertised_origin], manifest_public_key=public_key,
+            origin_url=cfg.shardcast.public_origin_url or advertised_origin)
+
+        info = self.trainers.call("info")
+        if not info["origin_url"].endswith(f":{ports['origin']}") or info["public_key"] != public_key:
+            raise RunFailed(f"the origin serves at {info['origin_url']} with key {info['public_key']}, but the others "
+                            f"were told {origin_url} with {public_key}")
+        self.progress.version = info["version"]
+        self.progress.recorded_version = max((int(r.get("version", 0)) for r in rd.read_metrics()), default=0)
+        self.progress.recorded_eval_version = max((int(r.get("policy_version", -1)) for r in rd.read_evals()),
+            default=-1)
+        self.supervisor.watch_actor("trainer", None, rd.logs / "trainer.log", info["pid"], info["started_at"])
+        clock.done("trainer")
         try:
             ready = self.pool.wait_live(lo)  # the first min_actors: a constructor error surfaces now
         except RuntimeError as exc:
             raise RunFailed(f"the verifier pool could not start: {exc}") from exc
-
-        log.info("starting orchestrator")
-        self.orch = start_orchestrator_actor(cfg, self.pool.handles(), relay_urls=relay_urls,
-            manifest_public_key=info["public_key"], origin_url=cfg.shardcast.public_origin_url or info["origin_url"])
-        self.url = ray.get(self.orch.url.remote())
+        for m, pid, started_at in ready:
+            self.supervisor.watch_actor(m.name, m.handle, rd.logs / f"{m.name}.log", pid, started_at)
+        check_rewards(self.pool.handles(), cfg)  # the reward loads and scores in every reward process, or RunFailed
+        clock.done("verifiers")
+        served = ray.get(self.orch.url.remote())
+        if served != self.url:  # the workers were pointed at self.url
+            raise RunFailed(f"the orchestrator serves at {served}, not at {self.url}")
         self.progress.reward_totals = ray.get(self.orch.reward_totals.remote())  # a resumed run starts from here
         pid, started_at = ray.get(self.orch.ping.remote())
         self.supervisor.watch_actor("orchestrator", self.orch, rd.logs / "orchestrator.log", pid, started_at)
-        for m, pid, started_at in ready:
-            self.supervisor.watch_actor(m.name, m.handle, rd.logs / f"{m.name}.log", pid, started_at)
-
-        for i in range(cfg.num_workers):
-            self.supervisor.watch_process(f"worker-{i}", lambda i=i: start_worker(self.url, model_dir, rd, i, cfg))
+        clock.done("orchestrator")
         self.supervisor.ticks.append(self._heartbeat)
         self.supervisor.ticks.append(self._scale_verifiers)
         self.supervisor.ticks.append(lambda: self.memory.sample(self.supervisor.pids()))
@@ -271,12 +270,12 @@ class Run:
             if self._driver_down_since is not None:  # the run works again after its driver was killed
                 self._restarted_driver()
             for step in out["committed"]:
-                self._record(step["metrics"], step["staleness"])
+                self.record.step(step["metrics"], step["staleness"])
             if not out["trained"] and not out["committed"]:
                 # No whole batch yet. A converged policy yields only zero-signal groups, so no batch at
                 # all: judge it by its accepted rollouts.
-                self._update_reward(min_completions=cfg.trainer.samples_per_step)
-            if self._reward_reached():
+                self.record.update_reward(min_completions=cfg.trainer.samples_per_step)
+            if self.record.reward_reached():
                 break
         self._finish_trainer()
 
@@ -284,91 +283,22 @@ class Run:
         """Make the trainer's last steps durable and committed, and record them."""
         try:
             for step in self.trainers.call("finish", timeout_s=300):
-                self._record(step["metrics"], step["staleness"])
+                self.record.step(step["metrics"], step["staleness"])
         except Exception as exc:  # a resumed run reconciles whatever this left in flight
             log.warning("could not finish the trainer's last steps (%s); a resumed run settles them",
                 type(exc).__name__)
-        self._record_evals()
+        self.record.evals()
 
-    def _record_evals(self) -> None:
-        """Evaluations on held-out prompts finished since the last call, one eval.jsonl record per version."""
+    def _orch(self, method: str, default: Any, *args: Any, timeout_s: float = 10.0) -> Any:
+        """An orchestrator call for display or bookkeeping: it may be restarting (or not started); then `default`."""
         import ray
 
-        p = self.progress
-        if not self.cfg.eval.every_steps:
-            return
+        if self.orch is None:
+            return default
         try:
-            results = ray.get(self.orch.eval_results.remote(p.recorded_eval_version), timeout=10)
-        except Exception:  # the orchestrator is restarting: the next step picks them up
-            return
-        for r in results:
-            self.rd.append_eval({"time": round(time.time(), 3), "step": p.step, **r.model_dump()})
-            p.recorded_eval_version, p.last_eval = r.policy_version, r
-            log.info("evaluation", extra={"policy_version": r.policy_version, "avg_reward": r.avg_reward,
-                "pass_at": r.pass_at})
-
-    def _orch(self, method: str, default: Any, timeout_s: float = 10.0) -> Any:
-        """An orchestrator call for display or bookkeeping: it may be restarting; then `default`."""
-        import ray
-
-        try:
-            return ray.get(getattr(self.orch, method).remote(), timeout=timeout_s)
+            return ray.get(getattr(self.orch, method).remote(*args), timeout=timeout_s)
         except Exception:
             return default
-
-    def _update_reward(self, min_completions: int) -> None:
-        """The mean reward of every rollout accepted since the last update, zero-signal groups included
-        (the trained samples alone leave out the groups that are all wrong or all right)."""
-        p = self.progress
-        reward_sum, completions = self._orch("reward_totals", p.reward_totals)
-        if completions - p.reward_totals[1] >= min_completions:
-            p.reward = (reward_sum - p.reward_totals[0]) / (completions - p.reward_totals[1])
-            p.rewards.append(p.reward)
-            p.reward_totals = (reward_sum, completions)
-
-    def _reward_reached(self) -> bool:
-        cfg, p = self.cfg, self.progress
-        if cfg.stop_reward is not None and len(p.rewards) == p.rewards.maxlen and min(p.rewards) >= cfg.stop_reward:
-            p.events.append(f"reward >= {cfg.stop_reward} for {p.rewards.maxlen} steps")
-            return True
-        return False
-
-    def _record(self, metrics: dict[str, Any], gaps: dict[int, int]) -> None:
-        p = self.progress
-        if int(metrics["version"]) <= p.recorded_version:
-            return  # reported before the trainer (or this driver) restarted
-        p.step += 1
-        p.version = p.recorded_version = int(metrics["version"])
-        self._update_reward(min_completions=1)
-        p.status = self._orch("status", p.status)  # for display only
-        st = p.status
-        record = {
-            "step": p.step,
-            "version": p.version,
-            "reward_mean": p.reward,
-            "time/train": metrics.get("time/compute", 0.0),
-            "staleness": {str(k): v for k, v in gaps.items()},
-            **{k: v for k, v in metrics.items() if k != "version" and isinstance(v, (int, float))},
-        }
-        if st is not None:
-            # A restarted orchestrator counts from 0 again: then all it counted is new.
-            waited = st.wait_for_trainer_s - p.wait_for_trainer_total
-            record["time/wait_for_trainer"] = waited if waited >= 0 else st.wait_for_trainer_s
-            p.wait_for_trainer_total = st.wait_for_trainer_s
-            record.update(
-                rollout_tokens_per_s=st.rollout_tokens_per_s,
-                trained_samples_per_s=st.trained_samples_per_s,
-                acceptance_rate=st.acceptance_rate,
-                workers_online=st.workers_online,
-                buffer_depth=st.buffer_depth,
-                groups_dropped_zero_signal=st.groups_dropped_zero_signal,
-                groups_dropped_unscored=st.groups_dropped_unscored,
-            )
-        p.last_metrics = record
-        self.tracker.log(p.step, record)
-        self._record_evals()
-        log.info("step", extra={"step": p.step, "version": p.version, "reward": None if p.reward is None
-            else round(p.reward, 3)})
 
     def _wait_for_trainer(self, exc: Exception) -> None:
         """The trainer process died. Ray restarts it (a group of ranks: we restart them all) from its last
@@ -419,44 +349,8 @@ class Run:
                 pass
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
-        self.tracker.close()
+        self.record.tracker.close()
         self.rd.close_session()  # a clean end: the next start is not a restart
-
-    def finish(self) -> None:
-        from swarmrl.live_view import eval_line, reward_failures_line
-
-        p = self.progress
-        self.rd.plot()
-        minutes = (time.time() - p.started) / 60
-        rows = [r for r in self.rd.read_metrics() if r.get("reward_mean") is not None]
-        first = rows[0]["reward_mean"] if rows else None
-        st = p.status
-        self.rd.write_summary(
-            [
-                f"# Run `{self.cfg.name}`",
-                "",
-                f"- optimizer steps this session: {p.step}; policy version: {p.version}",
-                f"- wall time: {minutes:.1f} min",
-                f"- mean reward: first step {first if first is None else round(first, 3)}, last {None if p.reward is None else round(p.reward, 3)}",
-                f"- acceptance rate: {st.acceptance_rate:.3f}" if st else "- acceptance rate: n/a",
-                f"- submissions accepted / rejected: {st.submissions_accepted} / {st.submissions_rejected}" if st
-                else "", f"- groups dropped for zero signal: {st.groups_dropped_zero_signal}" if st else "",
-                f"- rewards not computed (no strike; their groups dropped): {reward_failures_line(st)}" if st else "",
-                f"- tokens accepted as near ties of the seeded draw: {st.near_tie_tokens} of {st.verified_tokens}"
-                if st else "", f"- staleness histogram (version gap: samples): {st.staleness_histogram}" if st else "",
-                f"- {eval_line(p.last_eval)}" if p.last_eval is not None else "",
-                f"- async_level: {self.cfg.orchestrator.async_level}, workers: {self.cfg.num_workers}",
-                *(f"- restarts of {name} this session: {n} ({lost:.1f} s lost)" for name, (n,
-                lost) in sorted(p.restarts.items())),
-                *self.memory.summary_lines(),
-                *(f"- event: {e}" for e in p.events),
-                "",
-                "Files: config.toml, metrics.jsonl, eval.jsonl (with eval.every_steps), reward.png, memory.json, "
-                "checkpoints/, logs/.",
-            ]
-        )
-        self.rd.write_json(self.rd.root / "memory.json", self.memory.report())
-
 
 def run(cfg: RunConfig, display: bool | None = None) -> int:
     """Run to completion. Returns a process exit code. The first Ctrl-C (or SIGTERM) stops after the step
@@ -495,7 +389,7 @@ def run(cfg: RunConfig, display: bool | None = None) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         try:
-            r.finish()
+            r.record.summary(r.memory)
         except Exception:
             log.exception("could not write the run summary")
     log.info("run finished", extra={"run_dir": str(r.rd.root), "steps": r.progress.step, "reward": r.progress.reward})

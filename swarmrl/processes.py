@@ -218,6 +218,9 @@ def worker_command(url: str, model_dir: Path, work_dir: Path, index: int, cfg: R
             else str(value)]
     for key in ("max_prompts_per_lease", "num_threads"):
         cmd += [f"--{key}", str(getattr(cfg.worker, key))]
+    # A local worker starts with the run, before its orchestrator answers (driver.Run.start): it retries
+    # registering at least every 2 s, not after a backoff grown to tens of seconds while the run started.
+    cmd += ["--backoff_max_s", str(min(cfg.worker.backoff_max_s, 2.0))]
     return cmd
 
 

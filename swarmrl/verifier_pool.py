@@ -75,6 +75,11 @@ class VerifierPool:
         """The live actors: what the orchestrator verifies on."""
         return [m.handle for m in self.live]
 
+    def requested_handles(self) -> list[Any]:
+        """Every actor, live or pending: the orchestrator's first list, made while the first actors start (a
+        call to an actor still in its constructor waits for it; the driver waits for them to be live)."""
+        return [m.handle for m in self.live + self.pending]
+
     def grow(self, n: int) -> None:
         """Request n more actors (pending until Ray places them and they answer)."""
         for _ in range(n):

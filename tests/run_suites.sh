@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run each test folder in its own pytest process. vLLM's in-process engines keep global state (its
 # distributed environment, the current config), so engines created by one package's tests must not
-# share a process with another package's. Prints every suite's summary and a combined closing line.
+# share a process with another package's. Prints every suite's summary with its 5 slowest tests, the wall time
+# of each folder and a combined closing line.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -9,13 +10,17 @@ status=0
 passed=0
 failed=0
 skipped=0
+walls=""
+suite_start=$(date +%s)
 for dir in tests/*/; do
   name=$(basename "$dir")
   [ "$name" = "__pycache__" ] && continue
   echo "=== tests/$name"
   out=$(mktemp)
-  "$PY" -m pytest "$dir" "$@" 2>&1 | tee "$out"
+  started=$(date +%s)
+  "$PY" -m pytest "$dir" --durations=5 "$@" 2>&1 | tee "$out"
   rc=${PIPESTATUS[0]}
+  walls="$walls tests/$name $(( $(date +%s) - started ))s;"
   # Exit code 5 means the folder had no selected test (e.g. only slow ones): not a failure.
   if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then status=1; echo "=== tests/$name FAILED (exit $rc)"; fi
   line=$(grep -E "^=+ .*(passed|failed|error|skipped|deselected).* in [0-9.]+s" "$out" | tail -1)
@@ -27,5 +32,6 @@ for dir in tests/*/; do
   failed=$(( failed + ${errors:-0} ))
   rm -f "$out"
 done
-echo "suites: $passed passed, $failed failed, $skipped skipped"
+echo "wall time per folder:$walls"
+echo "suites: $passed passed, $failed failed, $skipped skipped in $(( $(date +%s) - suite_start ))s"
 exit $status

@@ -189,13 +189,23 @@ def init_model(
     pretrain_max_steps: int = 0,
     tool_format: bool = False,
 ) -> Path:
-    """Write a randomly initialised model and its tokenizer to `out`. Deterministic for a given seed.
+    """Write a randomly initialised model and its tokenizer to `out`. Deterministic for a given seed, so it
+    is made once per machine (trainer/model_cache.py).
 
     `pretrain_steps` of echo pretraining (`pretrain`); with `pretrain_target`, at least that many and then
     until the echo accuracy reaches the target, at most `pretrain_max_steps`."""
+    from trainer.model_cache import cache_key, cached_model
+
+    args = dict(size=size, seed=seed, tie_embeddings=tie_embeddings, pretrain_steps=pretrain_steps,
+                pretrain_target=pretrain_target, pretrain_max_steps=pretrain_max_steps, tool_format=tool_format)
+    key = cache_key("tiny", args, [Path(__file__)])
+    return cached_model(Path(out), key, lambda out: _make_model(out, **args))
+
+
+def _make_model(out: Path, size: Literal["tiny", "small"], seed: int, tie_embeddings: bool, pretrain_steps: int,
+                pretrain_target: float | None, pretrain_max_steps: int, tool_format: bool) -> Path:
     from transformers import GenerationConfig, Qwen2ForCausalLM
 
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = make_config(size, tie_embeddings)
     devnull_rng = torch.random.get_rng_state()

@@ -20,6 +20,9 @@ FAST = [
     # the tiny model: the demo's 60 fixed steps (its quality bar is for the small one)
     "--model.init_pretrain_target", "null",
     "--orchestrator.port", "0",
+    # The tiny model on one thread makes well over 50 tokens/s: a new worker's lease deadline is then the floor
+    # (lease_timeout_s), which the fault tests shorten, as it is for workers with accepted work.
+    "--orchestrator.new_worker_tokens_per_s", "50",
     "--orchestrator.samples_per_prompt", "4",
     "--orchestrator.prompts_per_lease", "2",
     "--orchestrator.sampling.max_tokens", "8",

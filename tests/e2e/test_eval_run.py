@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from e2e_helpers import REPO, db, metrics, start_run, stop_run
+from e2e_helpers import REPO, db, metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -24,15 +24,9 @@ def check_record(r: dict, k: int) -> None:
         assert r["pass_at"]["1"] <= r["avg_reward"] + 1e-9
 
 
-def test_run_with_eval_logs_held_out_results_per_version(tmp_path):
-    proc = start_run(tmp_path, "--name", "ev", "--trainer.max_steps", "6", "--num_workers", "1",
-                     "--eval.every_steps", "2", "--eval.num_prompts", "4")
-    try:
-        code = proc.wait(timeout=420)
-    finally:
-        stop_run(proc)
-    run_dir = tmp_path / "ev"
-    assert code == 0, (tmp_path / "driver.log").read_text()[-4000:]
+def test_run_with_eval_logs_held_out_results_per_version(short_run, tmp_path):
+    run_dir, code, log = short_run  # conftest.py: also observed by test_run.py
+    assert code == 0, log[-4000:]
     assert [r["version"] for r in metrics(run_dir)] == list(range(1, 7))
 
     records = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines() if line.strip()]

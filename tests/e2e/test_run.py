@@ -9,26 +9,19 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
-import tomllib
 from e2e_helpers import db, metrics, pid_alive, pids, start_run, stop_run, wait_for
 
 pytestmark = pytest.mark.e2e
 
 
-def test_short_run_advances_versions_and_trains_only_verified_samples(tmp_path):
-    proc = start_run(tmp_path, "--name", "ci", "--trainer.max_steps", "6", "--num_workers", "1",
-        "--orchestrator.async_level", "1", "--trainer.max_staleness", "1")
-    try:
-        code = proc.wait(timeout=300)
-    finally:
-        stop_run(proc)
-    run_dir = tmp_path / "ci"
-    log = (tmp_path / "driver.log").read_text()
+def test_short_run_advances_versions_and_trains_only_verified_samples(short_run):
+    run_dir, code, log = short_run  # conftest.py: also observed by test_eval_run.py
     assert code == 0, log[-4000:]
 
     # The run folder has everything a person needs.

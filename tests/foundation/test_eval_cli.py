@@ -49,8 +49,8 @@ def test_status_and_live_view_show_the_newest_evaluation():
 
     from protocol.operator_models import EvalResult, RunStatus
     from swarmrl.config import RunConfig
-    from swarmrl.driver import Progress
     from swarmrl.live_view import render
+    from swarmrl.run_record import Progress
     from swarmrl.status_view import render_status
 
     ev = EvalResult(policy_version=4, prompts=3, prompts_planned=4, samples_per_prompt=8, avg_reward=0.625,

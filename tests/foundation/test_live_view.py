@@ -9,8 +9,8 @@ from rich.console import Console
 
 from protocol.operator_models import RunStatus
 from swarmrl.config import RunConfig
-from swarmrl.driver import Progress
 from swarmrl.live_view import render
+from swarmrl.run_record import Progress
 
 
 def test_live_view_shows_the_verifier_pool():

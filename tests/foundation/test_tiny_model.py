@@ -22,7 +22,8 @@ def tensor_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def test_same_seed_same_model_other_seed_other_model(tmp_path):
+def test_same_seed_same_model_other_seed_other_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("SWARMRL_MODEL_CACHE", "off")  # determinism of the maker, not of the cache
     a = init_model(tmp_path / "a", "tiny", seed=3)
     b = init_model(tmp_path / "b", "tiny", seed=3)
     c = init_model(tmp_path / "c", "tiny", seed=4)
@@ -40,7 +41,8 @@ def test_pretrain_corpus_never_shows_the_demo_task():
     assert not any(re.match(r"copy:[0-9]", t) for t in texts)  # the toy task's prompts
 
 
-def test_pretraining_teaches_the_echo_and_is_deterministic(tmp_path):
+def test_pretraining_teaches_the_echo_and_is_deterministic(tmp_path, monkeypatch):
+    monkeypatch.setenv("SWARMRL_MODEL_CACHE", "off")  # determinism of the maker, not of the cache
     from transformers import AutoModelForCausalLM
 
     a = init_model(tmp_path / "a", "tiny", seed=3, pretrain_steps=30)
@@ -157,7 +159,8 @@ def test_tool_format_corpus_is_opt_in():
     assert not any(ch.isdigit() for t in asks for ch in t)  # letters only: digits are left for RL
 
 
-def test_pretraining_to_a_target_stops_at_the_first_check_that_reaches_it(tmp_path):
+def test_pretraining_to_a_target_stops_at_the_first_check_that_reaches_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("SWARMRL_MODEL_CACHE", "off")  # determinism of the maker, not of the cache
     """The quality bar: at least `pretrain_steps`, then a check every 10 steps; the model it stops at is the
     fixed-step model of that many steps (the checks draw no randomness), and the check before fell short."""
     from transformers import AutoModelForCausalLM

@@ -104,6 +104,19 @@ def test_orchestrator_and_verifier_actors(ray_cluster, tiny_model_dir, tmp_path)
         ray.get(actor.commit_batches.remote({batch.batch_id: 0}, {1: HASH1}))
         st = ray.get(actor.status.remote())
         assert st.step == 1 and st.policy_version == 1 and st.buffer_depth == 0
+
+        # The run's start-up check of its reward (swarmrl/reward_check.py) in the real verifier actor: every
+        # reward process scores the task's first item; a reward no process can import stops the run.
+        from swarmrl.config import RunConfig
+        from swarmrl.processes import RunFailed
+        from swarmrl.reward_check import check_rewards
+
+        checked = check_rewards(pool.actors, RunConfig.model_validate({"data": {"task": "toy"}}))
+        assert [(r.error, r.processes) for r in checked] == [("", VerifierConfig().rewards.processes)]
+        with pytest.raises(RunFailed) as failed:
+            check_rewards(pool.actors, RunConfig.model_validate({"data": {"task": "toy",
+                                                                           "reward": "not_on_any_path:score"}}))
+        assert "not_on_any_path:score" in str(failed.value) and "verifier.rewards.import_paths" in str(failed.value)
     finally:
         ray.get(actor.shutdown.remote())
         ray.kill(actor)
