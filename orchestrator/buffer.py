@@ -63,14 +63,16 @@ CREATE VIEW IF NOT EXISTS samples AS
 """
 # Samples ready or taken: the buffer's share of the untrained work behind the async bound.
 BUFFERED_SAMPLES = "untrained:buffered_samples"
-COUNTERS = ("groups_kept", "groups_dropped_zero_signal", "groups_dropped_unscored", "samples_dropped_stale", "samples_trained", "step")
+COUNTERS = ("groups_kept", "groups_dropped_zero_signal", "groups_dropped_unscored", "samples_dropped_stale",
+    "samples_trained", "step")
 
 GROUP_COLUMNS = ", ".join(SampleGroup.__dataclass_fields__)
 INSERT_GROUP = (
     f"INSERT INTO sample_groups ({GROUP_COLUMNS}, num_samples, created_at, status) "
     f"VALUES ({', '.join('?' * (len(SampleGroup.__dataclass_fields__) + 2))}, 'ready')"
 )
-CLEARED_ARRAYS = ", ".join(f"{name}=x''" for name in ("completion_lengths", "prompt_ids", "completion_ids", "logprobs", "env_masks"))
+CLEARED_ARRAYS = ", ".join(f"{name}=x''" for name in ("completion_lengths", "prompt_ids", "completion_ids", "logprobs",
+    "env_masks"))
 
 
 @dataclass
@@ -122,7 +124,8 @@ def build_groups(
     ends = np.cumsum(lengths.reshape(len(prompts), k).sum(axis=1)).tolist()
     completion_ids = le_bytes(np.concatenate([c.token_ids for c in ordered]), GROUP_ARRAYS["completion_ids"])
     if behaviour_logprobs is not None:
-        if len(behaviour_logprobs) != len(comps) or any(lp is None or lp.size != c.token_ids.size for lp, c in zip(behaviour_logprobs, comps)):
+        if len(behaviour_logprobs) != len(comps) or any(lp is None or lp.size != c.token_ids.size for lp,
+            c in zip(behaviour_logprobs, comps)):
             raise ValueError("the verifier's behaviour logprobs do not match the completions")
         mu = [behaviour_logprobs[i] for i in order]
     else:
@@ -132,7 +135,8 @@ def build_groups(
     # cover the whole episode, the verifier's at environment positions too; the trainer masks them).
     episodes = any(c.env_mask is not None for c in ordered)
     if episodes:
-        masks = le_bytes(np.concatenate([c.env_mask if c.env_mask is not None else np.zeros(c.token_ids.size, np.uint8) for c in ordered]), GROUP_ARRAYS["env_masks"])
+        masks = le_bytes(np.concatenate([c.env_mask if c.env_mask is not None else np.zeros(c.token_ids.size, np.uint8)
+            for c in ordered]), GROUP_ARRAYS["env_masks"])
     rows: list[SampleGroup] = []
     for g, (p, start, end) in enumerate(zip(prompts, [0, *ends], ends)):
         if not signal[g] or p in bad:
@@ -172,7 +176,8 @@ class RolloutBuffer:
         with db.tx() as conn:
             # Taken groups stay taken over a restart: only the trainer knows whether it trained them
             # (Orchestrator.reconcile_trainer decides).
-            buffered = conn.execute("SELECT COALESCE(SUM(num_samples), 0) FROM sample_groups WHERE status IN ('ready', 'taken')").fetchone()[0]
+            buffered = conn.execute("SELECT COALESCE(SUM(num_samples), 0) FROM sample_groups WHERE status IN "
+                "('ready', 'taken')").fetchone()[0]
             db.set(conn, BUFFERED_SAMPLES, int(buffered))
         # Wakes a trainer waiting in `wait_for` once enough samples are ready (see `added`).
         self._changed = threading.Condition()
@@ -191,8 +196,9 @@ class RolloutBuffer:
         Database.add(db, "groups_dropped_unscored", groups.dropped_unscored)
         db.executemany(
             INSERT_GROUP,
-            [(g.submission_id, g.prompt_index, json.dumps(g.sample_indices), g.behaviour_version, g.advantages, g.rewards,
-              g.completion_lengths, g.prompt_ids, g.completion_ids, g.logprobs, g.env_masks, g.num_samples, now) for g in groups.rows],
+            [(g.submission_id, g.prompt_index, json.dumps(g.sample_indices), g.behaviour_version, g.advantages,
+              g.rewards, g.completion_lengths, g.prompt_ids, g.completion_ids, g.logprobs, g.env_masks, g.num_samples,
+              now) for g in groups.rows],
         )
         Database.add(db, BUFFERED_SAMPLES, groups.num_samples)
 
@@ -232,34 +238,33 @@ class RolloutBuffer:
         from an earlier config never leave a batch short), marked as taken by a new batch id.
 
         Groups that the step starting at `trainer_version` would drop as stale are marked stale here and
-        counted, instead of travelling to the trainer.
+        counted (`_drop_stale`), instead of travelling to the trainer.
 
         `new_batch(db, groups, samples) -> (batch_id, seq)` numbers the batch in the same transaction
         (batches.py); without it the batch gets a random id and no sequence (tests of the buffer alone)."""
         with self.db.tx() as db:
             dropped = 0
             if self.max_staleness is not None and trainer_version is not None:
-                lowest = staleness.min_trainable_version(trainer_version, self.max_staleness)
-                dropped = int(db.execute(
-                    "SELECT COALESCE(SUM(num_samples), 0) FROM sample_groups WHERE status='ready' AND behaviour_version<?", (lowest,)
-                ).fetchone()[0])
+                dropped = self._drop_stale(db, "status='ready'", (), trainer_version).num_dropped
                 if dropped:
-                    db.execute(f"UPDATE sample_groups SET status='stale', {CLEARED_ARRAYS} WHERE status='ready' AND behaviour_version<?", (lowest,))
-                    Database.add(db, "samples_dropped_stale", dropped)
-                    Database.add(db, BUFFERED_SAMPLES, -dropped)
                     self.room_freed()
             # Ready groups are taken in seq order, so a batch is every ready group up to the last one it needs.
             last, total = None, 0
-            for seq, size in db.execute("SELECT seq, num_samples FROM sample_groups WHERE status='ready' ORDER BY seq LIMIT ?", (max(1, n),)):
+            for seq, size in db.execute("SELECT seq, num_samples FROM sample_groups WHERE status='ready' ORDER BY seq "
+                "LIMIT ?", (max(1, n),)):
                 last, total = seq, total + size
                 if total >= n:
                     break
             if last is None:
                 return Batch(f"B{secrets.token_hex(6)}", [], dropped)
-            seqs = [r[0] for r in db.execute("SELECT seq FROM sample_groups WHERE status='ready' AND seq<=? ORDER BY seq", (last,))]
+            seqs = [r[0]
+                for r in db.execute("SELECT seq FROM sample_groups WHERE status='ready' AND seq<=? ORDER BY seq",
+                (last,))]
             batch_id, batch_seq = new_batch(db, seqs, total) if new_batch else (f"B{secrets.token_hex(6)}", 0)
-            db.execute("UPDATE sample_groups SET status='taken', batch_id=? WHERE status='ready' AND seq<=?", (batch_id, last))
-            rows = db.execute(f"SELECT {GROUP_COLUMNS} FROM sample_groups WHERE batch_id=? ORDER BY seq", (batch_id,)).fetchall()
+            db.execute("UPDATE sample_groups SET status='taken', batch_id=? WHERE status='ready' AND seq<=?",
+                (batch_id, last))
+            rows = db.execute(f"SELECT {GROUP_COLUMNS} FROM sample_groups WHERE batch_id=? ORDER BY seq", (batch_id,
+                )).fetchall()
         return Batch(batch_id, [SampleGroup(r[0], r[1], json.loads(r[2]), *r[3:]) for r in rows], dropped, batch_seq)
 
     def commit(self, db: sqlite3.Connection, batch_id: str, trained_from_version: int) -> dict[int, int]:
@@ -267,37 +272,52 @@ class RolloutBuffer:
         Marks its groups trained and returns their staleness (version gap -> samples); committing a batch
         that is not taken (twice, or unknown) changes nothing and returns {}.
 
-        Groups the step dropped as too stale (the trainer's own filter, with the same rule) are marked
-        stale, not trained, so the table says exactly what the weights saw."""
-        rows = db.execute("SELECT seq, behaviour_version, num_samples FROM sample_groups WHERE batch_id=? AND status='taken'", (batch_id,)).fetchall()
-        if not rows:
+        Groups the step dropped as too stale are marked stale, not trained, so the table says exactly what the
+        weights saw. The tally is made here from the stored groups and the step's start version, by the rule
+        the trainer's step uses (`protocol.staleness.tally`): after a crash that is all a batch is settled by."""
+        taken = db.execute("SELECT 1 FROM sample_groups WHERE batch_id=? AND status='taken' LIMIT 1", (batch_id,))
+        if taken.fetchone() is None:
             return {}
-        lowest = staleness.min_trainable_version(trained_from_version, self.max_staleness) if self.max_staleness is not None else None
-        stale = [seq for seq, version, _ in rows if lowest is not None and version < lowest]
-        dropped = sum(size for _, version, size in rows if lowest is not None and version < lowest)
-        if stale:
-            db.execute(f"UPDATE sample_groups SET status='stale', {CLEARED_ARRAYS} WHERE seq IN ({','.join('?' * len(stale))})", stale)
-        db.execute(f"UPDATE sample_groups SET status='trained', {CLEARED_ARRAYS} WHERE batch_id=? AND status='taken'", (batch_id,))
-        gaps: dict[int, int] = {}
-        for _, version, size in rows:
-            if lowest is None or version >= lowest:
-                gap = max(0, staleness.staleness(trained_from_version, int(version)))
-                gaps[gap] = gaps.get(gap, 0) + int(size)
-        for gap, n in gaps.items():
+        tally = self._drop_stale(db, "batch_id=? AND status='taken'", (batch_id,), trained_from_version)
+        db.execute(f"UPDATE sample_groups SET status='trained', {CLEARED_ARRAYS} WHERE batch_id=? AND status='taken'",
+            (batch_id,))
+        for gap, n in tally.trained.items():
             Database.add(db, f"staleness:{gap}", n)
-        trained = sum(gaps.values())
-        Database.add(db, "samples_trained", trained)
-        Database.add(db, BUFFERED_SAMPLES, -(trained + dropped))
+        Database.add(db, "samples_trained", tally.num_trained)
+        Database.add(db, BUFFERED_SAMPLES, -tally.num_trained)
         self.room_freed()
-        Database.add(db, "samples_dropped_stale", dropped)
         Database.add(db, "step", 1)
-        return gaps
+        return dict(tally.trained)
+
+    def _drop_stale(
+        self, db: sqlite3.Connection, where: str, args: tuple, start_version: int
+    ) -> staleness.StalenessTally:
+        """The staleness tally of the step starting at `start_version` over the groups `where` selects: the
+        groups it drops are marked stale (their arrays cleared) and counted. The buffer's one use of the rule."""
+        by_version = db.execute(
+            f"SELECT behaviour_version, SUM(num_samples) FROM sample_groups WHERE {where} GROUP BY behaviour_version",
+            args,
+        ).fetchall()
+        tally = staleness.tally(start_version, self.max_staleness, by_version)
+        stale = [int(version) for version, _ in by_version if not tally.trains(version)]
+        if stale:
+            versions = ",".join("?" * len(stale))
+            db.execute(
+                f"UPDATE sample_groups SET status='stale', {CLEARED_ARRAYS} "
+                f"WHERE {where} AND behaviour_version IN ({versions})",
+                (*args, *stale),
+            )
+            Database.add(db, "samples_dropped_stale", tally.num_dropped)
+            Database.add(db, BUFFERED_SAMPLES, -tally.num_dropped)
+        return tally
 
     def give_back(self, db: sqlite3.Connection, batch_id: str) -> int:
         """In the caller's transaction: a batch went back untrained; its groups are ready again. Returns
         how many samples."""
-        n = db.execute("SELECT COALESCE(SUM(num_samples), 0) FROM sample_groups WHERE batch_id=? AND status='taken'", (batch_id,)).fetchone()[0]
-        db.execute("UPDATE sample_groups SET status='ready', batch_id=NULL WHERE batch_id=? AND status='taken'", (batch_id,))
+        n = db.execute("SELECT COALESCE(SUM(num_samples), 0) FROM sample_groups WHERE batch_id=? AND status='taken'",
+            (batch_id,)).fetchone()[0]
+        db.execute("UPDATE sample_groups SET status='ready', batch_id=NULL WHERE batch_id=? AND status='taken'",
+            (batch_id,))
         return int(n)
 
     # ---------------------------------------------------------------------------------------------
@@ -305,11 +325,15 @@ class RolloutBuffer:
 
     def status_counts(self) -> dict[str, int]:
         """Samples by buffer status (ready, taken, trained, stale)."""
-        return {r["status"]: int(r["n"]) for r in self.db.all("SELECT status, SUM(num_samples) AS n FROM sample_groups GROUP BY status")}
+        return {r["status"]: int(r["n"])
+            for r in self.db.all("SELECT status, SUM(num_samples) AS n FROM sample_groups GROUP BY status")}
 
     def trained_sample_ids(self) -> list[str]:
-        return [r[0] for r in self.db.all("SELECT sample_id FROM samples WHERE status='trained' ORDER BY group_seq, sample_index")]
+        return [r[0]
+            for r in self.db.all(
+            "SELECT sample_id FROM samples WHERE status='trained' ORDER BY group_seq, sample_index")]
 
     def staleness_histogram(self) -> dict[str, int]:
         rows = self.db.all("SELECT key, value FROM meta WHERE key LIKE 'staleness:%'")
-        return {r["key"].split(":", 1)[1]: int(float(r["value"])) for r in sorted(rows, key=lambda r: int(r["key"].split(":", 1)[1]))}
+        return {r["key"].split(":", 1)[1]: int(float(r["value"])) for r in sorted(rows,
+            key=lambda r: int(r["key"].split(":", 1)[1]))}

@@ -5,8 +5,11 @@ its own state and SQL:
 
     db.py            the SQLite file, transactions, counters
     tokens.py        join tokens: identity caps, registration rate, token bans, lease debt
+    open_join.py     join tokens claimed for a proof of work, where the run allows it
     workers.py       identities, secrets, heartbeats, strikes and bans
+    registration.py  a new identity under a join token, and what the worker is told to start with
     leases.py        which prompts and seeds a worker gets, the async bound, expiry (room.py: its long poll)
+    lease_requests.py  a worker's lease request: a lease, or when to ask again
     admission.py     every check a submission must pass before it is queued
     verification.py  the verification queue and what a verdict changes
     versions.py      published policy versions, and announcing them (the only way)
@@ -33,16 +36,27 @@ from orchestrator.data import Prompt, PromptSet
 from orchestrator.db import Database
 from orchestrator.errors import ApiError
 from orchestrator.evaluation import RunEvaluation, evaluated_prompts
-from orchestrator.lease_shares import NoLeaseNow
-from orchestrator.leases import GenerationBoundReached, LeaseBook
+from orchestrator.lease_requests import LeaseRequests
+from orchestrator.leases import LeaseBook
+from orchestrator.open_join import OpenJoin
 from orchestrator.operators import Operators
+from orchestrator.registration import Registration
 from orchestrator.tokens import JoinTokens, TokenRow
-from orchestrator.verification import MAX_VERIFY_BACKLOG, Verification, Verifier, default_make_job
+from orchestrator.verification import Verification, Verifier, default_make_job
 from orchestrator.versions import PolicyVersions
 from orchestrator.workers import Workers
 from protocol import limits, staleness
 from protocol.batches import Batch, Lineage, ReconcileFirst
-from protocol.models import ErrorCode, Heartbeat, HeartbeatAck, LeaseRequest, LeaseResponse, ReleaseAck, WorkerRegistered, WorkerRegistration
+from protocol.models import (
+    ErrorCode,
+    Heartbeat,
+    HeartbeatAck,
+    LeaseRequest,
+    LeaseResponse,
+    ReleaseAck,
+    WorkerRegistered,
+    WorkerRegistration,
+)
 from protocol.operator_models import EvalResult, RunStatus
 
 log = logging.getLogger(__name__)
@@ -50,20 +64,21 @@ log = logging.getLogger(__name__)
 
 class Orchestrator:
     def __init__(
-        self, config: OrchestratorConfig, db: Database, prompts: PromptSet, verifier: Verifier, *, shape: StepShape, task_name: str = "toy",
-        task_params: dict[str, Any] | None = None, run_name: str = "run", relay_urls: list[str] | None = None, manifest_public_key: str = "",
-        run_id: str = "", origin_url: str = "", make_job: Callable[..., Any] = default_make_job, verify_batch: int = 16,
-        evaluation: EvalConfig | None = None, eval_prompts: list[Prompt] | None = None,
+        self, config: OrchestratorConfig, db: Database, prompts: PromptSet, verifier: Verifier, *, shape: StepShape,
+        task_name: str = "toy", task_params: dict[str, Any] | None = None, run_name: str = "run",
+        relay_urls: list[str] | None = None, manifest_public_key: str = "", run_id: str = "", origin_url: str = "",
+        make_job: Callable[..., Any] = default_make_job, verify_batch: int = 16, evaluation: EvalConfig | None = None,
+        eval_prompts: list[Prompt] | None = None,
     ):
         self.cfg, self.db, self.run_name = config, db, run_name
         self.prompts = prompts = evaluated_prompts(prompts, evaluation, eval_prompts)
-        self.relay_urls = list(relay_urls or [])
-        self.manifest_public_key = manifest_public_key
-        self.run_id = run_id or run_name  # workers accept only manifests signed for this run
-        self.origin_url = origin_url  # the workers' fallback when relays fail
+        prompts.attach(db)  # a curriculum resumes its level
         self.metrics, self.windows = status.Metrics(), status.RunWindows()
-        self.tokens = JoinTokens(db, [t.get_secret_value() for t in config.join_tokens], config.max_identities_per_token, config.lease_cooldown_s)
-        self.workers = Workers(db, self.tokens, config.worker_dead_after_s, config.ban_scope, config.strike_decay_accepted)
+        self.tokens = JoinTokens(db, [t.get_secret_value() for t in config.join_tokens],
+                                 config.max_identities_per_token, config.lease_cooldown_s)
+        self.workers = Workers(db, self.tokens, config.worker_dead_after_s, config.ban_scope,
+                               config.strike_decay_accepted)
+        self.open_join = OpenJoin(config.open_join, self.tokens)
         self.buffer = RolloutBuffer(db, shape.max_staleness)
         self.batches = BatchBook(db, self.buffer)
         # Batches left taken or trained by a crash are settled by the trainer's checkpoint, not by us:
@@ -73,23 +88,32 @@ class Orchestrator:
         self.leases.costs.metric = self.metrics.leases_released
         self.buffer.room_freed = self.leases.room.notify
         self.versions = PolicyVersions(db, self.metrics.policy_version)
+        self.registration = Registration(
+            config, tokens=self.tokens, workers=self.workers, shares=self.leases.shares, versions=self.versions,
+            relay_urls=relay_urls or [], manifest_public_key=manifest_public_key, run_id=run_id or run_name,
+            origin_url=origin_url,
+        )
         self.verification = Verification(
-            db, verifier=verifier, versions=self.versions, workers=self.workers, leases=self.leases, buffer=self.buffer, prompts=prompts,
-            metrics=self.metrics, windows=self.windows, task_name=task_name, task_params=task_params or {}, advantage_std=shape.advantage_std,
-            strikes_to_ban=config.strikes_to_ban, make_job=make_job, batch_size=verify_batch, near_tie_burst=config.near_tie_burst,
+            db, verifier=verifier, versions=self.versions, workers=self.workers, leases=self.leases, buffer=self.buffer,
+            prompts=prompts, metrics=self.metrics, windows=self.windows, task_name=task_name,
+            task_params=task_params or {}, advantage_std=shape.advantage_std, strikes_to_ban=config.strikes_to_ban,
+            make_job=make_job, batch_size=verify_batch, near_tie_burst=config.near_tie_burst,
             near_tie_ban=config.near_tie_ban,
         )
-        self.evals = RunEvaluation(db, prompts, evaluation, config, leases=self.leases, versions=self.versions, metrics=self.metrics,
-                                   finished=self.verification.evals_finished)
+        self.evals = RunEvaluation(db, prompts, evaluation, config, leases=self.leases, versions=self.versions,
+                                   metrics=self.metrics, finished=self.verification.evals_finished)
         self.versions.on_advance = self.evals.announced
-        cap = limits.submission_bytes_cap(config.prompts_per_lease * config.samples_per_prompt, config.sampling.max_tokens,
-                                          episodes=config.environment is not None)
-        self.admission = admission.Admission(async_level=config.async_level, vocab_size=prompts.vocab_size, cap=cap, workers=self.workers,
-                                             leases=self.leases, versions=self.versions, verification=self.verification)
+        cap = limits.submission_bytes_cap(config.prompts_per_lease * config.samples_per_prompt,
+                                          config.sampling.max_tokens, episodes=config.environment is not None)
+        self.admission = admission.Admission(async_level=config.async_level, vocab_size=prompts.vocab_size, cap=cap,
+                                             workers=self.workers, leases=self.leases, versions=self.versions,
+                                             verification=self.verification)
+        self.lease_requests = LeaseRequests(
+            config, workers=self.workers, leases=self.leases, versions=self.versions, verification=self.verification,
+            metrics=self.metrics, windows=self.windows, finished=lambda: self.finished,
+        )
         self.operators = Operators(db, self.workers, self.tokens, self.leases, self.verification.deviations)
         self.limiter = admission.RateLimiter(config.rate_limit_per_s)
-        # A token may register its whole quota of identities at once, then re-register at the per-minute rate.
-        self.registrations = admission.RateLimiter(config.registrations_per_min_per_token / 60.0, burst=float(config.max_identities_per_token))
         self._stop = self.verification.stopping
         self._threads: list[threading.Thread] = []
         self.ready = self.finished = False
@@ -126,24 +150,8 @@ class Orchestrator:
         self.limiter.check(worker_id)
         return worker_id
 
-    def register(self, reg: WorkerRegistration, join_token: "str | TokenRow") -> WorkerRegistered:
-        """A new identity under a join token that may still register (the secret, or the row the HTTP gate
-        already authenticated): not banned or revoked, under its registration rate and its cap on live
-        identities."""
-        token = self.tokens.authenticate(join_token) if isinstance(join_token, str) else self.tokens.current(join_token)
-        if self.workers.live_identities(token.token_id, time.time()) >= token.max_identities:
-            raise ApiError(
-                ErrorCode.too_many_identities, f"join token {token.token_id} already has {token.max_identities} live workers",
-                retry_after_s=self.cfg.worker_dead_after_s,
-            )
-        self.registrations.check(token.token_id)
-        worker_id, secret = self.workers.register(reg.name, reg.device, reg.client_version, token.token_id)
-        self.leases.shares.note_demand(token.token_id, time.time())  # a new worker asks for its first lease next
-        return WorkerRegistered(
-            worker_id=worker_id, secret=secret, heartbeat_interval_s=self.cfg.heartbeat_interval_s, async_level=self.cfg.async_level,
-            policy_version=self.versions.current, relay_urls=self.relay_urls, manifest_public_key=self.manifest_public_key, run_id=self.run_id,
-            origin_url=self.origin_url, policy_model_hash=self.versions.model_hash(self.versions.current) or None,
-        )
+    def register(self, reg: WorkerRegistration, join_token: str | TokenRow) -> WorkerRegistered:
+        return self.registration.register(reg, join_token)
 
     def heartbeat(self, worker_id: str, path_worker_id: str, hb: Heartbeat) -> HeartbeatAck:
         if path_worker_id != worker_id:
@@ -153,42 +161,13 @@ class Orchestrator:
         current = self.versions.current
         return HeartbeatAck(
             policy_version=current, min_policy_version=staleness.min_policy_version(current, self.cfg.async_level),
-            heartbeat_interval_s=self.cfg.heartbeat_interval_s, policy_model_hash=self.versions.model_hash(current) or None,
+            heartbeat_interval_s=self.cfg.heartbeat_interval_s,
+            policy_model_hash=self.versions.model_hash(current) or None,
         )
 
     def lease(self, worker_id: str, req: LeaseRequest) -> LeaseResponse:
         """A lease, or a reason to come back later (api.py holds the request instead while the bound is full)."""
-        try:
-            return self.try_lease(worker_id, req)
-        except GenerationBoundReached:
-            return self.bound_reached()
-
-    def bound_reached(self) -> LeaseResponse:
-        self.windows.bound_reached(time.time())
-        self.metrics.leases_refused_async_bound.inc()
-        return LeaseResponse(lease=None, retry_after_s=0.2)
-
-    def try_lease(self, worker_id: str, req: LeaseRequest) -> LeaseResponse:
-        """A lease, a reason to come back later, or GenerationBoundReached."""
-        self.workers.refuse_if_banned(worker_id)
-        if self.finished:
-            return LeaseResponse(lease=None, retry_after_s=max(self.cfg.heartbeat_interval_s, 5.0))
-        if self.verification.backlog() >= MAX_VERIFY_BACKLOG:
-            # Backpressure: the verifier pool is behind; more rollouts now would only wait (and go stale).
-            return LeaseResponse(lease=None, retry_after_s=1.0)
-        current = self.versions.current
-        if not self.versions.model_hash(current):  # before the trainer's first reconcile: nothing to check rollouts against
-            return LeaseResponse(lease=None, retry_after_s=1.0)
-        admission.check_version(req.loaded_policy_version, current, self.cfg.async_level, what="loaded policy version")
-        now = time.time()
-        try:
-            lease = self.leases.issue(worker_id, req.max_prompts, current, now, loaded_version=req.loaded_policy_version, request_id=req.request_id)
-        except NoLeaseNow as exc:  # this worker's token: its share is in use, or it is cooling down
-            self.metrics.leases_refused_budget.inc()
-            return LeaseResponse(lease=None, retry_after_s=round(exc.retry_after_s, 3))
-        self.windows.bound_cleared(now)
-        self.metrics.leases_issued.inc()
-        return LeaseResponse(lease=lease)
+        return self.lease_requests.lease(worker_id, req)
 
     def release(self, worker_id: str, lease_id: str) -> ReleaseAck:
         return ReleaseAck(lease_id=lease_id, released=self.leases.release(lease_id, worker_id))
@@ -262,7 +241,8 @@ class Orchestrator:
         return gaps
 
     def reconcile_trainer(
-        self, lineage: list[list[int]], from_versions: dict[str, int], published: dict[int, str], superseded: dict[int, str] | None = None,
+        self, lineage: list[list[int]], from_versions: dict[str, int], published: dict[int, str],
+        superseded: dict[int, str] | None = None,
     ) -> dict[str, int]:
         """A (re)started trainer, or a trainer meeting a restarted orchestrator, settles every batch in
         flight by its durable checkpoint: the batches its lineage holds are committed, the others go back.

@@ -1,7 +1,8 @@
 """Verification bookkeeping: the submissions waiting for a verdict, the thread that sends them to the
 verifier pool in batches, and what a verdict changes (the submission, its lease, the worker's ledger and
-strikes, the buffer), all in one transaction. Owns the `submissions` and `fingerprints` tables (a
-submission claims a published version; the verifier checks its model hash against orchestrator/versions.py).
+strikes, the buffer), all in one transaction (orchestrator/verdict_effects.py works it out before). Owns
+the `submissions` and `fingerprints` tables (a submission claims a published version; the verifier checks
+its model hash against orchestrator/versions.py).
 
 Verification goes through anything with `verify_many(jobs) -> list[Verdict]`: Ray actors wrapping
 `verifier.service.Verifier` in production, a fake in logic unit tests.
@@ -10,24 +11,22 @@ Verification goes through anything with `verify_many(jobs) -> list[Verdict]`: Ra
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from orchestrator import admission, reward_failures
 from orchestrator.admission import Pending, SubmissionRow
-from orchestrator.buffer import Groups, RolloutBuffer, build_groups
+from orchestrator.buffer import RolloutBuffer
 from orchestrator.data import PromptSet
 from orchestrator.db import Database
 from orchestrator.draw_deviations import DeviationLedger
 from orchestrator.errors import ApiError
-from orchestrator.evaluation import per_prompt_results
 from orchestrator.leases import LeaseBook
 from orchestrator.status import Metrics, RunWindows
+from orchestrator.verdict_effects import Applied, prepare
 from orchestrator.versions import PolicyVersions
 from orchestrator.workers import WorkerRow, Workers
 from protocol.models import ErrorCode, RolloutSubmission, TaskLease
@@ -78,20 +77,6 @@ def default_make_job(**fields: Any) -> Any:
     from verifier.service import VerifyJob
 
     return VerifyJob(**fields)
-
-
-@dataclass
-class Applied:
-    submission_id: str
-    worker_id: str
-    verdict: Verdict
-    accepted: bool
-    rewards: list[float]
-    groups: Groups | None
-    num_tokens: int = 0  # the submission's generated tokens (what the verifier's throughput counts)
-    # an accepted eval submission: (version, held-out prompt index -> (rewards, completion lengths))
-    evaluation: tuple[int, dict[int, tuple[list[float], list[int]]]] | None = None
-    failures: tuple[str, dict[str, int]] = ("", {})  # rewards not computed: (reward, kind -> completions)
 
 
 class Verification:
@@ -246,7 +231,7 @@ class Verification:
             if v is None:  # failed this time: queued again (or given up on, in _verify)
                 continue
             try:
-                prepared.append(self._prepare(sid, p, v))
+                prepared.append(prepare(sid, p, v, task_name=self.task_name, advantage_std=self.advantage_std))
             except Exception:  # one bad verdict must not lose the others; this one stays pending in SQLite
                 log.exception("could not apply a verdict; the submission stays pending until a restart",
                     extra={"submission_id": sid})
@@ -292,36 +277,6 @@ class Verification:
         return [Verdict(submission_id=sid, status=VerdictStatus.rejected,
             rejections=[Rejection(code=RejectionCode.verification_failed, message=message)])]
 
-    def _prepare(self, submission_id: str, p: Pending, v: Verdict) -> Applied:
-        v = v.model_copy(update={"submission_id": submission_id})
-        if v.status != VerdictStatus.accepted:
-            return Applied(submission_id, p.worker_id, v, False, [], None, p.submission.num_tokens)
-        rewards = list(v.rewards or [])
-        failures = (reward_failures.reward_name(self.task_name, p.lease), reward_failures.kinds(v))
-        if p.eval_version is not None:  # scored for the evaluation; never a training group
-            if len(rewards) != len(p.submission.completions) or not all(map(math.isfinite, rewards)):
-                v = Verdict(submission_id=submission_id, status=VerdictStatus.rejected,
-                            rejections=[Rejection(code=RejectionCode.reward_error,
-                            message="unusable rewards for an eval lease")])
-                return Applied(submission_id, p.worker_id, v, False, [], None, p.submission.num_tokens)
-            per_prompt = per_prompt_results(p.prompt_indices, p.submission.completions, rewards)
-            return Applied(submission_id, p.worker_id, v, True, rewards, None, p.submission.num_tokens,
-                (p.eval_version, per_prompt), failures)
-        unscored = reward_failures.unscored(v)
-        try:  # a group with an unscored completion is dropped, like a zero-signal one
-            groups = build_groups(submission_id, p.submission, p.lease, rewards, self.advantage_std,
-                v.behaviour_logprobs, unscored)
-        except ValueError as exc:  # no reward per completion, or one that is not finite: never pending forever
-            log.error("accepted verdict with unusable rewards; recorded as rejected",
-                extra={"submission_id": submission_id, "error": str(exc)})
-            v = Verdict(submission_id=submission_id, status=VerdictStatus.rejected,
-                        rejections=[Rejection(code=RejectionCode.reward_error,
-                        message=f"unusable rewards: {exc}"[:2000])])
-            return Applied(submission_id, p.worker_id, v, False, [], None, p.submission.num_tokens)
-        # the run's reward totals skip made-up 0s
-        scored = [r for i, r in enumerate(rewards) if not (unscored and unscored[i])]
-        return Applied(submission_id, p.worker_id, v, True, scored, groups, p.submission.num_tokens, failures=failures)
-
     def _record(self, a: Applied) -> tuple[bool, bool]:
         """Apply a verdict atomically: submission, lease, worker ledger and strikes, buffer. Returns
         (applied, banned_now). A verdict for a submission that is no longer pending is ignored, so a
@@ -337,7 +292,7 @@ class Verification:
             if not a.accepted:  # its prompts come back with the same seeds: the same honest rollouts may follow
                 db.execute("DELETE FROM fingerprints WHERE submission_id=?", (a.submission_id,))
             # A reward that could not be computed is never the worker's doing: full credit, no strike.
-            self.leases.finish(db, row["lease_id"], a.accepted)
+            self.leases.finish(db, row["lease_id"], a.accepted, generated=a.verdict.verified_tokens)
             tokens = a.verdict.verified_tokens if a.accepted else 0
             strike = not a.accepted and any(r.code not in NO_STRIKE for r in a.verdict.rejections)
             banned_now = self.workers.record_verdict(db, row["worker_id"], a.accepted, tokens, self.strikes_to_ban,
@@ -379,6 +334,7 @@ class Verification:
         self.windows.verified(a.num_tokens)
         if a.accepted:
             training = a.evaluation is None
+            self.prompts.observe(a.scored_prompts, a.rewards)  # a curriculum's online pass rate
             self.windows.accepted(a.verdict.verified_tokens, float(sum(a.rewards)) if training else 0.0, len(a.rewards)
                 if training else 0)
             self.metrics.verified_tokens.inc(a.verdict.verified_tokens)

@@ -4,9 +4,15 @@ when it is trained, and which samples a step may still train on.
 Version N is the weights after N optimizer steps. One trainer step (one batch) runs `mini_batches`
 optimizer steps, so it moves the version by that much. A sample's staleness is counted against the
 version at the *start* of the step that trains it (its proximal policy).
+
+Which samples a step drops as stale, and what it trained and dropped by version gap, is `tally`: the trainer's
+step and the orchestrator's buffer each make one per step and report or record only that.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 
 def min_policy_version(current: int, async_level: int) -> int:
@@ -33,11 +39,53 @@ def max_untrained_samples(async_level: int, samples_per_step: int) -> int:
 
 
 def lease_min_version(
-    current: int, async_level: int, *, untrained_samples: int, new_samples: int, samples_per_step: int, mini_batches: int, max_staleness: int
+    current: int, async_level: int, *, untrained_samples: int, new_samples: int, samples_per_step: int,
+    mini_batches: int, max_staleness: int
 ) -> int:
     """The lowest version a new lease may be generated with. Its samples queue behind the untrained ones,
     so the step that trains them starts `slot` steps from now, at version current + slot * mini_batches;
     a behaviour version more than max_staleness below that would only be dropped when it gets there."""
     slot = (untrained_samples + new_samples - 1) // samples_per_step
     at_training = current + slot * mini_batches
-    return max(min_policy_version(current, async_level), min(current, min_trainable_version(at_training, max_staleness)))
+    return max(min_policy_version(current, async_level), min(current, min_trainable_version(at_training,
+        max_staleness)))
+
+
+@dataclass(frozen=True)
+class StalenessTally:
+    """What the step starting at `start_version` does with its samples: it trains those at most
+    `max_staleness` versions behind (None: no bound) and drops the older ones as stale, never training them."""
+
+    start_version: int
+    max_staleness: int | None
+    trained: dict[int, int]  # version gap -> samples trained
+    dropped: dict[int, int]  # version gap -> samples dropped as stale
+
+    def trains(self, behaviour_version: int) -> bool:
+        if self.max_staleness is None:
+            return True
+        return behaviour_version >= min_trainable_version(self.start_version, self.max_staleness)
+
+    @property
+    def num_trained(self) -> int:
+        return sum(self.trained.values())
+
+    @property
+    def num_dropped(self) -> int:
+        return sum(self.dropped.values())
+
+    def received(self) -> dict[int, int]:
+        """Version gap -> samples the step was handed, trained or dropped, smallest gap first."""
+        gaps = sorted({*self.trained, *self.dropped})
+        return {gap: self.trained.get(gap, 0) + self.dropped.get(gap, 0) for gap in gaps}
+
+
+def tally(start_version: int, max_staleness: int | None, samples: Iterable[tuple[int, int]]) -> StalenessTally:
+    """The tally of the step starting at `start_version` over (behaviour version, number of samples) pairs.
+    A behaviour version ahead of the step counts as gap 0."""
+    out = StalenessTally(start_version, max_staleness, {}, {})
+    for version, n in samples:
+        side = out.trained if out.trains(int(version)) else out.dropped
+        gap = max(0, staleness(start_version, int(version)))
+        side[gap] = side.get(gap, 0) + int(n)
+    return out

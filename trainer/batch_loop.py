@@ -29,7 +29,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from protocol import staleness
 from protocol.batches import Batch, Lineage, ReconcileFirst
 from protocol.retry import backoff_delays
 from trainer import checkpoint as ckpt
@@ -59,14 +58,15 @@ class BatchSource(Protocol):
 
     def commit_batches(self, batches: dict[str, int], published: dict[int, str]) -> dict[int, int]: ...
 
-    def reconcile_trainer(self, lineage: list[list[int]], from_versions: dict[str, int], published: dict[int, str], superseded: dict[int, str] | None = None) -> dict[str, int]: ...
+    def reconcile_trainer(self, lineage: list[list[int]], from_versions: dict[str, int], published: dict[int, str],
+        superseded: dict[int, str] | None = None) -> dict[str, int]: ...
 
 
 @dataclass
 class StepResult:
     batch_id: str
     metrics: dict[str, float]  # Trainer.step's, plus time/wait_for_rollouts, time/step and the writer's times
-    staleness: dict[int, int]  # version gap -> samples trained
+    staleness: dict[int, int]  # version gap -> samples trained: the step's own tally (Trainer.last_staleness)
 
 
 class BatchLoop:
@@ -86,7 +86,8 @@ class BatchLoop:
         after the checkpoint this trainer resumed from), reported at the first reconciliation.
         `background=False` runs each step's writing in the step itself (the old, slower way)."""
         if not trainer.defer_io:
-            raise ValueError("the batch loop needs a Trainer made with defer_io=True: it publishes and checkpoints itself")
+            raise ValueError("the batch loop needs a Trainer made with defer_io=True: it publishes and checkpoints "
+                "itself")
         self.trainer, self.source = trainer, source
         self.samples_per_step, self.wait_s = samples_per_step, wait_s
         self.versions = versions
@@ -103,13 +104,16 @@ class BatchLoop:
         self._done: list[StepResult] = []  # committed, not yet handed to the caller
         self._recent: deque[StepResult] = deque(maxlen=RECENT_STEPS)  # for the checkpoints
         # The steps the checkpoint we resumed from names: reported (again) once reconciled.
-        self._recovered = [StepResult(r["batch_id"], r["metrics"], {int(k): v for k, v in r["staleness"].items()}) for r in cursor.get("recent_steps", [])]
+        self._recovered = [StepResult(r["batch_id"], r["metrics"], {int(k): v for k, v in r["staleness"].items()})
+            for r in cursor.get("recent_steps", [])]
         self._lock = threading.Lock()
         self._waited = 0.0  # time spent waiting for a whole batch since the last step
         self.needs_reconcile = True  # a new trainer (or a resumed one) always reconciles first
         if background and not ckpt.snapshot_fits(trainer.model, trainer.optimizer):
-            log.warning("checkpoints are written in the step: a background copy of the weights and the optimizer state would "
-                        "not fit in the memory available", extra={"snapshot_gib": round(ckpt.snapshot_bytes(trainer.model, trainer.optimizer) / 2**30, 2)})
+            log.warning("checkpoints are written in the step: a background copy of the weights and the optimizer "
+                "state would "
+                        "not fit in the memory available",
+                        extra={"snapshot_gib": round(ckpt.snapshot_bytes(trainer.model, trainer.optimizer) / 2**30, 2)})
             background = False
         self.writer = BackgroundWriter() if background else None
         trainer.snapshot_copies = background  # written in the step, a checkpoint is taken from the live tensors
@@ -127,7 +131,8 @@ class BatchLoop:
             if 0 < batch.num_samples < self.samples_per_step:
                 self.source.give_back_batch(batch.batch_id)
         except (ReconcileFirst, SourceUnavailable) as exc:
-            log.warning("the orchestrator restarted or is unreachable; reconciling before the next batch", extra={"reason": str(exc)[:200]})
+            log.warning("the orchestrator restarted or is unreachable; reconciling before the next batch",
+                extra={"reason": str(exc)[:200]})
             self.needs_reconcile = True
             return None
         if batch.num_samples < self.samples_per_step:
@@ -147,7 +152,7 @@ class BatchLoop:
             self.trainer.data_cursor = self._cursor()  # so the step's checkpoint says it holds this batch
         metrics = self.trainer.step(samples_from_groups(batch.groups))
         metrics["time/wait_for_rollouts"] = waited
-        result = StepResult(batch.batch_id, metrics, self._staleness(batch, start))
+        result = StepResult(batch.batch_id, metrics, dict(self.trainer.last_staleness.trained))
         self._pending[batch.batch_id] = result
         self._recent.append(result)
         metrics["time/checkpoint_wait"] = self._submit(self._job(batch.batch_id, start))
@@ -184,7 +189,8 @@ class BatchLoop:
         published = {v: h for v, h in self.versions().items() if v <= self._durable_version}
         while True:
             try:
-                out = self.source.reconcile_trainer(self.lineage.to_json(), dict(self.uncommitted), published, dict(self._superseded))
+                out = self.source.reconcile_trainer(self.lineage.to_json(), dict(self.uncommitted), published,
+                    dict(self._superseded))
                 break
             except SourceUnavailable as exc:
                 if time.monotonic() > deadline:
@@ -199,7 +205,8 @@ class BatchLoop:
             self.trainer.data_cursor = self._cursor()
         self._superseded.clear()
         self.needs_reconcile = False
-        log.info("reconciled with the orchestrator", extra={**out, "lineage_batches": len(self.lineage), "version": self.trainer.version})
+        log.info("reconciled with the orchestrator", extra={**out, "lineage_batches": len(self.lineage),
+            "version": self.trainer.version})
         return out
 
     def _make_durable(self) -> None:
@@ -226,7 +233,8 @@ class BatchLoop:
             state = self.trainer.checkpoint_state()
         if state is not None:
             state["trainer_state"]["data_cursor"]["recent_steps"] = [
-                {"batch_id": r.batch_id, "metrics": copy.copy(r.metrics), "staleness": r.staleness} for r in self._recent
+                {"batch_id": r.batch_id, "metrics": copy.copy(r.metrics), "staleness": r.staleness}
+                for r in self._recent
             ]
         result = self._pending.get(batch_id) if batch_id else None
 
@@ -282,7 +290,8 @@ class BatchLoop:
             call(*args)
             return True
         except SourceUnavailable as exc:
-            log.warning("orchestrator unreachable from the writer; will reconcile", extra={"call": call.__name__, "reason": str(exc)[:200]})
+            log.warning("orchestrator unreachable from the writer; will reconcile", extra={"call": call.__name__,
+                "reason": str(exc)[:200]})
             self.needs_reconcile = True
             return False
 
@@ -303,12 +312,3 @@ class BatchLoop:
         """The data cursor that goes into the next checkpoint: a new dict each time (a checkpoint being
         copied in the other thread never sees one change)."""
         return {"lineage": self.lineage.to_json(), "uncommitted": dict(self.uncommitted)}
-
-    def _staleness(self, batch: Batch, start: int) -> dict[int, int]:
-        lowest = staleness.min_trainable_version(start, self.trainer.config.max_staleness)
-        gaps: dict[int, int] = {}
-        for g in batch.groups:
-            if g.behaviour_version >= lowest:
-                gap = max(0, staleness.staleness(start, g.behaviour_version))
-                gaps[gap] = gaps.get(gap, 0) + g.num_samples
-        return gaps

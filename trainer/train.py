@@ -36,9 +36,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from protocol import staleness
 from trainer import checkpoint as ckpt
 from trainer import distributed as dist_utils
-from protocol import staleness
 from trainer.config import TrainerConfig
 from trainer.loss import STAT_KEYS, ppo_loss, step_metrics
 from trainer.optimizer import make_optimizer
@@ -117,6 +117,7 @@ class Trainer:
         self.version = 0
         self.published_version = -1
         self.last_published: dict[int, str] = {}  # versions the last step published -> model hash
+        self.last_staleness: staleness.StalenessTally | None = None  # what the last step trained and dropped
         self.data_cursor: dict[str, Any] = {}
         self.totals: Counter[str] = Counter()
         if latest is not None:
@@ -127,13 +128,15 @@ class Trainer:
     # ---------------------------------------------------------------- resume / checkpoints
 
     @classmethod
-    def resume(cls, config: TrainerConfig, run_dir: Path, publish: PublishFn | None = None, sampling_temperature: float = 1.0) -> "Trainer":
+    def resume(cls, config: TrainerConfig, run_dir: Path, publish: PublishFn | None = None,
+        sampling_temperature: float = 1.0) -> "Trainer":
         """A trainer restored from the latest checkpoint in run_dir (raises if there is none)."""
         latest = ckpt.latest_checkpoint(ckpt.checkpoint_root(Path(run_dir)))
         if latest is None:
             raise FileNotFoundError(f"no checkpoint under {ckpt.checkpoint_root(Path(run_dir))}")
         _, _, state = ckpt.read_checkpoint(latest)
-        return cls(config, Path(state["base_model_dir"]), run_dir, publish, resume=True, sampling_temperature=sampling_temperature)
+        return cls(config, Path(state["base_model_dir"]), run_dir, publish, resume=True,
+            sampling_temperature=sampling_temperature)
 
     def _load(self, path: Path) -> None:
         model_state, train_state, trainer_state = ckpt.read_checkpoint(path)
@@ -158,7 +161,8 @@ class Trainer:
     def checkpoint_state(self) -> dict[str, Any] | None:
         """`checkpoint.save_checkpoint`'s arguments for the current state, as copies that the next step
         cannot change (every rank takes part; None off rank 0)."""
-        model_state = dist_utils.full_model_state(self.model, self.env, copy=self.snapshot_copies)  # the model/ folder: exportable, loads anywhere
+        # the model/ folder: exportable, loads anywhere
+        model_state = dist_utils.full_model_state(self.model, self.env, copy=self.snapshot_copies)
         train_state: dict[str, Any] = {"scheduler": self.scheduler.state_dict(), "rng": ckpt.rng_state()}
         shards = None
         if self.env.enabled:
@@ -185,7 +189,8 @@ class Trainer:
                 "data_cursor": self.data_cursor,
                 "base_model_dir": str(self.model_dir.resolve()),
                 "totals": dict(self.totals),
-                **({"lora": {"rank": self.config.lora.rank, "alpha": self.config.lora.alpha}} if self.peft is not None else {}),
+                **({"lora": {"rank": self.config.lora.rank, "alpha": self.config.lora.alpha}} if self.peft is not None
+                else {}),
             }),
             keep=self.config.keep_checkpoints,
         )
@@ -236,7 +241,8 @@ class Trainer:
     @collective
     def step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
         """Train on one batch of verified samples; returns metrics. Every rank passes the same samples.
-        The versions it publishes, with their model hashes, are in `last_published`."""
+        The versions it publishes, with their model hashes, are in `last_published`; what it trained and
+        dropped as stale, by version gap, in `last_staleness` (the batch loop reports that, not a recount)."""
         t_start = time.perf_counter()
         cfg = self.config
         start_version = self.version
@@ -252,19 +258,22 @@ class Trainer:
 
         # 2. One plan of packed micro-batches per optimizer step.
         n_steps = min(cfg.mini_batches, len(kept))
-        plans = [plan_micro_batches([kept[i] for i in chunk], cfg, self.env, self.device) for chunk in np.array_split(np.arange(len(kept)), n_steps)]
+        plans = [plan_micro_batches([kept[i] for i in chunk], cfg, self.env, self.device)
+            for chunk in np.array_split(np.arange(len(kept)), n_steps)]
 
         # 3. Proximal logprobs: the weights at the start of the step. For the first optimizer step they are
         #    the current weights, so the training forward's own detached logprobs serve (None); later
         #    steps need them computed now, before the weights move. Reference logprobs for the KL term.
         proximal = [None] + [[self._logprobs_no_grad(self.model, mb) for mb in plan] for plan in plans[1:]]
-        reference = [[self._logprobs_no_grad(self.reference, mb) for mb in plan] for plan in plans] if self.reference is not None else None
+        reference = [[self._logprobs_no_grad(self.reference, mb) for mb in plan]
+            for plan in plans] if self.reference is not None else None
 
         # 4. Optimizer steps; 5. each one publishes a version (unless its gradient was not finite).
         sums: Counter[str] = Counter()
         iw_max, tokens, time_publish, skipped = 0.0, 0, 0.0, 0
         for k, plan in enumerate(plans):
-            step_sums, step_iw_max, step_tokens, stepped = self._optimizer_step(plan, proximal[k], reference[k] if reference else None)
+            step_sums, step_iw_max, step_tokens, stepped = self._optimizer_step(plan, proximal[k], reference[k]
+                if reference else None)
             sums.update(step_sums)
             iw_max, tokens = max(iw_max, step_iw_max), tokens + step_tokens
             if not stepped:
@@ -274,7 +283,8 @@ class Trainer:
             time_publish += self._publish()
         self.totals["optimizer_steps_skipped"] += skipped
         metrics.update(step_metrics(sums, n_steps, iw_max, tokens))
-        metrics.update({"version": float(self.version), "optimizer_steps": float(n_steps - skipped), "optimizer_steps_skipped": float(skipped), "time/publish": time_publish})
+        metrics.update({"version": float(self.version), "optimizer_steps": float(n_steps - skipped),
+            "optimizer_steps_skipped": float(skipped), "time/publish": time_publish})
         compute = time.perf_counter() - t_start - time_publish
         metrics["time/compute"] = compute
         metrics["tokens_per_s"] = tokens / compute if compute > 0 else 0.0
@@ -290,23 +300,29 @@ class Trainer:
                 metrics["time/checkpoint"] = time.perf_counter() - t
         return metrics
 
-    def _filter_stale(self, samples: Sequence[TrainSample], start_version: int) -> tuple[list[TrainSample], dict[str, float]]:
+    def _filter_stale(self, samples: Sequence[TrainSample], start_version: int) -> tuple[list[TrainSample], dict[str,
+        float]]:
+        """The samples the step trains, by the step's one staleness tally (kept in `last_staleness`), and its
+        metrics: staleness/<gap> counts every sample received, dropped ones included."""
         vocab = self.model_config.vocab_size
-        gaps = []
-        kept: list[TrainSample] = []
         for s in samples:
             if max(s.prompt_ids.max(), s.completion_ids.max()) >= vocab:
                 raise ValueError(f"sample {s.sample_id!r} has a token id >= the model's vocab size {vocab}")
-            gap = staleness.staleness(start_version, s.behaviour_version)
-            if gap < 0:
-                raise ValueError(f"sample {s.sample_id!r} claims behaviour version {s.behaviour_version} > trainer version {start_version}")
-            gaps.append(gap)
-            if s.behaviour_version >= staleness.min_trainable_version(start_version, self.config.max_staleness):
-                kept.append(s)
-        dropped = len(samples) - len(kept)
-        self.totals["samples_dropped_stale"] += dropped
-        metrics = {"samples/received": float(len(samples)), "samples/dropped_stale": float(dropped), "samples/trained": float(len(kept))}
-        metrics.update({f"staleness/{gap}": float(n) for gap, n in sorted(Counter(gaps).items())})
+            if staleness.staleness(start_version, s.behaviour_version) < 0:
+                raise ValueError(
+                    f"sample {s.sample_id!r} claims behaviour version {s.behaviour_version} "
+                    f"> trainer version {start_version}"
+                )
+        tally = staleness.tally(start_version, self.config.max_staleness, [(s.behaviour_version, 1) for s in samples])
+        self.last_staleness = tally
+        kept = [s for s in samples if tally.trains(s.behaviour_version)]
+        self.totals["samples_dropped_stale"] += tally.num_dropped
+        metrics = {
+            "samples/received": float(len(samples)),
+            "samples/dropped_stale": float(tally.num_dropped),
+            "samples/trained": float(tally.num_trained),
+        }
+        metrics.update({f"staleness/{gap}": float(n) for gap, n in tally.received().items()})
         return kept, metrics
 
     @torch.no_grad()
@@ -318,7 +334,8 @@ class Trainer:
         under Dr. GRPO) skips the step: the gradients are dropped and the weights stay as they were.
         Returns (metric sums, largest importance weight, tokens, whether the weights moved)."""
         sums, iw_max, tokens = self._backward(plan, proximal, reference)
-        grad_norm = dist_utils.clip_grad_norm([p for p in self.model.parameters() if p.grad is not None], self.config.grad_clip)
+        grad_norm = dist_utils.clip_grad_norm([p for p in self.model.parameters() if p.grad is not None],
+            self.config.grad_clip)
         sums["lr"] = self.optimizer.param_groups[0]["lr"]  # the rate this step used
         stepped = math.isfinite(grad_norm) and math.isfinite(sums["loss"])
         if stepped:
@@ -326,7 +343,8 @@ class Trainer:
             self.scheduler.step()
             sums["grad_norm"] = grad_norm
         else:
-            log.warning("non-finite loss or gradient norm; optimizer step skipped", extra={"grad_norm": grad_norm, "loss": sums["loss"]})
+            log.warning("non-finite loss or gradient norm; optimizer step skipped", extra={"grad_norm": grad_norm,
+                "loss": sums["loss"]})
         self.optimizer.zero_grad(set_to_none=True)
         return sums, iw_max, tokens, stepped
 
@@ -362,7 +380,8 @@ class Trainer:
         if self.env.enabled:
             # The same keys on every rank, even one that ran only placeholders.
             keys = ["loss", *STAT_KEYS] + (["kl"] if self.reference is not None else [])
-            vec = dist_utils.all_reduce(torch.tensor([sums[k] for k in keys] + [float(tokens)], dtype=torch.float64), self.env)
+            vec = dist_utils.all_reduce(torch.tensor([sums[k] for k in keys] + [float(tokens)], dtype=torch.float64),
+                self.env)
             sums = Counter({k: float(v) for k, v in zip(keys, vec[:-1].tolist())})
             tokens = int(vec[-1])
             iw_max = float(dist_utils.all_reduce(torch.tensor([iw_max]), self.env, op="max"))

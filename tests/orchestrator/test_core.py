@@ -86,9 +86,9 @@ def test_seeded_prompt_order_is_reproducible_and_leases_cover_groups(tmp_path):
 
 def test_accepted_submission_reaches_buffer_with_advantages(orch):
     wid, _ = register(orch)
-    l = lease(orch, wid)
+    leased = lease(orch, wid)
     rng = np.random.default_rng(0)
-    receipt = submit(orch, wid, make_submission(l, rng))
+    receipt = submit(orch, wid, make_submission(leased, rng))
     assert orch.verification.verdict(wid, receipt.submission_id).status == VerdictStatus.pending
     drain(orch)
     v = orch.verification.verdict(wid, receipt.submission_id)
@@ -107,13 +107,15 @@ def test_accepted_submission_reaches_buffer_with_advantages(orch):
     for advs in by_group.values():
         assert abs(sum(advs)) < 1e-4 and max(advs) > 0
     w = orch.operators.worker_list().workers[0]
-    assert w.submissions_accepted == 1 and w.verified_tokens == sum(int(c.token_ids.size) for c in make_submission(l, np.random.default_rng(0)).completions)
+    assert w.submissions_accepted == 1 and w.verified_tokens == sum(int(c.token_ids.size)
+        for c in make_submission(leased,
+        np.random.default_rng(0)).completions)
 
 
 def test_zero_signal_groups_are_dropped_and_counted(orch):
     wid, _ = register(orch)
-    l = lease(orch, wid)
-    submit(orch, wid, make_submission(l, np.random.default_rng(1), same_tokens=True))
+    leased = lease(orch, wid)
+    submit(orch, wid, make_submission(leased, np.random.default_rng(1), same_tokens=True))
     drain(orch)
     assert orch.db.get_int("groups_dropped_zero_signal") == 2
     assert orch.buffer.depth() == 0
@@ -149,11 +151,11 @@ def test_version_too_old_is_refused_before_verification(tmp_path):
 def test_async_level_zero_is_synchronous(tmp_path):
     orch = make_orchestrator(run_config(tmp_path, async_level=0))
     wid, _ = register(orch)
-    l = lease(orch, wid)
-    assert l.min_policy_version == l.policy_version == 0
+    leased = lease(orch, wid)
+    assert leased.min_policy_version == leased.policy_version == 0
     orch.versions.announce({1: HASH1})
     with pytest.raises(ApiError) as e:
-        submit(orch, wid, make_submission(l, np.random.default_rng(0)))
+        submit(orch, wid, make_submission(leased, np.random.default_rng(0)))
     assert code_of(e) == ErrorCode.version_too_old and e.value.min_policy_version == 1
 
 
@@ -162,19 +164,19 @@ def test_a_lease_is_generated_with_the_version_the_worker_declared(tmp_path):
     orch = make_orchestrator(run_config(tmp_path, async_level=2))
     wid, _ = register(orch)
     orch.versions.announce({1: HASH1})
-    l = lease(orch, wid, version=0)
-    assert l.generation_version == 0
+    leased = lease(orch, wid, version=0)
+    assert leased.generation_version == 0
     with pytest.raises(ApiError) as e:
-        submit(orch, wid, make_submission(l, np.random.default_rng(0), policy_version=1, model_hash=HASH1))
+        submit(orch, wid, make_submission(leased, np.random.default_rng(0), policy_version=1, model_hash=HASH1))
     assert code_of(e) == ErrorCode.lease_mismatch and e.value.status < 500 and "issued for version 0" in str(e.value)
-    submit(orch, wid, make_submission(l, np.random.default_rng(0), policy_version=0))
+    submit(orch, wid, make_submission(leased, np.random.default_rng(0), policy_version=0))
 
 
 def test_future_version_is_refused(orch):
     wid, _ = register(orch)
-    l = lease(orch, wid)
+    leased = lease(orch, wid)
     with pytest.raises(ApiError) as e:
-        submit(orch, wid, make_submission(l, np.random.default_rng(0), policy_version=5))
+        submit(orch, wid, make_submission(leased, np.random.default_rng(0), policy_version=5))
     assert code_of(e) == ErrorCode.invalid_request
 
 
@@ -188,7 +190,8 @@ def test_a_rejected_instance_leased_again_may_carry_the_same_rollouts(tmp_path):
     rejected = make_submission(first, np.random.default_rng(3), bad=True)
     submit(orch, wid, rejected)
     drain(orch)
-    assert orch.verification.verdict(wid, orch.db.one("SELECT submission_id FROM submissions")[0]).status == VerdictStatus.rejected
+    assert orch.verification.verdict(wid,
+        orch.db.one("SELECT submission_id FROM submissions")[0]).status == VerdictStatus.rejected
     again = lease(orch, wid, max_prompts=2)
     assert [p.seeds for p in again.prompts] == [p.seeds for p in first.prompts]  # the same instances, the same seeds
     submit(orch, wid, rejected.model_copy(update={"lease_id": again.lease_id}))  # not refused as a replay
@@ -221,8 +224,8 @@ def test_duplicates_and_replays_are_refused(orch):
 
 def test_lease_shape_must_match(orch):
     wid, _ = register(orch)
-    l = lease(orch, wid)
-    sub = make_submission(l, np.random.default_rng(0))
+    leased = lease(orch, wid)
+    sub = make_submission(leased, np.random.default_rng(0))
     with pytest.raises(ApiError) as e:
         submit(orch, wid, sub.model_copy(update={"completions": sub.completions[:-1]}))
     assert code_of(e) == ErrorCode.lease_mismatch
@@ -305,8 +308,8 @@ def test_ban_after_strikes_and_unban(tmp_path):
 
 def test_wrong_model_hash_is_a_strike(orch):
     wid, _ = register(orch)
-    l = lease(orch, wid)
-    submit(orch, wid, make_submission(l, np.random.default_rng(0), model_hash=HASH1))
+    leased = lease(orch, wid)
+    submit(orch, wid, make_submission(leased, np.random.default_rng(0), model_hash=HASH1))
     drain(orch)
     assert orch.workers.get(wid).strikes == 1
 
@@ -329,7 +332,8 @@ def test_a_submission_the_verifier_fails_on_never_holds_back_the_others(orch):
     wid, _ = register(orch)
     verifier = orch.verification.verifier
     real = verifier.verify_many
-    subs = [submit(orch, wid, make_submission(lease(orch, wid, max_prompts=1), np.random.default_rng(i))) for i in range(2)]
+    subs = [submit(orch, wid, make_submission(lease(orch, wid, max_prompts=1), np.random.default_rng(i)))
+        for i in range(2)]
     poisoned = subs[0].submission_id
     seen = []
 
@@ -421,6 +425,34 @@ def test_stale_samples_are_dropped_when_taken(tmp_path):
     assert orch.status().samples_dropped_stale == n
 
 
+def test_the_take_and_the_commit_drop_the_same_groups_as_stale(tmp_path):
+    """Two groups of each behaviour version 0..3: one of each taken without the trainer's version and
+    committed by the step starting at 3, the other dropped when taken for that step (max_staleness 1).
+    Both paths mark versions 0 and 1 stale, and the counters hold one tally: trained by gap, dropped."""
+    db = Database(tmp_path / "s.sqlite")
+    buffer = RolloutBuffer(db, max_staleness=1)
+    with db.tx() as conn:
+        for i, version in enumerate([0, 1, 2, 3, 0, 1, 2, 3]):
+            conn.execute(
+                "INSERT INTO sample_groups (submission_id, prompt_index, num_samples, sample_indices, "
+                "behaviour_version, "
+                "created_at, status, advantages, rewards, completion_lengths, prompt_ids, completion_ids, logprobs) "
+                "VALUES (?, 0, 2, '[0, 1]', ?, 0, 'ready', x'', x'', x'', x'', x'', x'')",
+                (f"S{i}", version),
+            )
+    taken = buffer.take(8)  # no trainer version: nothing dropped before the step
+    assert [g.behaviour_version for g in taken.groups] == [0, 1, 2, 3] and taken.dropped_stale == 0
+    with db.tx() as conn:
+        assert buffer.commit(conn, taken.batch_id, 3) == {0: 2, 1: 2}
+    assert buffer.take(8, trainer_version=3).dropped_stale == 4
+    rows = db.all("SELECT submission_id, behaviour_version AS v, status FROM sample_groups ORDER BY seq")
+    assert {(r["v"], r["status"]) for r in rows[:4]} == {(0, "stale"), (1, "stale"), (2, "trained"), (3, "trained")}
+    assert {(r["v"], r["status"]) for r in rows[4:]} == {(0, "stale"), (1, "stale"), (2, "taken"), (3, "taken")}
+    assert buffer.staleness_histogram() == {"0": 2, "1": 2}
+    assert db.get_int("samples_dropped_stale") == 8 and db.get_int("samples_trained") == 4
+    db.close()
+
+
 def test_pending_submissions_are_verified_after_restart(tmp_path):
     cfg = run_config(tmp_path)
     orch = make_orchestrator(cfg)
@@ -431,7 +463,8 @@ def test_pending_submissions_are_verified_after_restart(tmp_path):
     orch2.start()
     try:
         deadline = time.time() + 10
-        while orch2.verification.verdict(wid, r.submission_id).status == VerdictStatus.pending and time.time() < deadline:
+        while orch2.verification.verdict(wid,
+            r.submission_id).status == VerdictStatus.pending and time.time() < deadline:
             time.sleep(0.05)
         assert orch2.verification.verdict(wid, r.submission_id).status == VerdictStatus.accepted
     finally:
@@ -445,7 +478,8 @@ def test_take_batch_waits_for_samples(orch):
         assert orch.take_batch(1, wait_s=0.2).groups == []
         submit(orch, wid, make_submission(lease(orch, wid), np.random.default_rng(2)))
         got = orch.take_batch(1, wait_s=10)
-        assert len(samples_from_groups(got.groups)) == orch.cfg.samples_per_prompt  # one whole group, though n < its size
+        # one whole group, though n < its size
+        assert len(samples_from_groups(got.groups)) == orch.cfg.samples_per_prompt
     finally:
         orch.stop()
 
@@ -482,7 +516,8 @@ def test_batches_are_whole_groups_oldest_first(orch):
             by_group.setdefault(key, []).append(int(sample_index))
         assert all(sorted(v) == list(range(k)) for v in by_group.values())
     # The per-sample view matches: one row per sample, with the group's status and batch.
-    view = orch.db._db.execute("SELECT sample_id FROM samples WHERE batch_id=? ORDER BY sample_id", (b2.batch_id,)).fetchall()
+    view = orch.db._db.execute("SELECT sample_id FROM samples WHERE batch_id=? ORDER BY sample_id", (b2.batch_id,
+        )).fetchall()
     assert [r[0] for r in view] == sorted(s.sample_id for s in samples_from_groups(b2.groups))
     assert orch.give_back_batch(b2.batch_id) == 2 * k
     assert orch.buffer.status_counts()["taken"] == k
@@ -519,7 +554,8 @@ def test_status_reports_run(orch):
     assert st.workers_online == 1 and st.rollout_tokens_per_s > 0 and st.mean_reward is not None
     # The run's reward totals count the accepted submission's completions only, zero-signal groups included.
     reward_sum, completions = orch.reward_totals()
-    assert completions == len(l1.prompts) * l1.samples_per_prompt and reward_sum / completions == pytest.approx(st.mean_reward)
+    assert completions == len(l1.prompts) * l1.samples_per_prompt and reward_sum / completions == pytest.approx(
+        st.mean_reward)
     orch.housekeeping()
     assert orch.windows.history[-1]["workers_online"] == 1
 
@@ -545,7 +581,8 @@ def test_status_reports_the_verification_queue_pool_and_throughput(orch):
     assert st.verify_tokens_per_s == pytest.approx(tokens * st.verify_out_per_s / 2)
     orch.housekeeping()
     text = generate_latest(orch.metrics.registry).decode()
-    assert 'swarmrl_verifier_actors{state="live"} 2.0' in text and 'swarmrl_verifier_actors{state="pending"} 1.0' in text
+    assert 'swarmrl_verifier_actors{state="live"} 2.0' in text
+    assert 'swarmrl_verifier_actors{state="pending"} 1.0' in text
     assert "swarmrl_verify_queue 0.0" in text and 'swarmrl_verify_rate_per_s{what="out"}' in text
     assert orch.windows.history[-1]["verifier_actors"] == 2
 
@@ -601,9 +638,9 @@ def test_nested_transactions_are_savepoints(tmp_path):
 
 
 def test_backpressure_when_verification_is_behind(orch, monkeypatch):
-    import orchestrator.service as service
+    import orchestrator.lease_requests as lease_requests
 
-    monkeypatch.setattr(service, "MAX_VERIFY_BACKLOG", 1)
+    monkeypatch.setattr(lease_requests, "MAX_VERIFY_BACKLOG", 1)
     wid, _ = register(orch)
     submit(orch, wid, make_submission(lease(orch, wid), np.random.default_rng(0)))  # queued, not verified
     resp = orch.lease(wid, LeaseRequest(loaded_policy_version=0))
@@ -631,13 +668,13 @@ def test_generation_never_runs_more_than_async_level_steps_ahead(tmp_path):
         orch = make_orchestrator(config)
         wid, _ = register(orch)
         granted = [lease(orch, wid) for _ in range(async_level + 1)]  # 2 prompts x 4 samples = one step each
-        assert all(l is not None for l in granted)
+        assert all(leased is not None for leased in granted)
         refused = orch.lease(wid, LeaseRequest(loaded_policy_version=0, max_prompts=2))
         assert refused.lease is None and refused.retry_after_s > 0
         # Submitted and verified samples still count until the trainer has consumed them.
         rng = np.random.default_rng(3)
-        for l in granted:
-            submit(orch, wid, make_submission(l, rng))
+        for leased in granted:
+            submit(orch, wid, make_submission(leased, rng))
         drain(orch)
         depth = orch.buffer.depth()
         if depth == 8 * (async_level + 1):  # no group was dropped for zero signal
@@ -653,11 +690,12 @@ def test_lease_demands_a_version_that_will_not_be_stale_when_trained(tmp_path):
     """Samples queue behind the untrained ones; their behaviour version must still be within
     max_staleness of the trainer's version when they are trained, or they would be generated for nothing."""
     config = run_config(tmp_path, async_level=2, max_open_leases_per_worker=8)
-    config = config.model_copy(update={"trainer": config.trainer.model_copy(update={"samples_per_step": 8, "max_staleness": 2})})
+    config = config.model_copy(update={"trainer": config.trainer.model_copy(update={"samples_per_step": 8,
+        "max_staleness": 2})})
     orch = make_orchestrator(config)
     wid, _ = register(orch)
     first = [lease(orch, wid) for _ in range(2)]  # 16 untrained samples: two steps' worth
-    assert [l.min_policy_version for l in first] == [0, 0]
+    assert [leased.min_policy_version for leased in first] == [0, 0]
     for v in range(1, 6):
         orch.versions.announce({v: f"{v:064x}"})
     # Trained 2 steps from now at version >= 5 + 2: a version-3 worker (allowed by async_level) would be stale.
@@ -691,10 +729,10 @@ def test_buffer_samples_carry_the_submitted_arrays_exactly(orch):
     wid, _ = register(orch)
     subs = {}
     for seed in range(2):  # two submissions, so a batch spans several submissions and groups
-        l = lease(orch, wid)
-        sub = make_submission(l, np.random.default_rng(seed))
+        leased = lease(orch, wid)
+        sub = make_submission(leased, np.random.default_rng(seed))
         receipt = submit(orch, wid, sub)
-        subs[receipt.submission_id] = (l, sub)
+        subs[receipt.submission_id] = (leased, sub)
     drain(orch)
     batch = orch.take_batch(100)
     # The batch travels to the trainer (Ray pickles it) as groups; samples are decoded on the far side.
@@ -702,31 +740,36 @@ def test_buffer_samples_carry_the_submitted_arrays_exactly(orch):
 
     travelled = pickle.loads(pickle.dumps(batch))
     assert travelled.num_samples == batch.num_samples
-    assert [s.sample_id for s in samples_from_groups(travelled.groups)] == [s.sample_id for s in samples_from_groups(batch.groups)]
+    assert [s.sample_id for s in samples_from_groups(travelled.groups)] == [s.sample_id
+        for s in samples_from_groups(batch.groups)]
     assert len(samples_from_groups(batch.groups)) == orch.db.get_int("groups_kept") * 4 > 0
     for s in samples_from_groups(batch.groups):
         sid, p, k = s.sample_id.rsplit(":", 2)
-        l, sub = subs[sid]
+        leased, sub = subs[sid]
         c = next(c for c in sub.completions if (c.prompt_index, c.sample_index) == (int(p), int(k)))
-        assert s.prompt_ids.dtype == np.int64 and s.completion_ids.dtype == np.int64 and s.behaviour_logprobs.dtype == np.float32
-        assert s.prompt_ids.tolist() == l.prompts[int(p)].token_ids.tolist()
+        assert s.prompt_ids.dtype == np.int64 and s.completion_ids.dtype == np.int64
+        assert s.behaviour_logprobs.dtype == np.float32
+        assert s.prompt_ids.tolist() == leased.prompts[int(p)].token_ids.tolist()
         assert s.completion_ids.tolist() == c.token_ids.tolist()
         assert np.array_equal(s.behaviour_logprobs, trusted_logprobs(c))  # the verifier's, never the worker's
-        TrainSample(s.prompt_ids, s.completion_ids, s.behaviour_logprobs, s.advantage, s.reward, s.behaviour_version, s.sample_id)
+        TrainSample(s.prompt_ids, s.completion_ids, s.behaviour_logprobs, s.advantage, s.reward, s.behaviour_version,
+            s.sample_id)
 
 
 def test_untrained_counters_match_the_rows_through_every_transition(tmp_path):
     """The async bound reads two counters kept alongside the lease and sample rows; after each kind of
     transition (issue, submit, accept, reject, release, expire, take, stale drop, give back, commit,
     restart) they equal a recount of the rows."""
-    cfg = run_config(tmp_path, max_open_leases_per_worker=10, strikes_to_ban=100, lease_cooldown_s=0)  # counters, not budgets
+    # counters, not budgets
+    cfg = run_config(tmp_path, max_open_leases_per_worker=10, strikes_to_ban=100, lease_cooldown_s=0)
     cfg.trainer.max_staleness = 1
     orch = make_orchestrator(cfg)
     k = cfg.orchestrator.samples_per_prompt
 
     def recount() -> int:
         db = orch.db._db
-        leased = db.execute("SELECT COALESCE(SUM(json_array_length(prompt_indices)), 0) FROM leases WHERE status IN ('open', 'submitted')").fetchone()[0]
+        leased = db.execute("SELECT COALESCE(SUM(json_array_length(prompt_indices)), 0) FROM leases WHERE status IN "
+            "('open', 'submitted')").fetchone()[0]
         buffered = db.execute("SELECT COUNT(*) FROM samples WHERE status IN ('ready', 'taken')").fetchone()[0]
         return int(leased) * k + int(buffered)
 
@@ -765,7 +808,8 @@ def test_untrained_counters_match_the_rows_through_every_transition(tmp_path):
     assert dropped.dropped_stale > 0
     check()
     orch.db.close()
-    orch = make_orchestrator(cfg)  # restart: the taken batch stays taken (the trainer settles it); the counters recounted
+    # restart: the taken batch stays taken (the trainer settles it); the counters recounted
+    orch = make_orchestrator(cfg)
     check()
 
 
@@ -777,7 +821,8 @@ def test_groups_of_another_size_never_leave_a_batch_short(tmp_path):
     with db.tx() as conn:
         for i, size in enumerate([4, 3, 3, 4]):
             conn.execute(
-                "INSERT INTO sample_groups (submission_id, prompt_index, num_samples, sample_indices, behaviour_version, created_at, "
+                "INSERT INTO sample_groups (submission_id, prompt_index, num_samples, sample_indices, "
+                "behaviour_version, created_at, "
                 "status, advantages, rewards, completion_lengths, prompt_ids, completion_ids, logprobs) "
                 "VALUES (?, 0, ?, ?, 0, 0, 'ready', x'', x'', x'', x'', x'', x'')",
                 (f"S{i}", size, str(list(range(size)))),
@@ -797,7 +842,8 @@ def test_unusable_rewards_are_a_rejection_without_a_strike(orch):
     real = verifier.verify_many
 
     def nan_rewards(jobs):
-        return [v.model_copy(update={"rewards": [float("nan")] * len(v.rewards)}) if v.rewards else v for v in real(jobs)]
+        return [v.model_copy(update={"rewards": [float("nan")] * len(v.rewards)}) if v.rewards else v
+            for v in real(jobs)]
 
     verifier.verify_many = nan_rewards
     r = submit(orch, wid, make_submission(lease(orch, wid), np.random.default_rng(0)))
@@ -818,8 +864,8 @@ def test_no_lease_before_the_first_policy_version_is_announced(tmp_path):
     from orchestrator.service import Orchestrator
 
     config = run_config(tmp_path)
-    orch = Orchestrator(config.orchestrator, Database(config.orchestrator.db_path), make_prompts(config), FakeVerifier(),
-                        shape=config.step_shape(), task_name=config.data.task, run_name=config.name)
+    orch = Orchestrator(config.orchestrator, Database(config.orchestrator.db_path), make_prompts(config),
+                        FakeVerifier(), shape=config.step_shape(), task_name=config.data.task, run_name=config.name)
     wid, _ = register(orch)
     resp = orch.lease(wid, LeaseRequest(loaded_policy_version=0))
     assert resp.lease is None and resp.retry_after_s and resp.retry_after_s > 0

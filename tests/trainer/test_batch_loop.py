@@ -16,8 +16,8 @@ from orchestrator.config import OrchestratorConfig, StepShape
 from orchestrator.data import PromptSet
 from orchestrator.db import Database
 from orchestrator.service import Orchestrator
-from protocol.models import Completion, FinishReason, RolloutSubmission, SamplingParams, TaskLease, TaskPrompt
 from protocol.batches import Lineage
+from protocol.models import Completion, FinishReason, RolloutSubmission, SamplingParams, TaskLease, TaskPrompt
 from trainer import checkpoint as ckpt
 from trainer.batch_loop import BatchLoop, SourceUnavailable
 from trainer.config import TrainerConfig
@@ -36,7 +36,8 @@ def make_orchestrator(tmp_path, shape: StepShape) -> Orchestrator:
     """An orchestrator over tmp_path/o.sqlite: calling it again is a restart."""
     tok = make_tokenizer()
     prompts = PromptSet.from_items(get_task("toy").make_prompts(8, 0), tok, 0, vocab_size=64)
-    return Orchestrator(OrchestratorConfig(samples_per_prompt=K), Database(tmp_path / "o.sqlite"), prompts, NoVerifier(), shape=shape)
+    return Orchestrator(OrchestratorConfig(samples_per_prompt=K), Database(tmp_path / "o.sqlite"), prompts,
+        NoVerifier(), shape=shape)
 
 
 class Publisher:
@@ -92,11 +93,13 @@ def add_group(orch: Orchestrator, seed: int, version: int = 0) -> None:
     """One accepted group of K samples, as a verdict adds it (rewards vary, so it has signal)."""
     rng = np.random.default_rng(seed)
     lease = TaskLease(
-        lease_id=f"L{seed}", prompts=[TaskPrompt(prompt_id="p", token_ids=[1, 5, 6, 7], seeds=list(range(K)))], samples_per_prompt=K,
-        sampling=SamplingParams(max_tokens=8), policy_version=version, min_policy_version=0, deadline=time.time() + 60,
+        lease_id=f"L{seed}", prompts=[TaskPrompt(prompt_id="p", token_ids=[1, 5, 6, 7], seeds=list(range(K)))],
+        samples_per_prompt=K, sampling=SamplingParams(max_tokens=8), policy_version=version, min_policy_version=0,
+        deadline=time.time() + 60,
     )
     comps = [
-        Completion(prompt_index=0, sample_index=i, token_ids=rng.integers(3, 40, size=n), logprobs=-rng.uniform(1, 3, size=n).astype(np.float32),
+        Completion(prompt_index=0, sample_index=i, token_ids=rng.integers(3, 40, size=n), logprobs=-rng.uniform(1, 3,
+        size=n).astype(np.float32),
                    finish_reason=FinishReason.length, proofs=[b"x"])
         for i, n in enumerate(rng.integers(2, 8, size=K))
     ]
@@ -146,6 +149,49 @@ def test_the_trainer_takes_trains_and_commits_its_own_batches(tiny_model_dir, tm
     orch.db.close()
 
 
+class Unfiltered(Checked):
+    """A source whose take does not drop stale groups first (a take without the trainer's version)."""
+
+    def take_batch(self, n, trainer_version=None, wait_s=0.0):
+        return self.orch.take_batch(n, None, wait_s)
+
+
+def test_the_trainer_and_the_orchestrator_tally_a_step_alike(tiny_model_dir, tmp_path):
+    """The trainer's step tallies what it trains and drops; the orchestrator's commit tallies the same step
+    from its stored groups. Handed groups 0 to 3 versions behind with max_staleness 1, the loop reports and
+    the orchestrator records the same samples trained and dropped, by the same version gaps."""
+    batch = 4 * K
+    orch = make_orchestrator(tmp_path, StepShape(samples_per_step=batch, max_staleness=1))
+    publish = Publisher()
+    trainer = make_trainer(tiny_model_dir, tmp_path / "run", publish, samples_per_step=batch, max_staleness=1)
+    source = Unfiltered(orch, tmp_path / "run")
+    loop = BatchLoop(trainer, source, samples_per_step=batch, wait_s=0.05, versions=lambda: dict(publish.hashes))
+    for step in range(3):
+        for seed in range(4):
+            add_group(orch, seed=10 * step + seed, version=trainer.version)
+        assert loop.step() is not None
+    assert trainer.version == 3
+    for seed, version in enumerate([3, 2, 1, 0]):
+        add_group(orch, seed=100 + seed, version=version)
+    result = loop.step()
+    loop.finish()
+    assert result is not None and trainer.version == 4
+    # The trainer: gaps 0 and 1 trained, 2 and 3 dropped; its metrics count every sample it was handed.
+    assert trainer.last_staleness.trained == result.staleness == {0: K, 1: K}
+    assert trainer.last_staleness.dropped == {2: K, 3: K}
+    assert result.metrics["samples/dropped_stale"] == 2 * K and result.metrics["samples/trained"] == 2 * K
+    assert {g: result.metrics[f"staleness/{g}"] for g in range(4)} == {0: K, 1: K, 2: K, 3: K}
+    # The orchestrator: the same groups trained and stale, the same histogram and drop count.
+    rows = orch.db.all("SELECT behaviour_version AS v, status FROM sample_groups WHERE submission_id LIKE 'S10_'")
+    assert {r["v"]: r["status"] for r in rows} == {3: "trained", 2: "trained", 1: "stale", 0: "stale"}
+    st = orch.status()
+    assert st.staleness_histogram == {"0": 3 * batch + K, "1": K}  # the 3 earlier steps trained at gap 0
+    assert st.samples_dropped_stale == result.metrics["samples/dropped_stale"] == 2 * K
+    assert orch.buffer.status_counts() == {"trained": 3 * batch + 2 * K, "stale": 2 * K}
+    loop.close()
+    orch.db.close()
+
+
 def test_a_trainer_restart_commits_what_its_checkpoint_holds_and_gives_back_the_rest(tiny_model_dir, tmp_path):
     """checkpoint_every = 2. Batches a and b are in the checkpoint of version 2, but its commit fails (the
     orchestrator is unreachable) and the trainer dies: the restarted trainer commits them. It then trains
@@ -159,7 +205,8 @@ def test_a_trainer_restart_commits_what_its_checkpoint_holds_and_gives_back_the_
     def new_loop() -> tuple[Trainer, BatchLoop, Checked]:
         trainer = make_trainer(tiny_model_dir, run, publish, checkpoint_every=2, max_staleness=4)
         source = Checked(orch, run)
-        return trainer, BatchLoop(trainer, source, samples_per_step=2 * K, wait_s=0.05, versions=lambda: dict(publish.hashes)), source
+        return trainer, BatchLoop(trainer, source, samples_per_step=2 * K, wait_s=0.05,
+            versions=lambda: dict(publish.hashes)), source
 
     trainer, loop, source = new_loop()
     orch.versions.announce({0: publish.hashes[0]})
@@ -194,7 +241,9 @@ def test_a_trainer_restart_commits_what_its_checkpoint_holds_and_gives_back_the_
     assert loop.step() and loop.step()  # the returned groups are trained again
     loop.finish()
     assert trainer.version == 4 and orch.status().policy_version == 4
-    committed = [r[0] for r in orch.db.all("SELECT group_seq FROM batch_groups bg JOIN batches b ON b.seq = bg.batch_seq WHERE b.status='committed'")]
+    committed = [r[0]
+        for r in orch.db.all("SELECT group_seq FROM batch_groups bg JOIN batches b ON b.seq = bg.batch_seq WHERE "
+        "b.status='committed'")]
     assert sorted(committed) == list(range(1, 9))  # every group in exactly one committed batch
     assert orch.buffer.status_counts() == {"trained": 8 * K}
     assert orch.db.get_int("reconcile_conflicts") == 0
@@ -212,7 +261,8 @@ def test_an_orchestrator_restart_is_reconciled_by_the_live_trainer(tiny_model_di
     run = tmp_path / "run"
     trainer = make_trainer(tiny_model_dir, run, publish, checkpoint_every=2, max_staleness=4)
     orch.versions.announce({0: publish.hashes[0]})
-    loop = BatchLoop(trainer, Checked(orch, run), samples_per_step=2 * K, wait_s=0.05, versions=lambda: dict(publish.hashes))
+    loop = BatchLoop(trainer, Checked(orch, run), samples_per_step=2 * K, wait_s=0.05,
+        versions=lambda: dict(publish.hashes))
     for seed in range(6):
         add_group(orch, seed)
     trained = loop.step()  # version 1: no checkpoint yet
@@ -228,7 +278,8 @@ def test_an_orchestrator_restart_is_reconciled_by_the_live_trainer(tiny_model_di
     assert result is not None
     loop.finish()
     st = batch_status(orch2)
-    assert st[trained.batch_id] == "committed" and st[lost.batch_id] == "returned" and st[result.batch_id] == "committed"
+    assert st[trained.batch_id] == "committed" and st[lost.batch_id] == "returned"
+    assert st[result.batch_id] == "committed"
     assert orch2.status().policy_version == trainer.version == 2
     loop.close()
     orch2.db.close()
