@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from orchestrator import eval_leases
 from orchestrator.config import DataConfig, EvalConfig, OrchestratorConfig
 from orchestrator.data import DataError, Prompt, PromptSet
 from orchestrator.db import Database
@@ -52,7 +53,8 @@ CREATE TABLE IF NOT EXISTS eval_rounds (
     finished_at REAL
 );
 -- held-out prompts of open rounds still to be leased (again, after an expired or rejected eval lease)
-CREATE TABLE IF NOT EXISTS eval_queue (version INTEGER NOT NULL, prompt_index INTEGER NOT NULL, PRIMARY KEY (version, prompt_index)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS eval_queue (version INTEGER NOT NULL, prompt_index INTEGER NOT NULL, \
+PRIMARY KEY (version, prompt_index)) WITHOUT ROWID;
 -- per held-out prompt of a round: the trusted rewards and the lengths (tokens) of its k verified completions
 CREATE TABLE IF NOT EXISTS eval_results (
     version INTEGER NOT NULL, prompt_index INTEGER NOT NULL, rewards TEXT NOT NULL, tokens TEXT NOT NULL,
@@ -89,7 +91,10 @@ class HeldOutPrompts(PromptSet):
 
 
 def hold_out(prompts: PromptSet, num: int, seed: int) -> HeldOutPrompts:
-    """A seeded choice of `num` prompts held out of training (the same on every restart of the run)."""
+    """A seeded choice of `num` prompts held out of training (the same on every restart of the run); a stream's
+    are made from a seed of their own (orchestrator.data.PromptStream.holding_out)."""
+    if prompts.streamed:
+        return prompts.holding_out(num)  # type: ignore[attr-defined,return-value]
     if num >= len(prompts):
         raise DataError(f"eval.num_prompts ({num}) must be below the number of prompts ({len(prompts)}): training "
             f"needs some")
@@ -102,6 +107,8 @@ def evaluated_prompts(prompts: PromptSet, config: EvalConfig | None, eval_prompt
     of the run's) that are never in the training order."""
     if config is None or not config.every_steps:
         return prompts
+    if prompts.streamed:  # a stream has no end to hold prompts out of: they are made (or given) apart
+        return prompts.holding_out(eval_prompts or config.num_prompts)  # type: ignore[attr-defined]
     return HeldOutPrompts(prompts, eval_prompts) if eval_prompts else hold_out(prompts, config.num_prompts,
         prompts.seed)
 
@@ -272,10 +279,11 @@ class RunEvaluation:
 
     def __init__(self, db: Database, prompts: PromptSet, config: EvalConfig | None, orch: OrchestratorConfig, *,
                  leases: Any, versions: PolicyVersions, metrics: Any, finished: list[int]):
-        self.db, self.leases, self.versions, self.metrics, self.async_level = db, leases, versions, metrics, orch.async_level
+        self.db, self.leases, self.versions, self.metrics = db, leases, versions, metrics
+        self.async_level = orch.async_level
         self.done = finished  # versions whose round a verdict finished or this closed, not yet logged
         self.book: EvalBook | None = None
-        if isinstance(prompts, HeldOutPrompts) and config is not None:
+        if (isinstance(prompts, HeldOutPrompts) or getattr(prompts, "held_out", None)) and config is not None:
             self.book = leases.evals = EvalBook(
                 db, prompts, config, train_k=orch.samples_per_prompt, prompts_per_lease=orch.prompts_per_lease,
                 seed_key=leases.seed_key,
@@ -305,7 +313,7 @@ class RunEvaluation:
     def _close_left_behind(self, db: sqlite3.Connection) -> None:
         assert self.book is not None
         min_version = staleness.min_policy_version(self.versions.current, self.async_level)
-        for v in self.book.close_left_behind(db, min_version, self.leases.eval_in_flight(db)):
+        for v in self.book.close_left_behind(db, min_version, eval_leases.versions_in_flight(db)):
             self.done.append(v)
             log.warning("evaluation closed partial: its version was left behind before every prompt was verified",
                 extra={"policy_version": v})

@@ -1,7 +1,7 @@
 """Task leases: which prompts a worker gets (seeded, never chosen by the worker), with which sampling
-seeds, until when, which policy version they must be generated with, and what happens when the deadline
-passes (the prompts are handed out again and a late submission is refused). Owns the `leases` and
-`reissue` tables, and the count of leased prompts behind the async bound.
+seeds, until when (lease_deadlines.py), which policy version they must be generated with, and what happens
+when the deadline passes (the prompts are handed out again and a late submission is refused). Owns the
+`leases` and `reissue` tables, and the count of leased prompts behind the async bound.
 
 A lease is a budget. The async bound (generation at most async_level steps ahead of the trainer) is
 shared between join tokens with demand, weighted by the work each delivered (orchestrator/lease_shares.py),
@@ -23,12 +23,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from orchestrator import eval_leases
 from orchestrator.buffer import BUFFERED_SAMPLES
 from orchestrator.config import OrchestratorConfig, StepShape
 from orchestrator.data import PromptSet
 from orchestrator.db import Database
 from orchestrator.errors import ApiError
 from orchestrator.evaluation import EvalBook
+from orchestrator.lease_deadlines import LeaseDeadlines
 from orchestrator.lease_shares import LeaseShares, NoLeaseNow
 from orchestrator.release_costs import ReleaseCosts
 from orchestrator.room import RoomSignal
@@ -62,7 +64,7 @@ CREATE INDEX IF NOT EXISTS leases_by_token ON leases (token_id, status);
 CREATE TABLE IF NOT EXISTS reissue (seq INTEGER PRIMARY KEY AUTOINCREMENT, prompt_index INTEGER NOT NULL, instance INTEGER);
 -- the run's secret behind every sampling seed (one row, made with the database)
 CREATE TABLE IF NOT EXISTS seed_key (id INTEGER PRIMARY KEY CHECK (id = 0), key BLOB NOT NULL);
-"""
+"""  # noqa: E501 - sqlite keeps this text as the tables' schema: left as written
 # Prompts of open or submitted leases (kept in the same transactions as those rows; recounted at start).
 LEASED_PROMPTS = "untrained:leased_prompts"
 # A reissue row from before prompt instances (queued by an older version) gets instance LEGACY_INSTANCE
@@ -125,13 +127,14 @@ class LeaseBook:
         # Leases whose deadline passed before this process served are not their workers' fault: no debt.
         self.serving_since = time.time()
         self.shares = LeaseShares(config.probation_share)
+        self.deadlines = LeaseDeadlines(db, config)
         # Open leases, parsed, so a submission does not re-parse its lease (a cache: SQLite is the truth).
         self._open: dict[str, TaskLease] = {}
         # Prompt index -> (prompt_id, token ids) as validated by the first lease that carried the prompt.
         # The token array is shared, read-only, by every later lease of that prompt.
         self._checked_prompts: dict[int, tuple[str, np.ndarray, str | None]] = {}
 
-    def _task_prompt(self, index: int, seeds: list[int]) -> TaskPrompt:
+    def task_prompt(self, index: int, seeds: list[int]) -> TaskPrompt:
         checked = self._checked_prompts.get(index)
         if checked is None:
             p = self.prompts.prompts[index]
@@ -142,7 +145,8 @@ class LeaseBook:
                 env_item = item_to_wire(p.item)
             prompt = TaskPrompt(prompt_id=p.prompt_id, token_ids=p.token_ids, seeds=seeds, env_item=env_item)
             prompt.token_ids.flags.writeable = False
-            self._checked_prompts[index] = (prompt.prompt_id, prompt.token_ids, prompt.env_item)
+            if not self.prompts.streamed:  # a stream's index is leased once (or reissued): nothing to keep
+                self._checked_prompts[index] = (prompt.prompt_id, prompt.token_ids, prompt.env_item)
             return prompt
         return TaskPrompt.model_construct(prompt_id=checked[0], token_ids=checked[1], seeds=seeds, env_item=checked[2])
 
@@ -189,11 +193,10 @@ class LeaseBook:
                     raise NoLeaseNow(f"join token {token_id} let leases go unsubmitted: cooling down", wait)
                 self.shares.note_demand(token_id, now)
             if self.evals is not None and loaded_version is not None and self.evals.waiting(db, loaded_version):
-                # Eval prompts of the version this worker holds go first, outside the async bound (they
-                # are never trained on, so they take no room from training).
+                # Eval prompts of the version this worker holds go first, outside the async bound (eval_leases).
                 self._check_open_cap(worker_id, now)
-                lease = self._issue_eval(db, worker_id, max_prompts, current_version, loaded_version, now, request_id,
-                    token_id)
+                lease = eval_leases.issue(self, db, worker_id, max_prompts, current_version, loaded_version, now,
+                    request_id, token_id)
                 self._open[lease.lease_id] = lease
                 return lease
             if shape is not None:
@@ -230,12 +233,12 @@ class LeaseBook:
             # lease that carried it; ids, seeds, versions and deadline are made right here).
             lease = TaskLease.model_construct(
                 lease_id=f"L{seq:08d}-{secrets.token_hex(4)}",
-                prompts=[self._task_prompt(i, self.sample_seeds(s, k)) for i, s in taken],
+                prompts=[self.task_prompt(i, self.sample_seeds(s, k)) for i, s in taken],
                 samples_per_prompt=k,
                 sampling=cfg.sampling,
                 policy_version=current_version,
                 min_policy_version=min_version,
-                deadline=now + cfg.lease_timeout_s,
+                deadline=self.deadlines.deadline(db, worker_id, len(taken), k, now),
                 generation_version=loaded_version,
                 environment=cfg.environment,
             )
@@ -259,42 +262,6 @@ class LeaseBook:
                 f"first",
                 retry_after_s=1.0,
             )
-
-    def _issue_eval(
-        self, db: sqlite3.Connection, worker_id: str, max_prompts: int, current_version: int, version: int, now: float,
-        request_id: str | None, token_id: str | None,
-    ) -> TaskLease:
-        """An eval lease of the round of `version`, pinned to it; built like a training lease (same id
-        sequence, sampling, deadline), with the held-out prompts' own seeds (evaluation.EvalBook.seeds)."""
-        assert self.evals is not None
-        Database.add(db, "lease_seq", 1)
-        seq = Database.read_int(db, "lease_seq")
-        indices = self.evals.take(db, version, min(max_prompts, self.evals.prompts_per_lease))
-        lease = TaskLease.model_construct(
-            lease_id=f"L{seq:08d}-{secrets.token_hex(4)}",
-            prompts=[self._task_prompt(i, self.evals.seeds(version, i)) for i in indices],
-            samples_per_prompt=self.evals.k,
-            sampling=self.config.sampling,
-            policy_version=current_version,
-            min_policy_version=min(version, staleness.min_policy_version(current_version, self.config.async_level)),
-            deadline=now + self.config.lease_timeout_s,
-            generation_version=version,
-            environment=self.config.environment,
-        )
-        db.execute(
-            "INSERT INTO leases (lease_id, seq, worker_id, prompt_indices, body, issued_at, deadline, status, "
-            "request_id, token_id, eval_version) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, 'open', ?, ?, ?)",
-            (lease.lease_id, seq, worker_id, json.dumps(indices), lease.model_dump_json(), now, lease.deadline,
-            request_id, token_id, version),
-        )
-        return lease
-
-    def eval_in_flight(self, db: sqlite3.Connection) -> set[int]:
-        """Versions with eval leases open or submitted (not yet verified)."""
-        return {int(r[0])
-            for r in db.execute("SELECT DISTINCT eval_version FROM leases WHERE eval_version IS NOT NULL AND status "
-            "IN ('open', 'submitted')")}
 
     @staticmethod
     def _take_reissue(db: sqlite3.Connection, n: int) -> list[tuple[int, int]]:
@@ -320,22 +287,25 @@ class LeaseBook:
         return self._open.pop(row.lease_id, None) or TaskLease.model_validate_json(row.body)
 
     @staticmethod
-    def mark_submitted(db: sqlite3.Connection, lease_id: str) -> bool:
+    def mark_submitted(db: sqlite3.Connection, lease_id: str, now: float | None = None) -> bool:
         """In the submission's transaction: the lease now has its submission (False if it was not open)."""
         return db.execute("UPDATE leases SET status='submitted', submitted_at=? WHERE lease_id=? AND status='open'",
-            (time.time(), lease_id)).rowcount == 1
+            (time.time() if now is None else now, lease_id)).rowcount == 1
 
-    def finish(self, db: sqlite3.Connection, lease_id: str, accepted: bool, credit: bool = True) -> None:
+    def finish(self, db: sqlite3.Connection, lease_id: str, accepted: bool, credit: bool = True,
+        generated: int = 0) -> None:
         """In the verdict's transaction: an accepted lease is done (its samples move to the buffer's
-        count) and, unless `credit` is False (accepted with a strike), adds to its token's record; a
-        rejected one gives its prompts back for re-issue."""
+        count), times its worker's rate by its `generated` (verified) tokens (lease_deadlines) and, unless
+        `credit` is False (accepted with a strike), adds to its token's record; a rejected one gives its
+        prompts back for re-issue, and times nothing."""
         if not accepted:
             self._end(db, lease_id, "rejected", "submitted")
             return
         row = db.execute("SELECT status, json_array_length(prompt_indices), eval_version, token_id, issued_at, "
-            "submitted_at FROM leases WHERE lease_id=?",
-                         (lease_id,)).fetchone()
+            "submitted_at, worker_id FROM leases WHERE lease_id=?", (lease_id,)).fetchone()
         db.execute("UPDATE leases SET status='done' WHERE lease_id=?", (lease_id,))
+        if row is not None and row[0] in ("open", "submitted"):
+            self.deadlines.note_accepted(db, row[6], generated, row[4], row[5])
         if row is not None and row[0] in ("open", "submitted") and row[2] is None:
             Database.add(db, LEASED_PROMPTS, -int(row[1]))
             self.room.notify()

@@ -110,7 +110,8 @@ def make_submission(lease: TaskLease, rng: np.random.Generator, *, policy_versio
 def run_config(tmp: Path, **orch: Any) -> RunConfig:
     base = dict(samples_per_prompt=4, prompts_per_lease=2, lease_timeout_s=30.0, rate_limit_per_s=1000.0,
                 max_open_leases_per_worker=2, strikes_to_ban=2, request_timeout_s=10.0,
-                db_path=str(tmp / "orchestrator.sqlite"), port=0)
+                db_path=str(tmp / "orchestrator.sqlite"), port=0,
+                new_worker_tokens_per_s=1e9)  # simulated workers are instant: a lease lasts lease_timeout_s
     base.update(orch)
     return RunConfig.model_validate({"name": "test", "output_dir": str(tmp), "seed": 7,
                                      "data": {"task": "toy", "num_prompts": 32},
