@@ -21,8 +21,8 @@ import zstandard
 from pydantic import BaseModel, ValidationError
 
 from protocol import api, limits
-from protocol.retry import backoff_delays
 from protocol import models as m
+from protocol.retry import backoff_delays
 from protocol.verdicts import Verdict
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,7 @@ ERRORS: dict[m.ErrorCode, type[OrchestratorError]] = {
     m.ErrorCode.rate_limited: RateLimited,
     m.ErrorCode.too_many_leases: TooManyLeases,
     m.ErrorCode.unsupported_encoding: UnsupportedEncoding,
+    m.ErrorCode.too_many_identities: RateLimited,  # the token's other identity is still live: wait as told
 }
 
 
@@ -123,7 +124,8 @@ class OrchestratorClient:
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self._sleep = sleep
-        self._http = httpx.Client(timeout=timeout_s, transport=transport, headers={"User-Agent": f"swarmrl-worker/{CLIENT_VERSION}"})
+        self._http = httpx.Client(timeout=timeout_s, transport=transport,
+            headers={"User-Agent": f"swarmrl-worker/{CLIENT_VERSION}"})
         self._zstd = zstandard.ZstdCompressor(level=3)
 
     def close(self) -> None:
@@ -137,7 +139,8 @@ class OrchestratorClient:
 
     # ----------------------------------------------------------------------------------------------
 
-    def _request(self, endpoint: api.Endpoint, *, token: str | None, body: bytes | None = None, headers: dict | None = None, retries: int | None = None, **params: str) -> httpx.Response:
+    def _request(self, endpoint: api.Endpoint, *, token: str | None, body: bytes | None = None,
+        headers: dict | None = None, retries: int | None = None, **params: str) -> httpx.Response:
         url = endpoint.url(self.base_url, **params)
         hdrs = {"Content-Type": "application/json"} if body is not None else {}
         hdrs.update(headers or {})
@@ -167,7 +170,8 @@ class OrchestratorClient:
                 last = f"HTTP {resp.status_code}: {resp.text[:200]}"
             if attempt + 1 < attempts:
                 wait = next(delays)
-                log.debug("%s %s failed (%s); retry %d in %.2f s", endpoint.method, endpoint.path, last, attempt + 1, wait)
+                log.debug("%s %s failed (%s); retry %d in %.2f s", endpoint.method, endpoint.path, last, attempt + 1,
+                    wait)
                 self._sleep(wait)
         raise OrchestratorUnavailable(f"{endpoint.method} {url}: {last} (after {attempts} attempts)")
 
@@ -192,7 +196,17 @@ class OrchestratorClient:
         except (OrchestratorUnavailable, OrchestratorError):
             return False
 
-    def register(self, join_token: str, name: str, device: str = "cpu", retries: int | None = None) -> m.WorkerRegistered:
+    def join_challenge(self) -> m.JoinChallenge:
+        """Open join: a puzzle to solve for a join token of our own (protocol.join_puzzle)."""
+        resp = self._request(api.JOIN_CHALLENGE, token=None, body=m.JoinChallengeRequest().model_dump_json().encode())
+        return self._parse(resp, m.JoinChallenge)
+
+    def join_claim(self, challenge: str, solution: str) -> m.JoinTokenClaimed:
+        body = m.JoinClaim(challenge=challenge, solution=solution).model_dump_json().encode()
+        return self._parse(self._request(api.JOIN_CLAIM, token=None, body=body), m.JoinTokenClaimed)
+
+    def register(self, join_token: str, name: str, device: str = "cpu",
+        retries: int | None = None) -> m.WorkerRegistered:
         req = m.WorkerRegistration(name=name, client_version=CLIENT_VERSION, device=device)
         resp = self._request(api.REGISTER, token=join_token, body=req.model_dump_json().encode(), retries=retries)
         reg = self._parse(resp, m.WorkerRegistered)
@@ -202,13 +216,15 @@ class OrchestratorClient:
     def heartbeat(self, beat: m.Heartbeat, retries: int | None = None) -> m.HeartbeatAck:
         if self.worker_id is None:
             raise RuntimeError("not registered: call register() first")
-        resp = self._request(api.HEARTBEAT, token=self._worker_token(), body=beat.model_dump_json().encode(), retries=retries, worker_id=self.worker_id)
+        resp = self._request(api.HEARTBEAT, token=self._worker_token(), body=beat.model_dump_json().encode(),
+            retries=retries, worker_id=self.worker_id)
         return self._parse(resp, m.HeartbeatAck)
 
     def lease(self, loaded_policy_version: int, max_prompts: int = 1, wait_s: float = 0.0) -> m.LeaseResponse:
         """`wait_s`: how long the orchestrator may hold the request for room under the async bound."""
         # One idempotency key per lease call: the body (and so the key) is the same on every retry.
-        req = m.LeaseRequest(loaded_policy_version=loaded_policy_version, max_prompts=max_prompts, request_id=f"r{secrets.token_hex(8)}", wait_s=wait_s)
+        req = m.LeaseRequest(loaded_policy_version=loaded_policy_version, max_prompts=max_prompts,
+            request_id=f"r{secrets.token_hex(8)}", wait_s=wait_s)
         resp = self._request(api.LEASE, token=self._worker_token(), body=req.model_dump_json().encode())
         return self._parse(resp, m.LeaseResponse)
 
@@ -221,15 +237,19 @@ class OrchestratorClient:
         """zstd of the JSON body; raises PayloadTooLarge (without sending) above the server's caps."""
         raw = submission.model_dump_json().encode()
         if len(raw) > limits.MAX_DECOMPRESSED_BODY_BYTES:
-            raise PayloadTooLarge(413, m.ErrorBody(error=m.ErrorCode.payload_too_large, detail=f"submission is {len(raw)} bytes uncompressed; the limit is {limits.MAX_DECOMPRESSED_BODY_BYTES}"))
+            raise PayloadTooLarge(413, m.ErrorBody(error=m.ErrorCode.payload_too_large,
+                detail=f"submission is {len(raw)} bytes uncompressed; the limit is "
+                       f"{limits.MAX_DECOMPRESSED_BODY_BYTES}"))
         packed = self._zstd.compress(raw)
         if len(packed) > limits.MAX_BODY_BYTES:
-            raise PayloadTooLarge(413, m.ErrorBody(error=m.ErrorCode.payload_too_large, detail=f"submission is {len(packed)} bytes compressed; the limit is {limits.MAX_BODY_BYTES}"))
+            raise PayloadTooLarge(413, m.ErrorBody(error=m.ErrorCode.payload_too_large,
+                detail=f"submission is {len(packed)} bytes compressed; the limit is {limits.MAX_BODY_BYTES}"))
         return packed
 
     def submit(self, submission: m.RolloutSubmission) -> m.SubmissionReceipt:
         body = self.encode_submission(submission)
-        resp = self._request(api.SUBMIT, token=self._worker_token(), body=body, headers={"Content-Encoding": api.SUBMIT_CONTENT_ENCODING})
+        resp = self._request(api.SUBMIT, token=self._worker_token(), body=body,
+            headers={"Content-Encoding": api.SUBMIT_CONTENT_ENCODING})
         return self._parse(resp, m.SubmissionReceipt)
 
     def verdict(self, submission_id: str) -> Verdict:

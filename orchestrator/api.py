@@ -39,8 +39,8 @@ from orchestrator.fast_path import (
     json_response,
     parse_json_body,
 )
-from orchestrator.group_commit import GroupCommit, GroupCommitMiddleware
 from orchestrator.gate import CALLER, Gate
+from orchestrator.group_commit import GroupCommit, GroupCommitMiddleware
 from orchestrator.leases import GenerationBoundReached
 from orchestrator.service import Orchestrator
 from protocol import api, limits
@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 # The endpoints every worker calls once per task: dispatched past Starlette's router (fast_path.py).
 HOT = (api.LEASE, api.SUBMIT)
 # Bodies that may be left out (their model's defaults apply).
-OPTIONAL_BODY = (api.RELEASE, api.BAN, api.UNBAN, api.REVOKE_TOKEN)
+OPTIONAL_BODY = (api.RELEASE, api.BAN, api.UNBAN, api.REVOKE_TOKEN, api.JOIN_CHALLENGE)
 # Above this many bytes of honest body, a submission is decompressed and parsed in a thread, so that it
 # never holds the event loop (below, inline is cheaper than the two thread hand-offs: ~0.1 ms).
 INLINE_PARSE_BYTES = 256 << 10
@@ -81,11 +81,11 @@ async def lease_held(orch: Orchestrator, worker_id: str, req: LeaseRequest) -> L
     woken = False
     while True:
         try:
-            answer = orch.try_lease(worker_id, req)
+            answer = orch.lease_requests.try_lease(worker_id, req)
         except GenerationBoundReached:
             left = deadline - time.monotonic()
             if left <= 0 or not orch.ready:
-                return orch.bound_reached()
+                return orch.lease_requests.bound_reached()
         except ApiError:  # e.g. its version is too old: the room it was woken for is someone else's
             if woken:
                 orch.leases.room.notify()
@@ -105,7 +105,7 @@ def handlers(orch: Orchestrator) -> dict[api.Endpoint, Handler]:
 
     def register(request: Request, token: Any, body: Any) -> WireModel:
         # Registrations are also rate-limited per client address: a leaked join token cannot flood the table.
-        orch.limiter.check(f"register@{request.client.host if request.client else '?'}")
+        orch.limiter.check(f"register@{_address(request)}")
         return orch.register(body, token)
 
     async def submit(request: Request, worker: Any, body: bytes) -> WireModel:
@@ -134,7 +134,8 @@ def handlers(orch: Orchestrator) -> dict[api.Endpoint, Handler]:
     return {
         api.REGISTER: register,
         api.HEARTBEAT: lambda r, worker, body: orch.heartbeat(worker, r.path_params["worker_id"], body),
-        api.LEASE: lambda r, worker, body: lease_held(orch, worker, body) if body.wait_s > 0 else orch.lease(worker, body),
+        api.LEASE: lambda r, worker, body: lease_held(orch, worker, body) if body.wait_s > 0 else orch.lease(worker,
+        body),
         api.RELEASE: lambda r, worker, body: orch.release(worker, r.path_params["lease_id"]),
         api.SUBMIT: submit,
         api.VERDICT: lambda r, worker, body: orch.verification.verdict(worker, r.path_params["submission_id"]),
@@ -147,6 +148,8 @@ def handlers(orch: Orchestrator) -> dict[api.Endpoint, Handler]:
         api.REVOKE_TOKEN: lambda r, _, body: orch.operators.revoke_token(r.path_params["token_id"], body.reason),
         api.METRICS: lambda *_: Response(generate_latest(orch.metrics.registry), media_type=CONTENT_TYPE_LATEST),
         api.STATUS_HISTORY: history,
+        api.JOIN_CHALLENGE: lambda r, _, body: orch.open_join.challenge(_address(r)),
+        api.JOIN_CLAIM: lambda r, _, body: orch.open_join.claim(_address(r), body),
         api.HEALTH: lambda *_: HealthStatus(ok=True),
         api.READY: ready,
     }
@@ -194,7 +197,8 @@ def create_app(orch: Orchestrator) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        parts = [f"{'.'.join(str(p) for p in err.get('loc', ())) or 'request'}: {err.get('msg', 'invalid')}" for err in exc.errors()[:5]]
+        parts = [f"{'.'.join(str(p) for p in err.get('loc', ())) or 'request'}: {err.get('msg', 'invalid')}"
+            for err in exc.errors()[:5]]
         orch.metrics.requests_refused.labels(ErrorCode.invalid_request.value).inc()
         return error_response(ApiError(ErrorCode.invalid_request, "; ".join(parts) or "invalid request"))
 
@@ -204,7 +208,8 @@ def create_app(orch: Orchestrator) -> FastAPI:
         detail = str(exc.detail)
         if exc.status_code == 404 and exc.detail == "Not Found":  # the router's: say which path
             path = request.scope.get("path", "")
-            detail = f"no such path {path[:200]!r}" + (" (paths take no trailing slash)" if len(path) > 1 and path.endswith("/") else "")
+            detail = f"no such path {path[:200]!r}" + (" (paths take no trailing slash)" if len(path) > 1
+                and path.endswith("/") else "")
         return error_response(ApiError(code, detail, status=exc.status_code if exc.status_code < 500 else 400))
 
     # -- middleware, added innermost first: the gate checks the credential and reads the body under the
@@ -227,7 +232,8 @@ def create_app(orch: Orchestrator) -> FastAPI:
             body = None
             if ep.request is not None:
                 data = await request.body()
-                body = data if raw_body else parse_json_body(ep.request, data, request.headers.get("content-type"), optional)
+                body = data if raw_body else parse_json_body(ep.request, data, request.headers.get("content-type"),
+                    optional)
             out = handler(request, caller, body)
             if inspect.isawaitable(out):
                 out = await out
@@ -237,17 +243,22 @@ def create_app(orch: Orchestrator) -> FastAPI:
         if ep.auth is not api.Auth.none:
             extra["security"] = BEARER_SECURITY
         if ep.request is not None:
-            body_doc: dict[str, Any] = {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{ep.request.__name__}"}}}, "required": not optional}
+            body_doc: dict[str,
+                Any] = {"content": {"application/json": {"schema": {
+                "$ref": f"#/components/schemas/{ep.request.__name__}"}}}, "required": not optional}
             if raw_body:
                 body_doc["description"] = (
-                    f"JSON {ep.request.__name__}; may be zstd-compressed (Content-Encoding: {api.SUBMIT_CONTENT_ENCODING}). "
-                    f"At most {limits.MAX_BODY_BYTES} bytes as sent and {limits.MAX_DECOMPRESSED_BODY_BYTES} decompressed."
+                    f"JSON {ep.request.__name__}; may be zstd-compressed (Content-Encoding: "
+                    f"{api.SUBMIT_CONTENT_ENCODING}). "
+                    f"At most {limits.MAX_BODY_BYTES} bytes as sent and {limits.MAX_DECOMPRESSED_BODY_BYTES} "
+                    f"decompressed."
                 )
             extra["requestBody"] = body_doc
         params = [p.strip("{}") for p in ep.path.split("/") if p.startswith("{")]
         if params:
-            extra["parameters"] = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in params]
-        responses = dict(errors) if ep.auth is not api.Auth.none else {}
+            extra["parameters"] = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
+                for p in params]
+        responses = dict(errors) if ep.auth is not api.Auth.none or ep in api.OPEN_JOIN_ENDPOINTS else {}
         if ep is api.READY:
             responses[503] = {"model": HealthStatus}
         app.router.add_api_route(
@@ -276,7 +287,8 @@ def create_app(orch: Orchestrator) -> FastAPI:
                     schemas.setdefault(name, sub)
                 schemas[model.__name__] = body
             comps.setdefault("securitySchemes", {})["HTTPBearer"] = {
-                "type": "http", "scheme": "bearer", "description": "join token, worker secret or admin token, depending on the endpoint",
+                "type": "http", "scheme": "bearer",
+                "description": "join token, worker secret or admin token, depending on the endpoint",
             }
             app.openapi_schema = schema
         return app.openapi_schema
@@ -285,7 +297,11 @@ def create_app(orch: Orchestrator) -> FastAPI:
     return app
 
 
+def _address(request: Request) -> str:
+    return request.client.host if request.client else "?"
+
+
 def _tag(ep: api.Endpoint) -> str:
-    if ep in api.WORKER_ENDPOINTS:
+    if ep in api.WORKER_ENDPOINTS or ep in api.OPEN_JOIN_ENDPOINTS:
         return "worker"
     return "operator" if ep in api.OPERATOR_ENDPOINTS else "health"

@@ -16,7 +16,8 @@ leases, the tokens without one share a pool of `probation_share` of the bound be
 prompt), and the tokens with a record share the rest: however many identities an attacker makes, they
 hold the pool together, and a new honest volunteer still gets work from the pool to earn its record. With
 no token on record (the start of a run, or after a restart: only the weights live in memory) everyone
-shares the whole bound.
+shares the whole bound, except tokens claimed by open join (orchestrator/open_join.py): without a record
+they hold only the pool, always, so a crowd of claimed identities never holds more of the bound.
 
 A token that gives back too many leases after it could have scored them (orchestrator/release_costs.py)
 is capped at one prompt, like a token on probation alone, until its release ratio falls.
@@ -26,6 +27,8 @@ from __future__ import annotations
 
 import math
 import sqlite3
+
+from orchestrator.tokens import is_open_join
 
 # How long a registration or a lease request counts as demand for a share of the bound: longer than an
 # honest worker's pause between leases (a reload, a submission), shorter than a cooldown.
@@ -49,7 +52,8 @@ class LeaseShares:
         self.probation_share = probation_share
         self._demand: dict[str, float] = {}  # join token -> when it last registered a worker or asked for a lease
         self._credit: dict[str, tuple[float, float]] = {}  # join token -> (credit, when it was last updated)
-        self._holding = (0.0, frozenset())  # (computed at, join tokens holding open training leases), refreshed each second
+        # (computed at, join tokens holding open training leases), refreshed each second
+        self._holding = (0.0, frozenset())
 
     def note_demand(self, token_id: str, now: float) -> None:
         """The token registered a worker or asked for a lease: it counts in the shares for a while."""
@@ -67,23 +71,27 @@ class LeaseShares:
         """The token let a lease go unsubmitted: its record halves (a crash costs half, hoarding all of it)."""
         self._credit[token_id] = (self.credit(token_id, now) / 2, now)
 
-    def room(self, db: sqlite3.Connection, token_id: str, bound_prompts: int, now: float, cap: int | None = None) -> int:
+    def room(self, db: sqlite3.Connection, token_id: str, bound_prompts: int, now: float,
+        cap: int | None = None) -> int:
         """Prompts this token may still lease: its share of the bound (of the probation pool, or of the
         rest, when some tokens have a record), at most `cap`, less what its workers hold."""
         at, holding = self._holding
         if now - at > 1.0:
-            holding = frozenset(r[0] for r in db.execute("SELECT DISTINCT token_id FROM leases WHERE status='open' AND eval_version IS NULL AND token_id IS NOT NULL"))
+            holding = frozenset(r[0]
+                for r in db.execute("SELECT DISTINCT token_id FROM leases WHERE status='open' AND eval_version IS "
+                "NULL AND token_id IS NOT NULL"))
             self._holding = (now, holding)
             self._demand = {t: t_at for t, t_at in self._demand.items() if now - t_at <= DEMAND_WINDOW_S}
             self._credit = {t: (v, t_at) for t, (v, t_at) in self._credit.items() if self.credit(t, now) > 0.01}
         wanting = {t for t, t_at in self._demand.items() if now - t_at <= DEMAND_WINDOW_S} | holding | {token_id}
         proven = {t for t in wanting if self.credit(t, now) >= PROVEN_CREDIT}
         on_probation = wanting - proven
+        pooled = on_probation if proven else {t for t in on_probation if is_open_join(t)}
         pool = 0
-        if proven and on_probation:  # the tokens without a record share a pool; the others, the rest
+        if pooled:  # the tokens without a record share a pool; the others, the rest
             pool = max(1, math.ceil(self.probation_share * bound_prompts - 1e-9))
-            peers = proven if token_id in proven else on_probation
-            bound_prompts = bound_prompts - pool if token_id in proven else pool
+            peers = pooled if token_id in pooled else wanting - pooled
+            bound_prompts = pool if token_id in pooled else bound_prompts - pool
         else:
             peers = wanting
         weight = 1.0 + self.credit(token_id, now)
@@ -91,18 +99,20 @@ class LeaseShares:
         share = max(1, math.ceil(bound_prompts * weight / total - 1e-3))  # - 1e-3: credit decays while we compute
         if cap is not None:
             share = min(share, cap)
-        on_pool = bool(pool) and token_id in on_probation  # then what every token on probation holds counts too
+        on_pool = token_id in pooled  # then what every token in the pool holds counts too
         which, args = ("token_id IS NOT NULL", ()) if on_pool else ("token_id=?", (token_id,))
         held_by = {t: int(n) for t, n in db.execute(
-            f"SELECT token_id, SUM(json_array_length(prompt_indices)) FROM leases WHERE status='open' AND eval_version IS NULL AND {which} GROUP BY token_id", args
+            f"SELECT token_id, SUM(json_array_length(prompt_indices)) FROM leases WHERE status='open' AND "
+            f"eval_version IS NULL AND {which} GROUP BY token_id", args
         )}
         held = held_by.get(token_id, 0)
         if held >= share:
             raise NoLeaseNow(f"join token {token_id} holds its share of the generation budget ({share} prompts)", 1.0)
         room = share - held
         if on_pool:
-            used = sum(n for t, n in held_by.items() if t not in proven)
+            used = sum(n for t, n in held_by.items() if t in pooled)
             if used >= pool:
-                raise NoLeaseNow(f"join token {token_id} has no record of accepted work yet, and the pool for such tokens is in use ({pool} prompts)", 1.0)
+                raise NoLeaseNow(f"join token {token_id} has no record of accepted work yet, and the pool for such "
+                    f"tokens is in use ({pool} prompts)", 1.0)
             room = min(room, pool - used)
         return room

@@ -12,6 +12,7 @@ An operator mints one token per volunteer (or per group) through the admin API; 
   Debt lives on the token, not the identity, so registering a fresh identity does not wipe it.
 
 Only a token's sha256 is stored. A minted token is `jt-<token id>.<random>`; a config token is any string.
+A token claimed by open join (orchestrator/open_join.py) has an id that starts with OPEN_JOIN_PREFIX.
 """
 
 from __future__ import annotations
@@ -42,6 +43,15 @@ CREATE TABLE IF NOT EXISTS join_tokens (
     cooldown_until REAL NOT NULL DEFAULT 0
 );
 """
+
+
+# Ids of tokens claimed by open join: one identity each, on probation until they have a record
+# (lease_shares.py), and banned with their identity (workers.py).
+OPEN_JOIN_PREFIX = "oj-"
+
+
+def is_open_join(token_id: str | None) -> bool:
+    return token_id is not None and token_id.startswith(OPEN_JOIN_PREFIX)
 
 
 def hash_token(token: str) -> str:
@@ -82,21 +92,24 @@ class JoinTokens:
             for token in config_tokens:  # stable ids, so a restart finds the same rows
                 digest = hash_token(token)
                 conn.execute(
-                    "INSERT OR IGNORE INTO join_tokens (token_id, token_hash, label, created_at, max_identities) VALUES (?, ?, 'config', ?, ?)",
+                    "INSERT OR IGNORE INTO join_tokens (token_id, token_hash, label, created_at, max_identities) "
+                    "VALUES (?, ?, 'config', ?, ?)",
                     (f"cfg-{digest[:16]}", digest, now, default_max_identities),
                 )
-        self._by_hash: dict[str, str] = {r["token_hash"]: r["token_id"] for r in db.all("SELECT token_id, token_hash FROM join_tokens")}
+        self._by_hash: dict[str, str] = {r["token_hash"]: r["token_id"]
+            for r in db.all("SELECT token_id, token_hash FROM join_tokens")}
 
     # ---------------------------------------------------------------------------------------------
     # operator
 
-    def mint(self, label: str, max_identities: int | None) -> tuple[TokenRow, str]:
-        token_id = f"t-{secrets.token_hex(6)}"
+    def mint(self, label: str, max_identities: int | None, prefix: str = "t-") -> tuple[TokenRow, str]:
+        token_id = f"{prefix}{secrets.token_hex(6)}"
         token = f"jt-{token_id}.{secrets.token_urlsafe(32)}"
         digest = hash_token(token)
         with self.db.tx() as db:
             db.execute(
-                "INSERT INTO join_tokens (token_id, token_hash, label, created_at, max_identities) VALUES (?, ?, ?, ?, ?)",
+                "INSERT INTO join_tokens (token_id, token_hash, label, created_at, max_identities) VALUES (?, ?, ?, "
+                "?, ?)",
                 (token_id, digest, label, time.time(), max_identities or self.default_max_identities),
             )
         self._by_hash[digest] = token_id
@@ -116,13 +129,15 @@ class JoinTokens:
         if self.get(token_id) is None:
             raise ApiError(ErrorCode.not_found, f"no join token {token_id}")
         with self.db.tx() as db:
-            db.execute("UPDATE join_tokens SET revoked=1, ban_reason=? WHERE token_id=?", (reason or "revoked by an operator", token_id))
+            db.execute("UPDATE join_tokens SET revoked=1, ban_reason=? WHERE token_id=?", (reason
+                or "revoked by an operator", token_id))
         row = self.get(token_id)
         assert row is not None
         return row
 
     def set_ban(self, db: sqlite3.Connection, token_id: str, banned: bool, reason: str) -> None:
-        db.execute("UPDATE join_tokens SET banned=?, ban_reason=? WHERE token_id=?", (int(banned), reason if banned else "", token_id))
+        db.execute("UPDATE join_tokens SET banned=?, ban_reason=? WHERE token_id=?", (int(banned), reason if banned
+            else "", token_id))
 
     def record(self, row: TokenRow, live_identities: int) -> JoinTokenRecord:
         return JoinTokenRecord(
@@ -173,9 +188,12 @@ class JoinTokens:
         cooldown = min(self.lease_cooldown_s * (2 ** max(0.0, debt - 1.0) - 1.0), 3600.0)
         db.execute("UPDATE join_tokens SET lease_debt=? WHERE token_id=?", (debt, token_id))
         if cooldown > 0:  # from the wall clock: `now` may be when the deadline was noticed, not when it is
-            db.execute("UPDATE join_tokens SET cooldown_until=MAX(cooldown_until, ?) WHERE token_id=?", (time.time() + cooldown, token_id))
+            db.execute("UPDATE join_tokens SET cooldown_until=MAX(cooldown_until, ?) WHERE token_id=?",
+                (time.time() + cooldown, token_id))
         return debt
 
     def pay_debt(self, db: sqlite3.Connection, token_id: str) -> None:
         """An accepted submission: the token did real work, so its debt halves and its cooldown ends."""
-        db.execute("UPDATE join_tokens SET lease_debt=lease_debt/2, cooldown_until=0 WHERE token_id=? AND lease_debt>0", (token_id,))
+        db.execute(
+            "UPDATE join_tokens SET lease_debt=lease_debt/2, cooldown_until=0 WHERE token_id=? AND lease_debt>0",
+            (token_id,))

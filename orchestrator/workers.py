@@ -4,7 +4,9 @@ bans, the contribution ledger, and the `workers` table that holds them.
 A worker's secret is `<worker id>.<random>`; only its sha256 is stored. Authentication is a dictionary
 lookup and one constant-time compare per request (the cache is filled from SQLite on a miss and dropped
 on a ban), and last-seen times are kept in memory and flushed to SQLite by housekeeping. A ban of scope
-"token" bans every identity of the worker's join token, and the token itself (orchestrator/tokens.py).
+"token" bans every identity of the worker's join token, and the token itself (orchestrator/tokens.py). A
+token claimed by open join holds one identity and is banned with it whatever the scope: a ban takes exactly
+that claimant, never another's workers.
 
 Strikes decay with accepted work: every `strike_decay_accepted` accepted submissions in a row (no strike
 between them) remove one strike, never below 0 and never from a banned worker. So a worker whose striking
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 from orchestrator.db import Database
 from orchestrator.errors import ApiError
-from orchestrator.tokens import JoinTokens
+from orchestrator.tokens import JoinTokens, is_open_join
 from protocol.models import ErrorCode, WorkerState
 from protocol.operator_models import BanScope, WorkerRecord
 
@@ -98,7 +100,8 @@ def _row(r: sqlite3.Row) -> WorkerRow:
 
 
 class Workers:
-    def __init__(self, db: Database, tokens: JoinTokens, dead_after_s: float, ban_scope: BanScope = BanScope.token, strike_decay_accepted: int = 0):
+    def __init__(self, db: Database, tokens: JoinTokens, dead_after_s: float, ban_scope: BanScope = BanScope.token,
+        strike_decay_accepted: int = 0):
         self.db = db
         self.tokens = tokens
         self.dead_after_s = dead_after_s
@@ -123,7 +126,8 @@ class Workers:
         now = time.time()
         with self.db.tx() as db:
             db.execute(
-                "INSERT INTO workers (worker_id, name, device, client_version, secret_hash, created_at, last_seen, state, token_id) "
+                "INSERT INTO workers (worker_id, name, device, client_version, secret_hash, created_at, last_seen, "
+                "state, token_id) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, 'starting', ?)",
                 (worker_id, name, device, client_version, digest, now, now, token_id),
             )
@@ -136,7 +140,8 @@ class Workers:
 
     def live_identities(self, token_id: str, now: float) -> int:
         """Identities of a token that are not banned and were seen within dead_after_s."""
-        return sum(1 for w, t in self._last_seen.items() if self._token_of.get(w) == token_id and now - t <= self.dead_after_s)
+        return sum(1 for w, t in self._last_seen.items() if self._token_of.get(w) == token_id
+            and now - t <= self.dead_after_s)
 
     def token_of(self, worker_id: str) -> str | None:
         return self._token_of.get(worker_id)
@@ -230,7 +235,8 @@ class Workers:
 
     def ban_token_identities(self, db: sqlite3.Connection, token_id: str, reason: str) -> list[str]:
         """Inside a transaction: ban every identity of a join token (a revoked or banned token)."""
-        ids = [r[0] for r in db.execute("SELECT worker_id FROM workers WHERE token_id=? AND banned=0", (token_id,)).fetchall()]
+        ids = [r[0] for r in db.execute("SELECT worker_id FROM workers WHERE token_id=? AND banned=0", (token_id,
+            )).fetchall()]
         db.executemany("UPDATE workers SET banned=1, ban_reason=? WHERE worker_id=?", [(reason, w) for w in ids])
         for w in ids:
             self._forget(w)
@@ -248,7 +254,8 @@ class Workers:
         db.execute("UPDATE workers SET banned=1, ban_reason=? WHERE worker_id=?", (reason, worker_id))
         self._forget(worker_id)
         token_id = self._token_of.get(worker_id)
-        if scope is BanScope.token and token_id:
+        # An open-join token is its one identity's: banned with it, so that coming back costs a new puzzle.
+        if token_id and (scope is BanScope.token or is_open_join(token_id)):
             self.tokens.set_ban(db, token_id, True, f"worker {worker_id}: {reason}")
             self.ban_token_identities(db, token_id, f"join token banned (worker {worker_id}: {reason})")
 
@@ -256,7 +263,8 @@ class Workers:
         self._auth.pop(worker_id, None)
         self._last_seen.pop(worker_id, None)
 
-    def record_verdict(self, db: sqlite3.Connection, worker_id: str, accepted: bool, verified_tokens: int, strikes_to_ban: int, strike: bool = True) -> bool:
+    def record_verdict(self, db: sqlite3.Connection, worker_id: str, accepted: bool, verified_tokens: int,
+        strikes_to_ban: int, strike: bool = True) -> bool:
         """The worker's ledger after a verdict, inside the verdict's transaction: an acceptance adds its
         verified tokens (and pays down its token's lease debt), and every `strike_decay_accepted` of them
         in a row remove a strike; a rejection is a strike (unless it was the trusted side's failure).
@@ -270,7 +278,8 @@ class Workers:
             )
             if self.strike_decay_accepted:
                 db.execute(
-                    "UPDATE workers SET strikes=strikes-1, decay_progress=0 WHERE worker_id=? AND strikes>0 AND banned=0 AND decay_progress>=?",
+                    "UPDATE workers SET strikes=strikes-1, decay_progress=0 WHERE worker_id=? AND strikes>0 AND "
+                    "banned=0 AND decay_progress>=?",
                     (worker_id, self.strike_decay_accepted),
                 )
             token_id = self._token_of.get(worker_id)

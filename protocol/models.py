@@ -46,7 +46,8 @@ Later = dict(default=None, exclude_if=_absent)
 
 class WireModel(BaseModel):
     # Bytes travel as base64 in JSON (proofs, and PackedArray's arrays, which pydantic-core decodes).
-    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, ser_json_inf_nan="constants", ser_json_bytes="base64", val_json_bytes="base64")
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, ser_json_inf_nan="constants",
+        ser_json_bytes="base64", val_json_bytes="base64")
 
     def to_json(self) -> str:
         return self.model_dump_json()
@@ -88,7 +89,8 @@ def _nfkc(value: Any) -> Any:
     return unicodedata.normalize("NFKC", value) if isinstance(value, str) else value
 
 
-SafeName = Annotated[str, BeforeValidator(_nfkc), Field(min_length=1, max_length=limits.MAX_NAME_CHARS, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.@-]*$")]
+SafeName = Annotated[str, BeforeValidator(_nfkc), Field(min_length=1, max_length=limits.MAX_NAME_CHARS,
+    pattern=r"^[A-Za-z0-9][A-Za-z0-9_.@-]*$")]
 
 
 class WorkerRegistration(WireModel):
@@ -138,6 +140,32 @@ class HeartbeatAck(WireModel):
 
 
 # --------------------------------------------------------------------------------------------------
+# Open join: a join token for a solved puzzle (protocol.join_puzzle), where the run allows it
+
+JoinChallengeText = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[0-9a-f.]+$")]
+
+
+class JoinChallengeRequest(WireModel):
+    """Asks for a puzzle. No fields: a POST only so that no cache in between hands one puzzle to many."""
+
+
+class JoinChallenge(WireModel):
+    challenge: JoinChallengeText
+    difficulty_bits: Annotated[int, Field(ge=0, le=64)]
+    expires_in_s: Annotated[float, Field(gt=0)]  # from when it was sent: no clock is shared
+
+
+class JoinClaim(WireModel):
+    challenge: JoinChallengeText
+    solution: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9]+$")]
+
+
+class JoinTokenClaimed(WireModel):
+    token: Annotated[str, Field(min_length=16, max_length=256)]  # shown once; register with it like a minted one
+    token_id: Id
+
+
+# --------------------------------------------------------------------------------------------------
 # Tasks and leases
 
 
@@ -160,7 +188,8 @@ class TaskPrompt(WireModel):
     prompt_id: Id
     token_ids: PromptTokens
     # One seed per sample, chosen by the orchestrator so that sampling is reproducible.
-    seeds: Annotated[list[Annotated[int, Field(ge=0, lt=2**63)]], Field(min_length=1, max_length=limits.MAX_SAMPLES_PER_PROMPT)]
+    seeds: Annotated[list[Annotated[int, Field(ge=0, lt=2**63)]], Field(min_length=1,
+        max_length=limits.MAX_SAMPLES_PER_PROMPT)]
     # Multi-turn leases: the task item the worker's copy of the environment answers from (JSON, written by
     # environments.registry.item_to_wire). The verifier replays the environment from its own trusted item.
     env_item: Annotated[str | None, Field(max_length=limits.MAX_ENV_ITEM_CHARS, **Later)]
@@ -311,7 +340,8 @@ class RolloutSubmission(WireModel):
     @property
     def model_tokens(self) -> int:
         """The tokens the model sampled (what the worker generated, the ledger's verified tokens)."""
-        return sum(int(c.token_ids.size if c.env_mask is None else (np.asarray(c.env_mask) == 0).sum()) for c in self.completions)
+        return sum(int(c.token_ids.size if c.env_mask is None else (np.asarray(c.env_mask) == 0).sum())
+            for c in self.completions)
 
 
 class SubmissionReceipt(WireModel):

@@ -256,7 +256,8 @@ def test_a_revoked_token_registers_nothing_and_its_workers_are_banned(tmp_path):
     orch.db.close()
 
 
-@pytest.mark.parametrize("name,stored", [("ａｄｍｉｎ", "admin"), ("worker-1", "worker-1"), ("ｗｏｒｋｅｒ．２", "worker.2")])
+@pytest.mark.parametrize("name,stored", [("ａｄｍｉｎ", "admin"), ("worker-1", "worker-1"),
+                                          ("ｗｏｒｋｅｒ．２", "worker.2")])
 def test_worker_names_are_normalized(name, stored):
     assert WorkerRegistration(name=name).name == stored
 
@@ -325,7 +326,8 @@ def test_a_token_that_gives_back_scored_leases_is_seen_and_bounded(tmp_path):
     st = orch.status()
     assert (st.releases_free, st.releases_charged, st.max_token_release_ratio) == (0, 3, pytest.approx(0.75))
     metrics = generate_latest(orch.metrics.registry).decode()
-    assert 'swarmrl_leases_released_total{charged="true"} 3.0' in metrics and 'swarmrl_leases_released_total{charged="false"} 0.0' in metrics
+    assert 'swarmrl_leases_released_total{charged="true"} 3.0' in metrics
+    assert 'swarmrl_leases_released_total{charged="false"} 0.0' in metrics
     # Bounded: one prompt at a time for the picky token; the honest one gets whole leases.
     assert orch.tokens.get(picky_token).cooldown_until == 0  # not the cooldown: the debt is below a lease
     assert len(ask(orch, picky).lease.prompts) == 1

@@ -23,6 +23,9 @@ def test_operator_endpoints_need_admin_and_worker_endpoints_need_worker_auth():
     assert {ep.auth for ep in api.OPERATOR_ENDPOINTS} == {api.Auth.admin}
     assert api.REGISTER.auth is api.Auth.join
     assert all(ep.auth is api.Auth.worker for ep in api.WORKER_ENDPOINTS if ep is not api.REGISTER)
+    # Open join's two endpoints take no credential (they hand one out); nothing else is open but health.
+    assert {ep for ep in api.ALL_ENDPOINTS if ep.auth is api.Auth.none} == {*api.OPEN_JOIN_ENDPOINTS, api.HEALTH,
+        api.READY}
 
 
 def test_url_formatting():
