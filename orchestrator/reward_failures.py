@@ -1,5 +1,6 @@
-"""Rewards the trusted side could not compute: a completion whose reward timed out, crashed its process or
-was skipped (its submission had spent the pool's failure budget), `protocol.verdicts.UNSCORED_REWARD_STATUS`.
+"""Rewards the trusted side could not compute: a completion whose reward raised or gave no usable number
+(error: a TRL reward's None, "no reward for this completion", is one), timed out, crashed its process or was
+skipped (its submission had spent the pool's failure budget), `protocol.verdicts.UNSCORED_REWARD_STATUS`.
 
 A verified completion's text is the policy's draw, not the worker's choice, so such a failure never charges
 the worker (no strike, full credit); its GRPO group is dropped (orchestrator.buffer.build_groups) rather

@@ -1,19 +1,23 @@
 """The reward pool's worker process: its limits, the task resolver, one scoring call and its checks.
 
 This module runs inside the pool's children (`verifier.reward_pool` starts them), so it imports only the
-standard library and `environments.tasks`: never torch, never the service. The parent owns the wall-clock
-limit (it SIGKILLs a child whose current completion runs too long); the child owns the limits that the
-kernel enforces: address space, CPU seconds per completion, no core files, and death with the pool owner.
+standard library, `environments.tasks` and `verifier.trl_rewards`: never torch, never the service. The
+parent owns the wall-clock limit (it SIGKILLs a child whose current completion runs too long); the child
+owns the limits that the kernel enforces: address space, CPU seconds per completion, no core files, and
+death with the pool owner.
 
 Wire format (multiprocessing Connection, pickled):
-  parent -> child: a chunk, (specs, rows): the distinct (task, params, returns) and one (spec index,
-      item, text) per completion; None asks the child to exit. `returns` is "reward" (a float in [0, 1])
-      or "text" (a string of at most MAX_OUTPUT_CHARS: an environment's tool output).
+  parent -> child: a chunk, (specs, rows): the distinct (task, params, returns, trl) and one (spec index,
+      item, text, completion ids or None) per completion; None asks the child to exit. `returns` is
+      "reward" (a float in [0, 1]; unbounded for a plug-in called in TRL's form, `trl` true:
+      verifier.trl_rewards) or "text" (a string of at most MAX_OUTPUT_CHARS: an environment's tool output).
   child -> parent: ("ready", pid) once; then lists of (index, value, status, kind, message, t_start,
       t_end), sent when the chunk is done or FLUSH_S after the previous list, whichever comes first.
   shared `progress` (two doubles): [t_start, index] of the completion running now, written before it
       starts. Times are time.monotonic(), one clock for all processes on Linux. The parent reads
       t_start for the deadline and, after a kill, the index to know which completion was running.
+      Index LOADING: the child is loading a task it has not seen (importing a plug-in's module), which
+      is bounded by start_timeout_s, not by a completion's limit, and has no CPU limit (as at start).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import time
 from typing import Any, Callable
 
 from environments.tasks import TASKS, TaskItem, get_task, import_plugin
+from verifier.trl_rewards import TrlReward
 
 MAX_MESSAGE_CHARS = 300
 # A tool's output becomes an observation that the verifier tokenizes and compares: far more than any
@@ -39,8 +44,9 @@ MAX_OUTPUT_CHARS = 16_384
 # comes back in one or a few messages, each one a wake-up of the parent; and a kill loses (requeues) at
 # most this much honest work, since results not yet sent die with the child.
 FLUSH_S = 0.01
+LOADING = -2.0  # progress[1] while the child loads a task for the chunk it got
 
-Scorer = Callable[[TaskItem, str], Any]
+Scorer = Callable[[TaskItem, str, Any], Any]  # (item, text, completion ids or None) -> the raw value
 
 
 class LoadError(Exception):
@@ -51,22 +57,35 @@ def params_key(params: dict[str, Any]) -> tuple:
     return tuple(sorted((str(k), repr(v)) for k, v in params.items()))
 
 
-def resolve(task: str, params: dict[str, Any]) -> Scorer:
-    """A built-in task's `reward(item, text)`, or a plug-in `module:function` called as fn(text, item, **params)."""
+def _task_reward(task: str, params: dict[str, Any]) -> Scorer:
+    try:
+        reward = get_task(task, **params).reward
+    except ValueError as exc:
+        raise LoadError(str(exc)) from None
+    return lambda item, text, ids: reward(item, text)
+
+
+def resolve(task: str, params: dict[str, Any], trl: bool = False) -> Scorer:
+    """A task's `reward(item, text)` (a built-in, or a task plug-in "module:Class" that get_task makes), or a
+    reward plug-in `module:function` called as fn(text, item, **params), or in TRL's form when `trl`."""
     if task in TASKS:
-        try:
-            return get_task(task, **params).reward
-        except ValueError as exc:
-            raise LoadError(str(exc)) from None
+        return _task_reward(task, params)
     if ":" not in task:
         raise LoadError(f"unknown task {task!r}: not one of {sorted(TASKS)} and not 'module:function'")
     try:
         fn = import_plugin(task, "reward")
     except ValueError as exc:
         raise LoadError(str(exc)) from None
+    if isinstance(fn, type):  # a class is a task plug-in, whatever the reward style
+        return _task_reward(task, params)
+    if trl:
+        try:
+            return TrlReward.load(task, fn, params)
+        except ValueError as exc:
+            raise LoadError(str(exc)) from None
     if not callable(fn):
         raise LoadError(f"reward {task!r} is a {type(fn).__name__}, not a function")
-    return lambda item, text: fn(text, item, **params)
+    return lambda item, text, ids: fn(text, item, **params)
 
 
 def check_value(value: Any) -> tuple[float, str, str]:
@@ -101,18 +120,19 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def load(scorers: dict[tuple, Scorer | LoadError], task: str, params: dict) -> Scorer | LoadError:
+def load(scorers: dict[tuple, Scorer | LoadError], task: str, params: dict, trl: bool = False) -> Scorer | LoadError:
     """The task's scorer, resolved once per process; a failed load is remembered too (no import per completion)."""
-    key = (task, params_key(params))
+    key = (task, params_key(params), trl)
     if key not in scorers:
         try:
-            scorers[key] = resolve(task, params)
+            scorers[key] = resolve(task, params, trl)
         except LoadError as exc:
             scorers[key] = exc
     return scorers[key]
 
 
-def score_one(scorer: Scorer | LoadError, task: str, item: TaskItem, text: str, returns: str = "reward") -> tuple[float | str, str, str, str]:
+def score_one(scorer: Scorer | LoadError, task: str, item: TaskItem, text: str, returns: str = "reward",
+              ids: Any = None) -> tuple[float | str, str, str, str]:
     """(value, status, kind, message) for one completion; never raises for anything the called code does.
     value: the reward (returns "reward"; 0.0 on failure) or the output text (returns "text"; "" on failure)."""
     empty: float | str = "" if returns == "text" else 0.0
@@ -120,10 +140,13 @@ def score_one(scorer: Scorer | LoadError, task: str, item: TaskItem, text: str, 
     if isinstance(scorer, LoadError):
         return empty, "error", "load", str(scorer)[:MAX_MESSAGE_CHARS]
     try:
-        value = scorer(item, text)
+        value = scorer(item, text, ids)
     except (Exception, SystemExit, KeyboardInterrupt, GeneratorExit) as exc:  # MemoryError (RLIMIT_AS) lands here
         return empty, "error", type(exc).__name__, f"{what} {task!r} raised {_describe(exc)}"[:MAX_MESSAGE_CHARS]
-    result, kind, message = check_text(value) if returns == "text" else check_value(value)
+    if returns == "text":
+        result, kind, message = check_text(value)
+    else:
+        result, kind, message = scorer.check(value) if isinstance(scorer, TrlReward) else check_value(value)
     if kind:
         return empty, "error", kind, f"{what} {task!r} {message}"[:MAX_MESSAGE_CHARS]
     return result, "ok", "", ""
@@ -191,11 +214,18 @@ class _CpuLimit:
                     self.soft = min(self.soft, self.hard)
                 resource.setrlimit(resource.RLIMIT_CPU, (self.soft, self.hard))
 
+    def lift(self) -> None:
+        """No CPU limit while a task loads (start_timeout_s bounds it, as at start); re-armed before a completion."""
+        if self.limit:
+            resource.setrlimit(resource.RLIMIT_CPU, (self.hard, self.hard))
+            self.soft = -1
+
 
 WARMUP_ITEM = TaskItem("warmup", "", "1", {"nums": [1], "target": 1})
 
 
-def child_main(conn, lifeline, progress, memory_limit_mb: int | None, cpu_limit_s: int | None, import_paths: list[str], warmup: list[tuple[str, dict]]) -> None:
+def child_main(conn, lifeline, progress, memory_limit_mb: int | None, cpu_limit_s: int | None, import_paths: list[str],
+               warmup: list[tuple[str, dict, bool]]) -> None:
     os.setsid()  # our own process group: the parent's kill, and SIGIO, also reach anything a plug-in started
     die_with_parent(lifeline.fileno())
     apply_limits(memory_limit_mb)
@@ -203,14 +233,15 @@ def child_main(conn, lifeline, progress, memory_limit_mb: int | None, cpu_limit_
     sys.path[:0] = [p for p in import_paths if p not in sys.path]
     cpu = _CpuLimit(cpu_limit_s)
     scorers: dict[tuple, Scorer | LoadError] = {}
-    for task, params in warmup:
+    for task, params, trl in warmup:
         # Load (imports a plug-in's module) and, for our own built-in tasks only, score once: math-verify's
         # first call builds its parsers (~60 ms), which must not be charged to a real completion's limit.
-        # A plug-in is not called: it could hang on any input, and this child must become ready.
-        scorer = load(scorers, task, params)
+        # A plug-in is not called: it could hang on any input, and this child must become ready (the
+        # run's start-up check calls it once per process, under the limits: verifier/reward_preflight.py).
+        scorer = load(scorers, task, params, trl)
         if task in TASKS and not isinstance(scorer, LoadError):
             try:
-                scorer(WARMUP_ITEM, "1")
+                scorer(WARMUP_ITEM, "1", None)
             except Exception:
                 pass  # a real completion will report it
     conn.send(("ready", os.getpid()))
@@ -221,15 +252,22 @@ def child_main(conn, lifeline, progress, memory_limit_mb: int | None, cpu_limit_
             return  # the parent is gone
         if chunk is None:
             return
-        specs, rows = chunk  # the chunk's distinct (task, params, returns), then (spec index, item, text) per completion
-        fns = [load(scorers, task, params) for task, params, _ in specs]
+        specs, rows = chunk  # distinct (task, params, returns, trl), then (spec index, item, text, ids) per completion
+        if any((task, params_key(params), trl) not in scorers for task, params, _, trl in specs):
+            progress[1] = LOADING  # the index first: LOADING with the dispatch's start reads as the send time
+            progress[0] = time.monotonic()
+            cpu.lift()
+            fns = [load(scorers, task, params, trl) for task, params, _, trl in specs]
+            progress[0] = time.monotonic()  # so the index that follows is never paired with the load's start
+        else:
+            fns = [load(scorers, task, params, trl) for task, params, _, trl in specs]
         results, flushed = [], time.monotonic()
-        for index, (s, item, text) in enumerate(rows):
+        for index, (s, item, text, ids) in enumerate(rows):
             cpu.arm()
             t0 = time.monotonic()
             progress[1] = index
             progress[0] = t0  # one aligned 8-byte store: the parent never reads half of it
-            value, status, kind, message = score_one(fns[s], specs[s][0], item, text, specs[s][2])
+            value, status, kind, message = score_one(fns[s], specs[s][0], item, text, specs[s][2], ids)
             t1 = time.monotonic()
             results.append((index, value, status, kind, message, t0, t1))
             if t1 - flushed >= FLUSH_S or index == len(rows) - 1:

@@ -31,7 +31,8 @@ class RewardPoolConfig(BaseModel):
     # to processes x 1 GiB.
     memory_limit_mb: int | None = Field(1024, ge=16, description="MiB per process on top of its start size")
     # Completions per IPC message at most. For toy rewards on one process, 32 per message cost half as
-    # much per completion as 8, and larger chunks gained little; a chunk's results (<= 32 x ~400 B) fit in a socket buffer, so a
+    # much per completion as 8, and larger chunks gained little; a chunk's results (<= 32 x ~400 B) fit in a socket
+    # buffer, so a
     # child never blocks on sending them while the parent is busy.
     max_batch: int = Field(32, ge=1, le=256)
     # After this many timed-out or crashed completions in one group (submission), its completions not yet
@@ -43,10 +44,22 @@ class RewardPoolConfig(BaseModel):
     # a kill re-imports everything and was ready 2-4x later than with forkserver (bench).
     start_method: Literal["forkserver", "spawn"] = "forkserver"
     import_paths: list[str] = Field(
-        default_factory=list, description="prepended to sys.path in children, for plug-ins; a relative path is resolved against "
+        default_factory=list,
+        description="prepended to sys.path in children, for plug-ins; a relative path is resolved against "
         "the folder the config is loaded in (the reward processes may run elsewhere)",
     )
-    start_timeout_s: float = Field(60.0, gt=0, description="a child must be ready within this")
+    start_timeout_s: float = Field(
+        60.0, gt=0, description="a child must be ready within this; also the limit for loading a task (importing "
+        "its module) in a running child, which is not charged to a completion's time_limit_s",
+    )
+    # How the run's reward plug-in (data.reward) is called. A setting, not a guess from its signature: a
+    # callable class, a functools.partial or a C function may show no usable signature, and the style decides
+    # which values are valid (trl: unbounded), which an operator should choose rather than a heuristic.
+    # Built-in tasks and environments' rewards are swarmrl code, always called in swarmrl's form.
+    style: Literal["swarmrl", "trl"] = Field(
+        "swarmrl", description="swarmrl: fn(text, item, **reward_params) -> float in [0, 1]; trl: TRL's "
+        "fn(prompts, completions, completion_ids, **columns) -> list[float | None] (verifier/trl_rewards.py)",
+    )
 
     @field_validator("import_paths")
     @classmethod

@@ -5,9 +5,10 @@ minutes (`\\boxed{9^{9^{9^{9}}}}` in math-verify) or exhaust memory. So no rewar
 process: `RewardPool.score_many` sends completions to child processes (`verifier.reward_child`) and
 returns one `RewardResult` (verifier.reward_requests) per completion, always, whatever the reward code does:
 
-  ok         the reward, a float in [0, 1]
-  error      the reward raised, or returned NaN / inf / a value outside [0, 1] / not a number, or the
-             task could not be loaded: reward 0, and the message says which (logged once per task and kind)
+  ok         the reward, a float in [0, 1] (a finite float for a plug-in in TRL's form, verifier/trl_rewards.py)
+  error      the reward raised, or returned NaN / inf / a value outside [0, 1] / not a number (a TRL reward: None,
+             kind "none"), or the task could not be loaded: reward 0, and the message says which (logged
+             once per task and kind); RewardResult.kind says which
   timed_out  it ran past `time_limit_s` (wall) or `cpu_limit_s` (CPU): its process was SIGKILLed and
              replaced; reward 0
   crashed    its process died while scoring it (segfault, os._exit, OOM killer): replaced; reward 0
@@ -29,7 +30,10 @@ shared array, so the parent's deadline is per completion: that start + time_limi
 parent SIGKILLs the child's process group, reads the results the child sent before it died (the socket
 keeps them) and the index it was running: that completion timed out; completions after it, and any that
 finished but whose results died with the child (< 10 ms of work), go back to the front of the queue,
-unblamed. A child that dies on its own is handled the same way, with status crashed.
+unblamed. A child that dies on its own is handled the same way, with status crashed. Loading a task the child
+has not seen (importing a plug-in's module) is not charged to a completion: it gets start_timeout_s.
+
+`warm` scores one request once in every process: the run's start-up check (verifier/reward_preflight.py).
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any, Mapping, Sequence
 
+from environments.registry import REWARD_ENTRY, TOOL_ENTRY
+from environments.tasks import TASKS
 from verifier.reward_child import child_main, params_key
 from verifier.reward_config import RewardPoolConfig
 from verifier.reward_processes import ChildProcess, exit_text, kill_all, kill_child
@@ -81,6 +87,7 @@ class _Call:
     spec: list[tuple] = field(default_factory=list)  # per request: its (task, params key, returns)
     failures: Counter = field(default_factory=Counter)  # per group: timed-out and crashed completions
     retries: Counter = field(default_factory=Counter)  # per request: requeues after a death that was not its fault
+    one_per_child: set[int] | None = None  # warm(): the pids that already took one request of this call
 
 
 class RewardPool:
@@ -91,9 +98,9 @@ class RewardPool:
         if self.config.start_method == "forkserver":
             # Process-wide, and ignored if the forkserver is already running (then children import lazily).
             self._ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
-        self._warmup: dict[tuple, tuple[str, dict]] = {}
+        self._warmup: dict[tuple, tuple[str, dict, bool]] = {}
         for task, params in warmup:
-            self._warmup[(task, params_key(dict(params)))] = (task, dict(params))
+            self._warmup[(task, params_key(dict(params)))] = (task, dict(params), self._trl(task, "reward"))
         self._procs: list[ChildProcess] = []
         self._live: list = []  # (Process, lifeline write end), shared with the finalizer (which must not hold self)
         self._finalizer = weakref.finalize(self, kill_all, self._live)
@@ -117,7 +124,16 @@ class RewardPool:
     def score_many(self, requests: Sequence[RewardRequest]) -> list[RewardResult]:
         """One result per request, in order. Raises only RewardPoolError (children cannot start) or after close()."""
         reqs = list(requests)
-        call = _Call(reqs, [None] * len(reqs), deque(range(len(reqs))))
+        return self._run(_Call(reqs, [None] * len(reqs), deque(range(len(reqs)))))
+
+    def warm(self, request: RewardRequest) -> list[RewardResult]:
+        """Score `request` once in each process of the pool, each in a process of its own: every process loads
+        the task and makes its first call now, under the limits, rather than on a completion. One result per
+        process (a replacement of one that died takes its place)."""
+        n = len(self._procs)
+        return self._run(_Call([request] * n, [None] * n, deque(range(n)), one_per_child=set()))
+
+    def _run(self, call: _Call) -> list[RewardResult]:
         if not call.reqs:
             return []
         with self._lock:
@@ -174,7 +190,13 @@ class RewardPool:
     def _note_spec(self, key: tuple, r: RewardRequest) -> None:
         """Remember a task for the warm-up of children started from now on."""
         if key not in self._warmup and len(self._warmup) < MAX_WARMUP_SPECS:
-            self._warmup[key] = (r.task, dict(r.params))
+            self._warmup[key] = (r.task, dict(r.params), self._trl(r.task, r.returns))
+
+    def _trl(self, task: str, returns: str) -> bool:
+        """Whether a task is called in TRL's form: the run's reward plug-in under style "trl"; never a built-in
+        task, an environment's reward or a tool (swarmrl's own code)."""
+        ours = task in TASKS or task in (REWARD_ENTRY, TOOL_ENTRY)
+        return self.config.style == "trl" and returns == "reward" and not ours
 
     def _start(self) -> None:
         cfg = self.config
@@ -183,7 +205,8 @@ class RewardPool:
         # One pipe per child: the SIGIO owner is a property of the pipe's open file, shared by all its copies.
         lifeline_r, lifeline_w = self._ctx.Pipe(duplex=False)
         progress = self._ctx.RawArray("d", 2)  # [start time, index] of the completion running in the child
-        args = (child_conn, lifeline_r, progress, cfg.memory_limit_mb, cfg.cpu_limit_s, list(cfg.import_paths), list(self._warmup.values()))
+        args = (child_conn, lifeline_r, progress, cfg.memory_limit_mb, cfg.cpu_limit_s, list(cfg.import_paths),
+            list(self._warmup.values()))
         proc = self._ctx.Process(target=child_main, args=args, name="swarmrl-reward", daemon=True)
         proc.start()
         child_conn.close()  # the child's end lives only in the child now, so its death is EOF here
@@ -197,9 +220,10 @@ class RewardPool:
         """Dispatch what can go out, then handle one round of events: results, ready children, deaths, deadlines."""
         if call is not None:
             self._dispatch(call)
-        limit = self.config.time_limit_s
+        limit, load_limit = self.config.time_limit_s, self.config.start_timeout_s
         now = time.monotonic()
-        deadlines = [p.running_since() + limit if p.ready else p.ready_by for p in self._procs if p.chunk or not p.ready]
+        busy = [p for p in self._procs if p.chunk or not p.ready]
+        deadlines = [p.deadline(limit, load_limit) if p.ready else p.ready_by for p in busy]
         timeout = min(1.0, max(0.0, min(deadlines, default=now + 1.0) - now))
         readable = wait([p.conn for p in self._procs], timeout)
         for p in list(self._procs):
@@ -210,9 +234,9 @@ class RewardPool:
                 continue
             if not p.ready and time.monotonic() > p.ready_by:
                 self._replace(p, call, "start")
-            elif p.chunk and time.monotonic() - p.running_since() > limit:
+            elif p.chunk and time.monotonic() > p.deadline(limit, load_limit):
                 self._drain(p, call)  # results may have come in since the wait
-                if p in self._procs and p.chunk and time.monotonic() - p.running_since() > limit:
+                if p in self._procs and p.chunk and time.monotonic() > p.deadline(limit, load_limit):
                     self._replace(p, call, "timeout")
 
     def _dispatch(self, call: _Call) -> None:
@@ -220,26 +244,31 @@ class RewardPool:
         for p in self._procs:
             if not call.queue:
                 return
-            if not p.ready or p.chunk:
+            if not p.ready or p.chunk or (call.one_per_child is not None and p.pid in call.one_per_child):
                 continue
-            size = self._chunk_size(len(call.queue))
+            size = 1 if call.one_per_child is not None else self._chunk_size(len(call.queue))
             chunk: list[int] = []
             while call.queue and len(chunk) < size:
                 i = call.queue.popleft()
                 group = call.reqs[i].group
                 if budget is not None and group is not None and call.failures[group] >= budget:
-                    self._settle(call, i, 0.0, RewardStatus.skipped, "budget", f"not scored: its submission already had {budget} timed-out or crashed completions", 0.0)
+                    self._settle(call, i, 0.0, RewardStatus.skipped, "budget",
+                        f"not scored: its submission already had {budget} timed-out or crashed completions", 0.0)
                     continue
                 chunk.append(i)
             if not chunk:
                 continue
+            if call.one_per_child is not None:
+                call.one_per_child.add(p.pid)
             specs: dict[tuple, int] = {}
             for i in chunk:
                 specs.setdefault(call.spec[i], i)  # first request of each distinct spec carries its params
             where = {key: n for n, key in enumerate(specs)}
+            firsts = [call.reqs[i] for i in specs.values()]
             msg = (
-                [(call.reqs[i].task, dict(call.reqs[i].params), call.reqs[i].returns) for i in specs.values()],
-                [(where[call.spec[i]], call.reqs[i].item, call.reqs[i].text) for i in chunk],
+                [(r.task, dict(r.params), r.returns, self._trl(r.task, r.returns)) for r in firsts],
+                [(where[call.spec[i]], call.reqs[i].item, call.reqs[i].text, call.reqs[i].completion_ids)
+                 for i in chunk],
             )
             p.progress[0], p.progress[1] = 0.0, -1.0  # the child is idle: nothing of this chunk has started
             try:
@@ -279,7 +308,7 @@ class RewardPool:
 
     def _replace(self, p: ChildProcess, call: _Call | None, cause: str) -> None:
         """Kill `p` (if alive), settle the completion it was running, requeue the rest, start a new child."""
-        killed_at = time.monotonic()
+        killed_at, loading = time.monotonic(), p.loading()
         kill_child(p.proc)
         try:  # everything the child sent before it died is still in the socket
             while p.chunk and p.conn.poll():
@@ -294,20 +323,34 @@ class RewardPool:
             # whose result died with it; -1 if it never started the chunk).
             k = max(int(p.progress[1]), p.done)
             running = p.chunk[k]
-            call.queue.extendleft(reversed(p.chunk[p.done:k] + p.chunk[k + 1:]))  # results lost with it, and not started
+            # results lost with it, and not started
+            call.queue.extendleft(reversed(p.chunk[p.done:k] + p.chunk[k + 1:]))
             task, limit, ran = call.reqs[running].task, self.config.time_limit_s, killed_at - p.running_since()
             # Not its fault if it had not started (the child died between completions) or had only just started
             # (a result came in between our last read and the kill). Requeued, but not forever.
-            innocent = int(p.progress[1]) < p.done or (cause == "timeout" and ran < limit)
+            innocent = not loading and (int(p.progress[1]) < p.done or (cause == "timeout" and ran < limit))
+            if loading:  # one of the chunk's tasks hangs or dies when it loads: a new child must not load it at start
+                for i in p.chunk:
+                    self._warmup.pop(call.spec[i][:2], None)
             if innocent and call.retries[running] < MAX_UNBLAMED_RETRIES:
                 call.retries[running] += 1
                 call.queue.appendleft(running)
+            elif cause == "timeout" and loading:
+                load_limit = self.config.start_timeout_s
+                what = f"loading {req_kind(call.reqs[running])} {task!r} (importing its module)"
+                message = f"{what} took more than start_timeout_s = {load_limit:g} s; its process was killed"
+                self._settle(call, running, 0.0, RewardStatus.timed_out, "load", message, ran)
             elif cause == "timeout":
-                self._settle(call, running, 0.0, RewardStatus.timed_out, "wall", f"{req_kind(call.reqs[running])} {task!r} ran past the {limit:g} s limit; its process was killed", ran)
+                self._settle(call, running, 0.0, RewardStatus.timed_out, "wall",
+                    f"{req_kind(call.reqs[running])} {task!r} ran past the {limit:g} s limit; its process was killed",
+                    ran)
             elif code == -signal.SIGXCPU:
-                self._settle(call, running, 0.0, RewardStatus.timed_out, "cpu", f"{req_kind(call.reqs[running])} {task!r} used more than {self.config.cpu_limit_s} CPU seconds; its process was killed", ran)
+                self._settle(call, running, 0.0, RewardStatus.timed_out, "cpu",
+                    f"{req_kind(call.reqs[running])} {task!r} used more than {self.config.cpu_limit_s} CPU seconds; "
+                    f"its process was killed", ran)
             else:
-                self._settle(call, running, 0.0, RewardStatus.crashed, exit_text(code), f"{req_kind(call.reqs[running])} {task!r} killed its process ({exit_text(code)})", ran)
+                self._settle(call, running, 0.0, RewardStatus.crashed, exit_text(code),
+                    f"{req_kind(call.reqs[running])} {task!r} killed its process ({exit_text(code)})", ran)
         elif cause == "start" or not p.ready:
             self._start_failures += 1
             log.warning("reward process %d did not start (%s, %s)", p.pid, cause, exit_text(code))
@@ -323,16 +366,19 @@ class RewardPool:
         if not self._closed:
             self._start()
 
-    def _settle(self, call: _Call, i: int, value: float | str, status: RewardStatus, kind: str, message: str, seconds: float) -> None:
+    def _settle(self, call: _Call, i: int, value: float | str, status: RewardStatus, kind: str, message: str,
+        seconds: float) -> None:
         """`value`: the child's reward, or a "text" call's output; 0.0 for what the parent settles itself."""
         req = call.reqs[i]
         if req.returns == "text":
-            call.results[i] = RewardResult(0.0, status, message, seconds, output=value if isinstance(value, str) else "")
+            output = value if isinstance(value, str) else ""
+            call.results[i] = RewardResult(0.0, status, message, seconds, output=output, kind=kind)
         else:
-            call.results[i] = RewardResult(float(value), status, message, seconds)
+            call.results[i] = RewardResult(float(value), status, message, seconds, kind=kind)
         self.counts[status.value] += 1
         if status in (RewardStatus.timed_out, RewardStatus.crashed) and req.group is not None:
             call.failures[req.group] += 1
         if status is not RewardStatus.ok and (req.task, status, kind) not in self._logged:
             self._logged.add((req.task, status, kind))
-            log.warning("reward %s: %s (logged once per task and kind; RewardPool.counts has the totals)", status.value, message)
+            log.warning("reward %s: %s (logged once per task and kind; RewardPool.counts has the totals)",
+                status.value, message)

@@ -8,6 +8,8 @@ import os
 import signal
 from typing import Any
 
+from verifier.reward_child import LOADING
+
 
 class ChildProcess:
     """One child and what it is doing: `chunk` holds request indices, `done` how many have results."""
@@ -24,6 +26,16 @@ class ChildProcess:
     def running_since(self) -> float:
         """When the completion now running started (the chunk's send time until the child says otherwise)."""
         return max(self.sent_at, self.progress[0])
+
+    def loading(self) -> bool:
+        """Whether the child is loading a task for its chunk (verifier.reward_child.LOADING)."""
+        return self.progress[1] == LOADING
+
+    def deadline(self, time_limit_s: float, load_limit_s: float) -> float:
+        """When the chunk's work now running must end: a completion's limit, or a task's load limit. The index is
+        read first: the child writes a load's end time before the index that follows it (reward_child)."""
+        limit = load_limit_s if self.loading() else time_limit_s
+        return self.running_since() + limit
 
 
 def kill_child(proc: Any) -> None:

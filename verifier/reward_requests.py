@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Hashable, Literal, Mapping
+from typing import Any, Hashable, Literal, Mapping, Sequence
 
 from environments.tasks import TaskItem
 
@@ -30,6 +30,9 @@ class RewardRequest:
     # "reward": the call returns a reward in [0, 1]. "text": it returns a string (an environment's tool
     # output, environments.registry.tool_output), which comes back in RewardResult.output.
     returns: Literal["reward", "text"] = "reward"
+    # The completion's token ids (its final EOS included): what a TRL-form reward gets as completion_ids
+    # (verifier/trl_rewards.py); None: not known to the caller, passed on as None.
+    completion_ids: Sequence[int] | None = field(default=None, compare=False)  # an array neither hashes nor compares
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class RewardResult:
     message: str = ""
     seconds: float = 0.0
     output: str = ""  # a "text" call's string, when its status is ok
+    kind: str = ""  # why it is not ok, finer than the status: "load", "wall", "none", an exception's name...
 
 
 def req_kind(r: RewardRequest) -> str:

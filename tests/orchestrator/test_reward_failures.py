@@ -10,7 +10,15 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from orch_fakes import FakeVerifier, encode, make_orchestrator, make_prompts, make_submission, run_config, trusted_logprobs
+from orch_fakes import (
+    FakeVerifier,
+    encode,
+    make_orchestrator,
+    make_prompts,
+    make_submission,
+    run_config,
+    trusted_logprobs,
+)
 from prometheus_client import generate_latest
 
 from orchestrator.db import Database
@@ -43,7 +51,8 @@ def kept_prompts(orch, submission_id):
 def untrained_matches_rows(orch) -> bool:
     """The async bound's counters equal a recount of the lease and sample rows (nothing leaks room)."""
     k = orch.cfg.samples_per_prompt
-    leased = orch.db.one("SELECT COALESCE(SUM(json_array_length(prompt_indices)), 0) FROM leases WHERE status IN ('open', 'submitted')")[0]
+    leased = orch.db.one("SELECT COALESCE(SUM(json_array_length(prompt_indices)), 0) FROM leases WHERE status IN "
+        "('open', 'submitted')")[0]
     buffered = orch.db.one("SELECT COUNT(*) FROM samples WHERE status IN ('ready', 'taken')")[0]
     with orch.db.tx() as db:
         return orch.leases.untrained_samples(db) == int(leased) * k + int(buffered)
@@ -63,23 +72,30 @@ class StatusVerifier(FakeVerifier):
             if v.status == VerdictStatus.accepted:
                 comps = job.submission.completions
                 status = [self.marks.get((c.prompt_index, c.sample_index), RewardStatus.ok) for c in comps]
-                rewards = [0.0 if s is not RewardStatus.ok else float(c.sample_index % 2) for c, s in zip(comps, status)]
+                rewards = [0.0 if s is not RewardStatus.ok else float(c.sample_index % 2) for c, s in zip(comps,
+                    status)]
                 v = v.model_copy(update={"rewards": rewards, "reward_status": status})
             out.append(v)
         return out
 
 
-@pytest.mark.parametrize("status", [RewardStatus.timed_out, RewardStatus.skipped, RewardStatus.crashed])
+UNSCORED = [RewardStatus.timed_out, RewardStatus.skipped, RewardStatus.crashed, RewardStatus.error]
+
+
+@pytest.mark.parametrize("status", UNSCORED)
 def test_an_unscored_reward_drops_its_group_without_a_strike(tmp_path, status):
+    """error: the reward raised or gave no number, a TRL reward's None ("no reward") included."""
     orch = make_orchestrator(run_config(tmp_path, strikes_to_ban=1), StatusVerifier({(0, 1): status}))
     wid = register(orch)
-    l = lease(orch, wid)
-    sub = make_submission(l, np.random.default_rng(0))
+    leased = lease(orch, wid)
+    sub = make_submission(leased, np.random.default_rng(0))
     v = submit_and_drain(orch, wid, sub)
     assert v.status == VerdictStatus.accepted and v.reward_status[1] == status
     w = orch.workers.get(wid)
-    assert w.strikes == 0 and not w.banned and w.accepted == 1 and w.rejected == 0 and w.verified_tokens == sub.num_tokens
-    assert orch.leases.shares.credit(orch.workers.token_of(wid), time.time()) > 1  # the lease's prompts earned its token's record
+    assert w.strikes == 0 and not w.banned and w.accepted == 1 and w.rejected == 0
+    assert w.verified_tokens == sub.num_tokens
+    # the lease's prompts earned its token's record
+    assert orch.leases.shares.credit(orch.workers.token_of(wid), time.time()) > 1
     assert kept_prompts(orch, v.submission_id) == {1}  # prompt 0's group is never trained; prompt 1's is
     assert orch.db.get_int("groups_dropped_unscored") == 1 and orch.db.get_int("groups_dropped_zero_signal") == 0
     assert orch.db.get_int("reward_count") == 7  # the made-up 0 is not in the run's reward totals
@@ -101,7 +117,7 @@ def test_a_submission_whose_every_group_is_unscored_is_still_accepted(tmp_path):
 
 def test_reward_failures_are_shown_in_status_metrics_live_view_and_summary_and_survive_a_restart(tmp_path):
     cfg = run_config(tmp_path)
-    marks = {(0, 1): RewardStatus.timed_out, (1, 3): RewardStatus.crashed}
+    marks = {(0, 1): RewardStatus.timed_out, (1, 3): RewardStatus.crashed, (1, 0): RewardStatus.error}
     orch = make_orchestrator(cfg, StatusVerifier(marks))
     wid = register(orch)
     for seed in range(2):
@@ -109,10 +125,12 @@ def test_reward_failures_are_shown_in_status_metrics_live_view_and_summary_and_s
 
     def check(o):
         st = o.status()
-        assert st.reward_failures == {"toy": {"timed_out": 2, "crashed": 2}} and st.groups_dropped_unscored == 4
+        assert st.reward_failures == {"toy": {"timed_out": 2, "crashed": 2, "error": 2}}
+        assert st.groups_dropped_unscored == 4
         text = generate_latest(o.metrics.registry).decode()  # what GET /metrics serves
         assert 'swarmrl_reward_failures_total{kind="timed_out",reward="toy"} 2.0' in text
         assert 'swarmrl_reward_failures_total{kind="crashed",reward="toy"} 2.0' in text
+        assert 'swarmrl_reward_failures_total{kind="error",reward="toy"} 2.0' in text
         assert "swarmrl_groups_dropped_unscored_total 4.0" in text
         return st
 
@@ -123,20 +141,19 @@ def test_reward_failures_are_shown_in_status_metrics_live_view_and_summary_and_s
     from rich.console import Console
 
     from swarmrl.config import RunConfig
-    from swarmrl.driver import Progress, Run
     from swarmrl.live_view import render
     from swarmrl.memory_peaks import MemoryPeaks
     from swarmrl.run_dir import RunDir
+    from swarmrl.run_record import Progress, RunRecord
 
     run = SimpleNamespace(progress=Progress(status=st), cfg=RunConfig(), url="http://127.0.0.1:1")
     console = Console(record=True, width=200)
     console.print(render(run))
-    assert "toy: 2 crashed, 2 timed_out; 4 groups dropped" in console.export_text()
-    finished = Run.__new__(Run)  # only what Run.finish reads
-    finished.rd, finished.cfg, finished.progress = RunDir(tmp_path / "run"), RunConfig(), Progress(status=st)
-    finished.memory = MemoryPeaks()
-    finished.finish()
-    assert "toy: 2 crashed, 2 timed_out; 4 groups dropped" in (tmp_path / "run" / "summary.md").read_text()
+    assert "toy: 2 crashed, 2 error, 2 timed_out; 4 groups dropped" in console.export_text()
+    finished = RunRecord(RunConfig(), RunDir(tmp_path / "run"))
+    finished.progress.status = st
+    finished.summary(MemoryPeaks())
+    assert "toy: 2 crashed, 2 error, 2 timed_out; 4 groups dropped" in (tmp_path / "run" / "summary.md").read_text()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -148,11 +165,13 @@ def decay_orch(tmp_path):
 
 
 def accept(orch, wid, rng):  # zero-signal groups: accepted, and the buffer never fills the async bound
-    assert submit_and_drain(orch, wid, make_submission(lease(orch, wid), rng, same_tokens=True)).status == VerdictStatus.accepted
+    assert submit_and_drain(orch, wid, make_submission(lease(orch, wid), rng,
+        same_tokens=True)).status == VerdictStatus.accepted
 
 
 def reject(orch, wid, rng):  # a bad proof: a rejection that strikes
-    assert submit_and_drain(orch, wid, make_submission(lease(orch, wid), rng, bad=True)).status == VerdictStatus.rejected
+    assert submit_and_drain(orch, wid, make_submission(lease(orch, wid), rng,
+        bad=True)).status == VerdictStatus.rejected
 
 
 def test_strikes_decay_with_accepted_work_never_below_zero(tmp_path):
@@ -165,7 +184,8 @@ def test_strikes_decay_with_accepted_work_never_below_zero(tmp_path):
         accept(orch, wid, rng)
         strikes.append(orch.workers.get(wid).strikes)
     assert strikes == [2, 2, 1, 1, 1, 0, 0, 0, 0]
-    assert orch.operators.worker_list().workers[0].strikes == 0 and orch.workers.get(wid).decay_progress == 0  # clean work banks nothing
+    # clean work banks nothing
+    assert orch.operators.worker_list().workers[0].strikes == 0 and orch.workers.get(wid).decay_progress == 0
     reject(orch, wid, rng)
     assert orch.workers.get(wid).strikes == 1 and not orch.workers.get(wid).banned
     orch.db.close()
@@ -239,7 +259,8 @@ class PoolVerifier(FakeVerifier):
         from verifier.service import Replayed
 
         checked = super().verify_many(jobs)
-        replayed = [Replayed([trusted_logprobs(c) for c in job.submission.completions]) if self.checked else None for job in jobs]
+        replayed = [Replayed([trusted_logprobs(c) for c in job.submission.completions]) if self.checked else None
+            for job in jobs]
         self.real.tolerances = SimpleNamespace(deviation_rate=0.0)
         return self._verdicts(self.real, jobs, [list(v.rejections) for v in checked], replayed)
 
@@ -254,18 +275,21 @@ def test_a_reward_that_times_out_in_the_real_pool_drops_its_group_without_a_stri
     with RewardPool(RewardPoolConfig(processes=2, time_limit_s=0.5, import_paths=[str(tmp_path)])) as pool:
         verifier = PoolVerifier(pool)
         verifier.checked = checked
-        orch = Orchestrator(cfg.orchestrator, Database(cfg.orchestrator.db_path), make_prompts(cfg), verifier, shape=cfg.step_shape(),
-                            task_name=SLOW_REWARD, run_name=cfg.name, make_job=default_make_job, verify_batch=8)
+        orch = Orchestrator(cfg.orchestrator, Database(cfg.orchestrator.db_path), make_prompts(cfg), verifier,
+                            shape=cfg.step_shape(), task_name=SLOW_REWARD, run_name=cfg.name,
+                            make_job=default_make_job, verify_batch=8)
         orch.versions.announce({0: "0" * 64})
         wid = register(orch)
-        l = lease(orch, wid)
-        items = [orch.prompts.prompts[i].item for i in orch.leases.get(l.lease_id).prompt_indices]
-        # Deterministic: the first seed whose submission has one hanging text, in prompt 0's group, and a signal in prompt 1's.
+        leased = lease(orch, wid)
+        items = [orch.prompts.prompts[i].item for i in orch.leases.get(leased.lease_id).prompt_indices]
+        # Deterministic: the first seed whose submission has one hanging text, in prompt 0's group, and a signal in
+        # prompt 1's.
         for seed in range(500):
-            sub = make_submission(l, np.random.default_rng(seed))
+            sub = make_submission(leased, np.random.default_rng(seed))
             texts = [verifier.real.decode(c.token_ids) for c in sub.completions]
             slow = [i for i, t in enumerate(texts) if is_slow(t)]
-            rewards1 = {verifier.task.reward(items[1], t) for c, t in zip(sub.completions, texts) if c.prompt_index == 1}
+            rewards1 = {verifier.task.reward(items[1], t) for c, t in zip(sub.completions, texts)
+                if c.prompt_index == 1}
             if len(slow) == 1 and sub.completions[slow[0]].prompt_index == 0 and len(rewards1) > 1:
                 break
         else:
