@@ -1,12 +1,16 @@
-"""Task registry: prompts and trusted rewards, computed from the completion text on the trusted side.
+"""The built-in tasks, and the registry that names them: prompts and trusted rewards, computed from the completion
+text on the trusted side, on the plug-in API of environments.task_api (a user's own task is
+`data.task = "package.module:TaskClass"`, loaded by environments.task_plugins; docs/tasks.md).
 
-A worker's own reward claim is never used. Every task makes seeded synthetic prompts (`make_prompts`)
-or loads JSONL rows (`from_record`), and scores a decoded completion with `reward` in [0, 1].
+A worker's own reward claim is never used. Every task makes seeded synthetic prompts (a finite set,
+`make_prompts`, or a stream, `item`) or loads dataset rows (`from_record`), and scores a decoded completion
+with `reward` in [0, 1].
 
 - "toy": copy the digits of the prompt (`copy:4821=` -> `4821`), with partial credit, so a random tiny
   model already gets a graded, nonzero reward and GRPO sees signal from the first step.
 - "countdown": combine the given numbers with + - * / into an expression equal to the target.
 - "math": free-form answers, checked with the `math-verify` library.
+- "reasoning_gym": reasoning-gym's procedural datasets and their own scorers (environments/reasoning_gym_task.py).
 
 Prompts of "toy" and "countdown" only use characters of `trainer.tiny_model.ALPHABET`, so the char
 tokenizer encodes them one token per character.
@@ -15,50 +19,17 @@ tokenizer encodes them one token per character.
 from __future__ import annotations
 
 import ast
-import hashlib
-import importlib
 import operator
 import random
 import threading
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from environments.reasoning_gym_task import ReasoningGymTask
+from environments.task_api import Task, TaskItem, stream_rng
+from environments.task_api import prompt_id as _prompt_id
+from environments.task_plugins import import_plugin, task_class
 
-@dataclass
-class TaskItem:
-    prompt_id: str
-    prompt: str
-    answer: str
-    meta: dict[str, Any] = field(default_factory=dict)
-
-
-def _prompt_id(task: str, prompt: str) -> str:
-    return f"{task}-{hashlib.sha256(prompt.encode()).hexdigest()[:16]}"
-
-
-class Task:
-    name = ""
-
-    def make_prompts(self, n: int, seed: int) -> list[TaskItem]:
-        raise NotImplementedError
-
-    def reward(self, item: TaskItem, completion_text: str) -> float:
-        raise NotImplementedError
-
-    def from_record(self, record: dict) -> TaskItem:
-        """A JSONL row {"prompt": ..., "answer": ..., optional "prompt_id"/"id", anything else -> meta}."""
-        if not isinstance(record, dict):
-            raise ValueError(f"a task record must be an object, got {type(record).__name__}")
-        missing = [k for k in ("prompt", "answer") if k not in record]
-        if missing:
-            raise ValueError(f"task record lacks {missing}: keys are {sorted(record)}")
-        prompt, answer = record["prompt"], record["answer"]
-        if not isinstance(prompt, str) or not prompt:
-            raise ValueError("task record 'prompt' must be a non-empty string")
-        answer = str(answer)
-        pid = str(record.get("prompt_id") or record.get("id") or _prompt_id(self.name, prompt))
-        meta = {k: v for k, v in record.items() if k not in ("prompt", "answer", "prompt_id", "id")}
-        return TaskItem(pid, prompt, answer, meta)
+__all__ = ["TASKS", "Task", "TaskItem", "get_task", "import_plugin", "safe_arithmetic"]
 
 
 class ToyCopyTask(Task):
@@ -84,12 +55,15 @@ class ToyCopyTask(Task):
 
     def make_prompts(self, n: int, seed: int) -> list[TaskItem]:
         rng = random.Random(seed)
-        items = []
-        for _ in range(n):
-            answer = "".join(rng.choice("0123456789") for _ in range(self.digits))
-            prompt = f"{self.prefix}{answer}="
-            items.append(TaskItem(_prompt_id(self.name, prompt), prompt, answer, {}))
-        return items
+        return [self._draw(rng) for _ in range(n)]
+
+    def item(self, seed: int, index: int, level: int = 0) -> TaskItem:
+        return self._draw(stream_rng(self.name, seed, index))
+
+    def _draw(self, rng: random.Random) -> TaskItem:
+        answer = "".join(rng.choice("0123456789") for _ in range(self.digits))
+        prompt = f"{self.prefix}{answer}="
+        return TaskItem(_prompt_id(self.name, prompt), prompt, answer, {})
 
     def reward(self, item: TaskItem, completion_text: str) -> float:
         a, c = item.answer, completion_text
@@ -115,12 +89,14 @@ class LookupTask(ToyCopyTask):
 
     def make_prompts(self, n: int, seed: int) -> list[TaskItem]:
         rng = random.Random(seed)
-        items = []
-        for i in range(n):
-            answer = "".join(rng.choice("0123456789") for _ in range(self.digits))
-            prompt = f"{self.prefix}="
-            items.append(TaskItem(_prompt_id(self.name, f"{prompt}{answer}:{seed}:{i}"), prompt, answer, {}))
-        return items
+        return [self._hidden(self._draw(rng), f"{seed}:{i}") for i in range(n)]
+
+    def item(self, seed: int, index: int, level: int = 0) -> TaskItem:
+        return self._hidden(super().item(seed, index, level), f"stream:{seed}:{index}")
+
+    def _hidden(self, item: TaskItem, key: str) -> TaskItem:
+        prompt = f"{self.prefix}="
+        return TaskItem(_prompt_id(self.name, f"{prompt}{item.answer}:{key}"), prompt, item.answer, {})
 
 
 def _digit_credit(want: str, got: str) -> float:
@@ -187,19 +163,24 @@ class CountdownTask(Task):
 
     def make_prompts(self, n: int, seed: int) -> list[TaskItem]:
         rng = random.Random(seed)
-        items = []
-        while len(items) < n:
+        return [self._draw(rng) for _ in range(n)]
+
+    def item(self, seed: int, index: int, level: int = 0) -> TaskItem:
+        return self._draw(stream_rng(self.name, seed, index))
+
+    def _draw(self, rng: random.Random) -> TaskItem:
+        while True:  # until the expression's value is a positive integer
             nums = [rng.randint(1, self.max_number) for _ in range(self.num_numbers)]
             expr = str(nums[0])
             for x in nums[1:]:
-                expr = f"{expr}{rng.choice('+-*')}{x}" if rng.random() < 0.5 or "*" in expr else f"({expr}){rng.choice('+-*')}{x}"
+                lhs = expr if rng.random() < 0.5 or "*" in expr else f"({expr})"
+                expr = f"{lhs}{rng.choice('+-*')}{x}"
             value, _ = safe_arithmetic(expr)
-            if value <= 0 or value != int(value):
-                continue
-            shown = sorted(nums)
-            prompt = f"nums:{','.join(map(str, shown))} target:{int(value)}="
-            items.append(TaskItem(_prompt_id(self.name, prompt), prompt, expr, {"nums": shown, "target": int(value)}))
-        return items
+            if value > 0 and value == int(value):
+                break
+        shown = sorted(nums)
+        prompt = f"nums:{','.join(map(str, shown))} target:{int(value)}="
+        return TaskItem(_prompt_id(self.name, prompt), prompt, expr, {"nums": shown, "target": int(value)})
 
     def from_record(self, record: dict) -> TaskItem:
         item = super().from_record(record)
@@ -239,14 +220,17 @@ class MathTask(Task):
 
     def make_prompts(self, n: int, seed: int) -> list[TaskItem]:
         rng = random.Random(seed)
-        items = []
-        for _ in range(n):
-            a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
-            op = rng.choice("+-*")
-            prompt = f"what is {a}{op}{b}? answer:"
-            answer = str(eval(f"{a}{op}{b}"))  # noqa: S307 -- our own two integers and one operator
-            items.append(TaskItem(_prompt_id(self.name, prompt), prompt, answer, {}))
-        return items
+        return [self._draw(rng) for _ in range(n)]
+
+    def item(self, seed: int, index: int, level: int = 0) -> TaskItem:
+        return self._draw(stream_rng(self.name, seed, index))
+
+    def _draw(self, rng: random.Random) -> TaskItem:
+        a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
+        op = rng.choice("+-*")
+        prompt = f"what is {a}{op}{b}? answer:"
+        answer = str(eval(f"{a}{op}{b}"))  # noqa: S307 -- our own two integers and one operator
+        return TaskItem(_prompt_id(self.name, prompt), prompt, answer, {})
 
     def reward(self, item: TaskItem, completion_text: str) -> float:
         from math_verify import parse, verify
@@ -263,25 +247,23 @@ class MathTask(Task):
             return 0.0
 
 
-TASKS: dict[str, type[Task]] = {"toy": ToyCopyTask, "countdown": CountdownTask, "math": MathTask, "lookup": LookupTask}
+TASKS: dict[str, type[Task]] = {
+    "toy": ToyCopyTask, "countdown": CountdownTask, "math": MathTask, "lookup": LookupTask,
+    "reasoning_gym": ReasoningGymTask,
+}
 
 
 def get_task(name: str, **params: Any) -> Task:
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; choose one of {sorted(TASKS)}")
+    """A built-in task by name, or a user's task named "package.module:TaskClass" (environments.task_plugins),
+    made with `params` (data.task_params). ValueError, saying what is missing or wrong, when it cannot be."""
+    if name in TASKS:
+        cls = TASKS[name]
+    elif ":" in name:
+        cls = task_class(name)
+    else:
+        raise ValueError(f"unknown task {name!r}; choose one of {sorted(TASKS)} or name your own as "
+                         "'package.module:TaskClass'")
     try:
-        return TASKS[name](**params)
+        return cls(**params)
     except TypeError as exc:
         raise ValueError(f"task {name!r}: bad parameters {params}: {exc}") from None
-
-
-def import_plugin(name: str, what: str) -> Any:
-    """The object a plug-in name "module:attr" names (attr may be dotted), for plug-in rewards and
-    environments alike. ValueError, saying why, when the name is not of that form or does not load."""
-    module_name, sep, attr = name.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"{what} {name!r} is not a plug-in name of the form 'module:name'")
-    try:
-        return operator.attrgetter(attr)(importlib.import_module(module_name))
-    except Exception as exc:  # ImportError, AttributeError, or whatever the module raises at import time
-        raise ValueError(f"cannot load {what} {name!r}: {type(exc).__name__}: {exc}") from None

@@ -102,9 +102,12 @@ class Metrics:
             ["k"], registry=r)
         self.eval_completion_tokens = Gauge("swarmrl_eval_completion_tokens",
             "Mean completion length of the held-out samples (tokens)", registry=r)
+        self.task_level = Gauge("swarmrl_task_level", "Difficulty level new prompts are made at (a task with levels)",
+                                registry=r)
 
     def observe_eval(self, result: Any) -> None:
-        """A finished evaluation (protocol.operator_models.EvalResult); versions finish in order, mostly: keep the newest."""
+        """A finished evaluation (protocol.operator_models.EvalResult); versions finish in order, mostly: keep the
+        newest."""
         if result.policy_version < getattr(self, "_eval_newest", -1):
             return
         self._eval_newest = result.policy_version
@@ -236,6 +239,7 @@ def run_status(o: Any) -> RunStatus:
         releases_free=int(c.get(RELEASED_FREE, 0)),
         releases_charged=int(c.get(RELEASED_CHARGED, 0)),
         max_token_release_ratio=o.leases.costs.highest_ratio(),
+        curriculum=o.prompts.curriculum_state(),
     )
 
 
@@ -254,6 +258,8 @@ def record_history(metrics: Metrics, windows: RunWindows, st: RunStatus, now: fl
     metrics.verify_queue.set(st.verify_queue)
     for what, key in (("in", "verify_in_per_s"), ("out", "verify_out_per_s"), ("tokens", "verify_tokens_per_s")):
         metrics.verify_rate.labels(what).set(rates[key])
+    if st.curriculum is not None:
+        metrics.task_level.set(st.curriculum.level)
     windows.history.append(
         {
             "t": now,
@@ -267,5 +273,6 @@ def record_history(metrics: Metrics, windows: RunWindows, st: RunStatus, now: fl
             "buffer_depth": st.buffer_depth,
             "verify_queue": st.verify_queue,
             "verifier_actors": st.verifier_actors,
+            "task_level": st.curriculum.level if st.curriculum is not None else None,
         }
     )

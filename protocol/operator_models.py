@@ -97,6 +97,15 @@ class EvalResult(WireModel):
     finished_at: float | None = None  # unix seconds; None while the round is open
 
 
+class CurriculumStatus(WireModel):
+    """The difficulty level of a task with levels (environments/curriculum.py)."""
+
+    level: int  # new prompts are made at this level
+    levels: int
+    pass_rate: float | None = None  # over the verified completions seen at this level (None before any)
+    moving: bool = False  # the run moves the level by the pass rate (data.curriculum.enabled)
+
+
 class RunStatus(WireModel):
     run_name: str
     step: int  # optimizer steps done
@@ -141,6 +150,7 @@ class RunStatus(WireModel):
     releases_free: int = 0
     releases_charged: int = 0
     max_token_release_ratio: float = 0.0
+    curriculum: CurriculumStatus | None = None  # a task with difficulty levels: the level new prompts are made at
 
 
 class HealthStatus(WireModel):

@@ -83,7 +83,8 @@ GSM8K_ROWS = [
     for i in range(6)
 ]
 # A chat template in the tiny tokenizer's alphabet (which has no newline).
-SIMPLE_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }};{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+SIMPLE_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }};{% endfor %}"
+                   "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
 def test_parquet_arrow_and_folders_with_splits(tmp_path, tiny_model_dir):
