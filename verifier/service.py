@@ -368,7 +368,7 @@ class Verifier:
     def _reward_request(self, job: VerifyJob, c) -> RewardRequest:
         item = job.items[c.prompt_index]
         if c.env_mask is None:
-            ids = list(map(int, c.token_ids)) if self.config.rewards.style == "trl" else None  # TRL's completion_ids
+            ids = list(map(int, c.token_ids)) if self.rewards.config.style == "trl" else None  # TRL's completion_ids
             return RewardRequest(job.task_name, item, self.decode(c.token_ids), job.task_params, job.submission_id,
                                  completion_ids=ids)
         # An episode: the environment's reward from the replayed final state (its answer turn and a summary
