@@ -32,6 +32,7 @@ from orchestrator.service import Orchestrator
 from orchestrator.verification import Verifier
 from swarmrl.config import RunConfig
 from swarmrl.run_dir import RunDir
+from swarmrl.verify_timeout import VerifyTimeout
 
 log = logging.getLogger(__name__)
 
@@ -173,13 +174,15 @@ class RayVerifierPool:
     the verdicts come back in job order. The actors may change between calls (`set_actors`: the driver
     grows and shrinks the pool, swarmrl/verifier_pool.py); a call keeps the actors it started with."""
 
-    def __init__(self, actors: list[Any], timeout_s: float = 600.0):
+    def __init__(self, actors: list[Any], timeout_s: float = 600.0, timeout_slack: float = 3.0,
+                 initial_tokens_per_s: float = 20.0):
         if not actors:
             raise ValueError("a verifier pool needs at least one actor")
         self.actors = actors
         # A hung actor must not hang the orchestrator: the call times out, and the orchestrator splits the
-        # batch until the submission at fault is alone (orchestrator/verification.py).
-        self.timeout_s = timeout_s
+        # batch until the submission at fault is alone (orchestrator/verification.py). How long "hung" is
+        # follows the call's size and the measured rate (verify_timeout.py); timeout_s is its floor.
+        self.timeout = VerifyTimeout(timeout_s, timeout_slack, initial_tokens_per_s)
 
     @classmethod
     def start(
@@ -209,7 +212,8 @@ class RayVerifierPool:
             for i in range(n)
         ]
         ray.get([a.ping.remote() for a in actors])  # surface constructor errors now
-        return cls(actors, timeout_s=config.timeout_s)
+        return cls(actors, timeout_s=config.timeout_s, timeout_slack=config.timeout_slack,
+                   initial_tokens_per_s=config.initial_tokens_per_s)
 
     def verify_many(self, jobs: list[Any]) -> list[Any]:
         import ray
@@ -221,14 +225,17 @@ class RayVerifierPool:
             raise RuntimeError("no verifier actor is live")
         n = min(len(actors), len(jobs))
         parts = [jobs[i::n] for i in range(n)]
+        tokens = max(sum(job.submission.num_tokens for job in part) for part in parts)
+        timeout_s, started = self.timeout.for_call(tokens), time.monotonic()
         futures = [actors[i].verify_many.remote(parts[i]) for i in range(n)]
-        done, late = ray.wait(futures, num_returns=len(futures), timeout=self.timeout_s)
+        done, late = ray.wait(futures, num_returns=len(futures), timeout=timeout_s)
         if late:  # a stuck actor would keep every later call waiting behind it: restart it (Ray's max_restarts)
             for i, f in enumerate(futures):
                 if f in late:
                     ray.kill(actors[i], no_restart=False)
-            raise TimeoutError(f"{len(late)} verifier actor(s) did not answer within {self.timeout_s:g} s; restarted")
+            raise TimeoutError(f"{len(late)} verifier actor(s) did not answer within {timeout_s:g} s; restarted")
         results = ray.get(futures)
+        self.timeout.observe(tokens, time.monotonic() - started)
         out: list[Any] = [None] * len(jobs)
         for i, verdicts in enumerate(results):
             if len(verdicts) != len(parts[i]):
@@ -266,7 +273,9 @@ class OrchestratorActor(Orchestrator):
         pin_to_cpus(config.resources.cpu_affinity.get("orchestrator"))
         # The run's verifier.timeout_s, not the pool's default: a call stuck on a dying actor is split
         # and retried after it, so it bounds how long a verifier crash can hold verification back.
-        self.pool = RayVerifierPool(verifier_actors, timeout_s=config.verifier.timeout_s)
+        v = config.verifier
+        self.pool = RayVerifierPool(verifier_actors, timeout_s=v.timeout_s, timeout_slack=v.timeout_slack,
+                                    initial_tokens_per_s=v.initial_tokens_per_s)
         super().__init__(**orchestrator_args(config, self.pool, relay_urls=relay_urls,
             manifest_public_key=manifest_public_key, origin_url=origin_url))
         self.set_verifier_actors(len(verifier_actors), 0)

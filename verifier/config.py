@@ -137,8 +137,14 @@ class VerifierConfig(BaseModel):
     rewards: RewardPoolConfig = RewardPoolConfig()
     timeout_s: float = Field(
         120.0, gt=0,
-        description="one verify call of the pool; past it the batch is split so one slow submission never holds back "
-        "the others"
+        description="the floor of one verify call's timeout in the Ray pool (swarmrl/verify_timeout.py); past its "
+        "timeout the batch is split so one slow submission never holds back the others"
+    )
+    timeout_slack: float = Field(3.0, gt=1, description="a call may take this many times its tokens / measured rate")
+    initial_tokens_per_s: float = Field(
+        20.0, gt=0,
+        description="the verify rate assumed before the first call is measured; the 0.6B verifier made ~77 tokens/s "
+        "on 2 CPU cores (bench/results/scaling.md), so 20 holds there under load"
     )
 
     @model_validator(mode="after")
