@@ -1,9 +1,19 @@
 """Tiny Qwen2-architecture models and a character-level tokenizer, made locally.
 
 No model hub is reachable from our machines, so tests and the demo make their own base model. The
-tokenizer has one token per character of a small alphabet (digits, lowercase letters, arithmetic
-signs), which suits the toy and countdown tasks: every digit is its own token, and a random model
-starts near-uniform over ~50 tokens, so GRPO sees signal from the first step.
+tokenizer has one token per character of a small alphabet (digits, lowercase letters, space, arithmetic
+signs, and then newline and `"'![]_`, which reasoning-gym's prompts use), which suits the toy and countdown
+tasks: every digit is its own token, and a random model starts near-uniform over ~60 tokens, so GRPO sees
+signal from the first step. There is no token for a capital letter (26 would not fit under the 64 ids of the
+model's vocabulary) nor for any other character: such characters are dropped when encoding.
+
+The tokenizer is byte-level, as Qwen2's: its vocabulary holds each character's GPT-2 byte-level string (a
+space is `Ġ`, a newline `Ċ`, every other character is itself), and it encodes and decodes through the same
+normalizer, pre-tokenizer and decoder as `transformers.Qwen2Tokenizer`. A model folder's config.json says
+`qwen2`, so `AutoTokenizer.from_pretrained(folder)` (the inference worker, vLLM, the verifier) loads
+`Qwen2Tokenizer`, which rebuilds that pipeline from the vocabulary whatever tokenizer.json holds: both give
+the same ids and the same text (tests/foundation/test_tiny_model.py). With a character vocabulary and the
+Fuse decoder of before, the reloaded tokenizer dropped every space.
 """
 
 from __future__ import annotations
@@ -15,7 +25,11 @@ from typing import Literal
 
 import torch
 
-ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz +-*/=()?:;,.<>"
+# The characters with a token, in id order after the special tokens. Only ever append: a character's id is its
+# place here, and models already made rely on it. The first line is the original alphabet; the second was
+# added for reasoning-gym's text. 64 - 3 special tokens - 61 characters leaves 3 free ids.
+ALPHABET = ("0123456789abcdefghijklmnopqrstuvwxyz +-*/=()?:;,.<>"
+            "\n\"'![]_")
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>"]
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 
@@ -29,24 +43,41 @@ SIZES: dict[str, dict[str, int]] = {
 }
 
 
+def byte_level(text: str) -> str:
+    """`text`'s UTF-8 bytes in GPT-2's byte-level alphabet (bytes_to_unicode): printable bytes other than the
+    space are themselves, the others are shifted past 255 (space `Ġ`, newline `Ċ`)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    table = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(shifted)}
+    return "".join(table[b] for b in text.encode())
+
+
 def vocab() -> dict[str, int]:
-    tokens = SPECIAL_TOKENS + list(ALPHABET)
+    """Token string -> id: the special tokens, then each character of ALPHABET in byte-level form (`byte_level`)."""
+    tokens = SPECIAL_TOKENS + [byte_level(ch) for ch in ALPHABET]
     return {t: i for i, t in enumerate(tokens)}
 
 
 def make_tokenizer():
-    """A PreTrainedTokenizerFast with one token per character, EOS = <|eos|>."""
-    from tokenizers import Tokenizer, decoders, models
+    """A PreTrainedTokenizerFast with one token per character, EOS = <|eos|>, no BOS added. Its pipeline is
+    Qwen2Tokenizer's (see the module docstring), so a model folder reloads to the same tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(vocab=vocab(), merges=[], unk_token=None, fuse_unk=False))
-    tok.decoder = decoders.Fuse()
+    # Qwen2Tokenizer's normalizer and decoder, and its pre-tokenizer's byte-level step (no prefix space, no regex
+    # of its own). Its regex split before that step is left out: without merges, every byte is its own token
+    # wherever the text is split. NFC matters: "e" and a combining accent compose to "é", dropped whole.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token="<|pad|>",
         bos_token="<|bos|>",
         eos_token="<|eos|>",
+        unk_token=None,  # saved as null: Qwen2Tokenizer would otherwise add its default <|endoftext|> as id 61
         model_max_length=1024,
         clean_up_tokenization_spaces=False,
     )

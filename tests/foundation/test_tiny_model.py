@@ -83,6 +83,37 @@ def test_tokenizer_is_one_token_per_character():
     assert all(len(tok(ch).input_ids) == 1 for ch in ALPHABET)
 
 
+def test_tokenizer_reloaded_from_a_model_folder_is_the_same(tmp_path):
+    """The worker, vLLM and the verifier load a model folder's tokenizer with AutoTokenizer, which reads
+    config.json's `qwen2` and builds Qwen2Tokenizer's byte-level pipeline from the vocabulary: it must give the
+    maker's ids and text. A character vocabulary had no `Ġ`, so every space was dropped on reload."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from trainer.tiny_model import make_config, padded_vocab_size, vocab
+
+    make_config().save_pretrained(tmp_path)
+    tok = make_tokenizer()
+    tok.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(loaded) == len(tok) == len(vocab()) <= padded_vocab_size() == 64  # no model shape changes
+    # Models made before keep working: the original characters keep their ids.
+    original = "0123456789abcdefghijklmnopqrstuvwxyz +-*/=()?:;,.<>"
+    assert tok(original).input_ids == loaded(original).input_ids == list(range(3, 3 + len(original)))
+    rng = random.Random(0)
+    texts = [ALPHABET, 'a\nb "quoted" \'it\'s\' [1, 2]_x!\n\n', "  two  spaces  ",
+        *("".join(rng.choice(ALPHABET) for _ in range(rng.randint(1, 30))) for _ in range(200))]
+    for text in texts:
+        ids = tok(text).input_ids
+        assert len(ids) == len(text) and loaded(text).input_ids == ids, text
+        assert loaded.decode(ids) == tok.decode(ids) == text
+    # Characters without a token (capitals, tabs, accents) are dropped, the same way by both.
+    assert loaded.decode(loaded("Spell this word: cat").input_ids) == "pell this word: cat"
+    for text in ["Spell THIS\tcafé", "e\u0301!", "<|eos|>x"]:
+        assert loaded(text).input_ids == tok(text).input_ids, text
+
+
 def test_init_model_cli(tmp_path):
     from typer.testing import CliRunner
 
@@ -138,8 +169,12 @@ def test_transformers_and_vllm_agree_on_greedy_tokens(fixture, request, tmp_path
         outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], SamplingParams(temperature=0.0,
             max_tokens=12, ignore_eos=True), use_tqdm=False)
         got = [list(o.outputs[0].token_ids) for o in outs]
+        # vLLM's own tokenizer of the folder (AutoTokenizer underneath) reads text as the maker's does.
+        text = "Spell this: a b\nc!"
+        vllm_ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
     finally:
         del llm
+    assert vllm_ids == tok(text).input_ids and len(vllm_ids) == len(text) - 1  # only the capital is dropped
     assert len({t for seq in want for t in seq}) >= 4, want  # the comparison is not trivial
     assert got == want
 
