@@ -8,7 +8,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export RAY_AUTH_MODE ?= disabled
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install system-deps lint test test-all demo bench clean
+.PHONY: install system-deps lint test test-all demo bench clean images
 
 install: $(STAMP)
 
@@ -57,6 +57,45 @@ test-all: install system-deps
 
 demo: install
 	$(VENV)/bin/swarmrl run --config configs/demo.toml
+
+# Container images (deploy/docker). The CPU image (the one deploy/compose.yaml runs, hence the cluster extra),
+# the cluster image, and for the GPU worker image what a machine without a GPU can: its Dockerfile runs with
+# `pip install --dry-run`, so it parses and its Python layer resolves (the log is in build/images/).
+# BASE_IMAGE: python:3.11-slim when it is here or a registry gives it, else a base made from Debian packages
+# (deploy/docker/make-base-image.sh); GPU_BASE_IMAGE likewise with the Dockerfiles' nvidia/cuda default.
+# The machine's pip configuration and CA bundle go in as build secrets, its local wheel folders as a
+# bind-mounted image (deploy/docker/pip_sources.py), never into a layer. Needs a Docker daemon and BuildKit
+# (`docker buildx`, or Docker 20.10's own client with DOCKER_BUILDKIT=1).
+DOCKER      ?= $(shell docker buildx version >/dev/null 2>&1 && echo docker || { test -x /usr/bin/docker && echo /usr/bin/docker || echo docker; })
+BASE_IMAGE  ?=
+GPU_BASE_IMAGE ?=
+LOCAL_BASE  ?= swarmrl-base:bookworm
+CPU_EXTRAS  ?= worker-cpu,cluster
+IMAGE_TAG   ?= dev
+images:
+	@set -e; D="$(DOCKER)"; export DOCKER_BUILDKIT=1; mkdir -p build/images; \
+	have() { $$D image inspect "$$1" >/dev/null 2>&1 || timeout 300 $$D pull -q "$$1" >/dev/null 2>&1; }; \
+	local_base() { $$D image inspect $(LOCAL_BASE) >/dev/null 2>&1 || DOCKER=$$D deploy/docker/make-base-image.sh $(LOCAL_BASE) >&2; echo $(LOCAL_BASE); }; \
+	base="$(BASE_IMAGE)"; [ -n "$$base" ] || { if have python:3.11-slim; then base=python:3.11-slim; else base=$$(local_base); fi; }; \
+	gpu_base="$(GPU_BASE_IMAGE)"; [ -n "$$gpu_base" ] || have nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 || gpu_base=$$(local_base); \
+	echo "base images: CPU $$base, GPU $${gpu_base:-nvidia/cuda (the Dockerfile defaults)}"; \
+	src=$$($(if $(wildcard $(PY)),$(PY),python3) deploy/docker/pip_sources.py build/images --docker "$$D"); echo "pip sources: $$src"; \
+	ca=$$(echo "$$src" | python3 -c 'import json,sys; print(json.load(sys.stdin)["ca_bundle"] or "")'); \
+	img=$$(echo "$$src" | python3 -c 'import json,sys; print(json.load(sys.stdin)["sources_image"] or "")'); \
+	common="--progress=plain $${img:+--build-arg PIP_SOURCES=$$img} $${ca:+--secret id=ca.crt,src=$$ca}"; \
+	build() { name=$$1; shift; echo "== $$name: $$D build $$*"; t0=$$(date +%s); \
+	  $$D build $$common "$$@" . > build/images/$$name.log 2>&1 || { tail -40 build/images/$$name.log; exit 1; }; \
+	  echo "== $$name: $$(( $$(date +%s) - t0 )) s, log build/images/$$name.log"; }; \
+	build cpu -f deploy/docker/Dockerfile.worker-cpu --build-arg BASE_IMAGE=$$base --build-arg EXTRAS=$(CPU_EXTRAS) \
+	  --secret id=pip.conf,src=build/images/pip.conf -t swarmrl-cpu:$(IMAGE_TAG); \
+	build cluster -f deploy/docker/Dockerfile.cluster $${gpu_base:+--build-arg BASE_IMAGE=$$gpu_base} \
+	  --secret id=pip.conf,src=build/images/pip-index.conf -t swarmrl-cluster:$(IMAGE_TAG); \
+	build worker-resolve -f deploy/docker/Dockerfile.worker $${gpu_base:+--build-arg BASE_IMAGE=$$gpu_base} --build-arg PIP_FLAGS=--dry-run \
+	  --secret id=pip.conf,src=build/images/pip-index.conf -t swarmrl-worker:resolve-check; \
+	$$D image rm swarmrl-worker:resolve-check >/dev/null; \
+	grep -h "Would install" build/images/worker-resolve.log | sed 's/^#[0-9]* *[0-9.]* //' | cut -c1-400 | grep . \
+	  || echo "GPU worker: its install step was cached (it resolved in an earlier run)"; \
+	$$D image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E '^swarmrl-(cpu|cluster|base)'
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -503,7 +503,7 @@ def _dockerfile_argv(path: Path) -> tuple[list[str], list[str]]:
 
 def _dockerfile_commands() -> list[tuple[str, list[str], dict[str, str]]]:
     out = []
-    for path in sorted((DEPLOY / "docker").glob("Dockerfile.*")):
+    for path in sorted(p for p in (DEPLOY / "docker").glob("Dockerfile.*") if p.suffix != ".dockerignore"):
         entry, cmd = _dockerfile_argv(path)
         assert entry or cmd, f"{path.name}: no ENTRYPOINT/CMD"
         out += [(path.name, a, {}) for a in _swarmrl_argvs(entry + cmd)]
@@ -638,7 +638,7 @@ def test_dockerfiles_copy_real_files_and_install_real_extras():
 
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
-    for path in sorted((DEPLOY / "docker").glob("Dockerfile.*")):
+    for path in sorted(p for p in (DEPLOY / "docker").glob("Dockerfile.*") if p.suffix != ".dockerignore"):
         text = path.read_text()
         assert text.lstrip("# \n").count("FROM ") >= 1
         copied = re.findall(r"^COPY\s+(.+?)\s+\S+\s*$", text, re.M)
