@@ -81,9 +81,13 @@ def test_the_cpu_config_runs_the_plug_in_path_for_real(tiny_model_dir):
 
     tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     for p in prompts:
-        # The word to reverse reaches the character model, less any capital: it has no token for one.
-        text, word = tok.decode(p.token_ids.tolist()), p.item.meta["entry"]["metadata"]["word"]
-        assert text.endswith("".join(ch for ch in word if ch in ALPHABET)) and not any(ch.isupper() for ch in text)
+        # The question reaches the character model with its spaces and quotes, less any capital: it has no token
+        # for one ("How many" arrives as "ow many").
+        text, meta = tok.decode(p.token_ids.tolist()), p.item.meta["entry"]["metadata"]
+        (word,) = meta["span"]
+        assert text.startswith("ow many times does the letter ") and f'"{meta["target_letter"]}"' in text
+        assert text.endswith('"' + "".join(ch for ch in word if ch in ALPHABET) + '"?'), text
+        assert not any(ch.isupper() for ch in text)
     items = [p.item for p in prompts]
     task, params = cfg.data.task, cfg.data.task_params
     requests = [RewardRequest(task, it, it.answer, params) for it in items]
