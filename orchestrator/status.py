@@ -58,7 +58,8 @@ class Metrics:
         # orchestrator/reward_failures.py: never a strike; the completion's group is dropped, not trained
         self.reward_failures = Counter(
             "swarmrl_reward_failures",
-            "Completions whose trusted reward could not be computed, by reward and kind (timed_out, crashed, skipped)",
+            "Completions whose trusted reward could not be computed, by reward and kind "
+            "(error, timed_out, crashed, skipped)",
             ["reward", "kind"], registry=r,
         )
         self.groups_dropped_unscored = Counter(
