@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from docker_available import docker_with_image
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKER_DIR = REPO / "deploy" / "docker"
@@ -140,19 +140,7 @@ def test_pip_sources_rewrites_local_paths_into_the_mount(tmp_path):
 
 
 def _docker() -> str:
-    docker = shutil.which("docker")
-    if docker is None:
-        pytest.skip("no docker client installed")
-    try:
-        res = subprocess.run([docker, "version", "--format", "{{.Server.Version}}"], capture_output=True, text=True,
-            timeout=15)
-    except subprocess.TimeoutExpired:
-        pytest.skip("the Docker daemon did not answer within 15 s")
-    if res.returncode != 0:
-        pytest.skip(f"no Docker daemon answers: {(res.stderr or res.stdout).strip()[:200]}")
-    if subprocess.run([docker, "image", "inspect", CPU_IMAGE], capture_output=True).returncode != 0:
-        pytest.skip(f"image {CPU_IMAGE} is not built here (`make images` builds it)")
-    return docker
+    return docker_with_image(CPU_IMAGE)
 
 
 # Without importing torch or vLLM (seconds each): what is installed, from the packages' metadata and files.

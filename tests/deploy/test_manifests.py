@@ -630,7 +630,9 @@ def test_compose_references_resolve():
     assert "--num_workers 0" in orch and "--shardcast.num_relays 0" in orch
     assert "http://orchestrator:8000" in services["worker"]["command"]
     assert "http://relay:9200" in orch and "--port 9200" in services["relay"]["command"][0]
-    assert "http://orchestrator:9000" in services["relay"]["command"][0] and "--shardcast.origin_port 9000" in orch
+    # The origin listens on a network only the relay shares (`origin`): weights reach workers through the relay.
+    assert "http://origin:9000" in services["relay"]["command"][0] and "--shardcast.origin_port 9000" in orch
+    assert "origin" in services["relay"]["networks"] and "origin" not in services["worker"]["networks"]
 
 
 def test_dockerfiles_copy_real_files_and_install_real_extras():
