@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -44,10 +46,17 @@ def init_ray(address: str = "", num_cpus: int | None = 2) -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # ray.init() installs its own SIGTERM handler, which would end the driver at once: the driver's (stop after
+    # the current step, what `docker stop` and Kubernetes ask for) is put back.
+    main = threading.current_thread() is threading.main_thread()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    for sig, handler in handlers.items():
+        if handler is not None:
+            signal.signal(sig, handler)
 
 
 def component_logging(rd: RunDir, component: str, level: str = "INFO") -> None:
