@@ -8,13 +8,9 @@ import json
 import re
 import signal
 import sqlite3
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "deploy" / "netns"))
-import multihost as mh  # noqa: E402
+from netns_topology import mh, netns_topology
 
 pytestmark = pytest.mark.e2e
 
@@ -27,15 +23,8 @@ CAP_STEPS = 200
 
 @pytest.fixture
 def topology():
-    try:
-        mh.check_netns_support()
-    except mh.NetnsUnavailable as exc:
-        pytest.skip(f"network namespaces unavailable: {exc}")
-    topo = mh.Topology()
-    try:
-        yield topo.up()
-    finally:
-        topo.down()
+    with netns_topology() as topo:
+        yield topo
 
 
 def _metric(text: str, name: str) -> float:

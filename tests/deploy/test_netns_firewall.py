@@ -15,12 +15,9 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "deploy" / "netns"))
-import multihost as mh  # noqa: E402
+from netns_topology import netns_topology
 
 SERVER = (
     "import socket,sys\n"
@@ -45,15 +42,8 @@ def _host_forward_policy() -> str:
 
 @pytest.fixture
 def topology():
-    try:
-        mh.check_netns_support()
-    except mh.NetnsUnavailable as exc:
-        pytest.skip(f"network namespaces unavailable: {exc}")
-    topo = mh.Topology(prefix=f"srlfw{os.getpid() % 100000}")
-    try:
-        yield topo.up()
-    finally:
-        topo.down()
+    with netns_topology(prefix=f"srlfw{os.getpid() % 100000}") as topo:
+        yield topo
 
 
 def test_bridge_forwards_with_forward_policy_drop(topology):
