@@ -255,3 +255,10 @@ class OrchestratorClient:
     def verdict(self, submission_id: str) -> Verdict:
         resp = self._request(api.VERDICT, token=self._worker_token(), submission_id=submission_id)
         return self._parse(resp, Verdict)
+
+    def model_files(self) -> m.ModelFiles:
+        """The run's base model files other than weights (config, tokenizer): names, sizes, sha256."""
+        return self._parse(self._request(api.MODEL_FILES, token=self._worker_token()), m.ModelFiles)
+
+    def model_file(self, name: str) -> bytes:
+        return self._request(api.MODEL_FILE, token=self._worker_token(), name=name).content

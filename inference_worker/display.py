@@ -6,7 +6,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from protocol.models import WorkerState
+from protocol.models import Credit, WorkerState
 
 
 @dataclass
@@ -23,6 +23,7 @@ class WorkerStats:
     expired: int = 0
     released: int = 0
     reconnects: int = 0
+    credit: Credit = field(default_factory=Credit)  # the join token's, over the run (from registration on)
     last_event: str = ""
     started_at: float = field(default_factory=time.time)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -46,6 +47,7 @@ class WorkerStats:
             ("tasks submitted", str(self.tasks_submitted)),
             ("accepted / rejected", f"[green]{self.accepted}[/] / [red]{self.rejected}[/]"),
             ("expired / released", f"{self.expired} / {self.released}"),
+            ("credit (join token)", credit_line(self.credit)),
             ("uptime", f"{time.time() - self.started_at:,.0f} s"),
             ("last", self.last_event or "-"),
         ]
@@ -56,6 +58,10 @@ class WorkerStats:
     @staticmethod
     def _v(v: int | None) -> str:
         return "-" if v is None else str(v)
+
+
+def credit_line(credit: Credit) -> str:
+    return f"{credit.accepted:,} accepted, {credit.rejected:,} rejected, {credit.verified_tokens:,} verified tokens"
 
 
 class LiveDisplay:

@@ -89,7 +89,7 @@ class RolloutEngine:
     """vLLM over one model folder; `generate` a lease, `reload` a new policy version in place."""
 
     def __init__(self, model_dir: Path | str, config: EngineConfig | None = None, *, policy_version: int | None = None,
-        model_hash: str | None = None, seed: int = 0):
+        model_hash: str | None = None, seed: int = 0, dummy_weights: bool = False):
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -112,6 +112,8 @@ class RolloutEngine:
             seed=seed,
             enable_prefix_caching=True,
         )
+        if dummy_weights:  # a folder of config and tokenizer only: reload() brings every weight before use
+            kwargs["load_format"] = "dummy"
         self.lora_request = None  # the adapter version in use (LoRA runs), else None
         self._adapters_dir: tempfile.TemporaryDirectory | None = None
         self._base_hash: str | None = None

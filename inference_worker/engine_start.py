@@ -4,7 +4,8 @@ A worker given its base model folder (`--model`, as `swarmrl run` gives its loca
 from it at once, in a thread, so the start (~20-30 s on 2 CPU cores for the demo's model, more at real sizes)
 overlaps registration and the download of the first policy version. The engine serves no lease before a
 version is loaded into it (its policy_version is None until then), so the base weights never reach a
-submission. Without `--model` the engine starts from the first version folder, once it is downloaded.
+submission. Without `--model` it starts the same way from the config and tokenizer the run serves
+(base_model.py), on dummy weights; from a run that serves none, from the first version folder once downloaded.
 """
 
 from __future__ import annotations
@@ -35,18 +36,20 @@ def engine_config_for(base: EngineConfig, version_dir: Path | None) -> EngineCon
 class EngineStarter:
     def __init__(self, config: WorkerConfig, factory: Callable[[str, EngineConfig], Any] | None = None):
         self.config = config
+        self.model = config.model
+        self.weightless = False  # the model folder came from the run (base_model.py): config and tokenizer only
         self.factory = factory
         self._early: Any = None
         self._early_error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
     def start_early(self) -> None:
-        if not self.config.model or self._thread is not None:
+        if not self.model or self._thread is not None:
             return
 
         def build() -> None:
             try:
-                self._early = self._build(self.config.model, self.config.engine)
+                self._early = self._build(self.model, self.config.engine)
             except BaseException as exc:  # raised again when the loop asks for the engine
                 self._early_error = exc
 
@@ -55,10 +58,13 @@ class EngineStarter:
 
     def engine_for(self, version_dir: Path) -> Any:
         """An engine to load `version_dir` into: the early one when its settings suit the version."""
-        model = self.config.model or str(version_dir)
-        if not self.config.model and not (version_dir / "config.json").is_file():
+        model = self.model or str(version_dir)
+        if not self.model and not (version_dir / "config.json").is_file():
             raise SystemExit("the weights folder has no config.json: pass --model <base model folder or hub id>")
         wanted = engine_config_for(self.config.engine, version_dir)
+        if self.weightless and wanted.max_lora_rank:
+            raise SystemExit("this run publishes LoRA adapters, which need the base model's weights: "
+                             "pass --model <base model folder or hub id>")
         if self._thread is not None:
             self._thread.join()
             self._thread, early, self._early = None, self._early, None
@@ -84,5 +90,10 @@ class EngineStarter:
             return self.factory(model, engine_config)
         from inference_worker.engine import RolloutEngine
 
-        return RolloutEngine(model, engine_config)
+        return RolloutEngine(model, engine_config, dummy_weights=self.weightless)
+
+    def use_run_model(self, folder: Path) -> None:
+        """Start from the config and tokenizer the run served (no weights: the first version brings them)."""
+        self.model, self.weightless = str(folder), True
+        self.start_early()
 

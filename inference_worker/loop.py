@@ -29,14 +29,15 @@ from pathlib import Path
 from typing import Callable
 
 from inference_worker import client as c
+from inference_worker.base_model import fetch_base_model
 from inference_worker.config import WorkerConfig
-from inference_worker.display import LiveDisplay, WorkerStats
+from inference_worker.display import LiveDisplay, WorkerStats, credit_line
 from inference_worker.engine_start import EngineStarter
+from inference_worker.verdicts import Verdicts
 from inference_worker.weights import WeightsKeeper
 from protocol import staleness
 from protocol.models import Heartbeat, RolloutSubmission, TaskLease, WorkerState
 from protocol.retry import backoff_delays
-from protocol.verdicts import VerdictStatus
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,8 @@ class Worker:
         self.max_prompts = config.max_prompts_per_lease
         self.min_version = 0
         self.heartbeat_interval_s = 5.0
-        self._pending_verdicts: list[str] = []
+        self.verdicts = Verdicts(self.stats)
+        self._run_model_checked = False  # asked the run for its base model files (without --model)
         self._lock = threading.Lock()
         self._delays = backoff_delays(config.backoff_initial_s, config.backoff_max_s)
 
@@ -79,7 +81,7 @@ class Worker:
         try:
             with LiveDisplay(self.stats, enabled):
                 while not self.drain.is_set():
-                    if not self._ensure_registered() or not self._ensure_weights():
+                    if not self._ensure_registered() or not self._ensure_base_model() or not self._ensure_weights():
                         continue
                     self._task_once()
         finally:
@@ -87,14 +89,15 @@ class Worker:
             self._done.set()
             beat.join(timeout=5)
             self.keeper.stop()
-            self._poll_verdicts(self.client)
+            self.verdicts.settle(self.client)
+            self._leave()
             self.client.close()
             self.beat_client.close()
             self.starter.close()
             if self._engine_factory is None and self.engine is not None:
                 self.engine.close()
-        log.info("worker stopped: %d tasks submitted, %d accepted, %d rejected", self.stats.tasks_submitted,
-            self.stats.accepted, self.stats.rejected)
+        log.info("worker stopped: %d tasks submitted, %d accepted, %d rejected; credit of the join token: %s",
+            self.stats.tasks_submitted, self.stats.accepted, self.stats.rejected, credit_line(self.stats.credit))
         return self.exit_code
 
     def stop(self, code: int | None = None) -> None:
@@ -131,7 +134,7 @@ class Worker:
             return False
         with self._lock:
             self.beat_client.secret, self.beat_client.worker_id = reg.secret, reg.worker_id
-            self._pending_verdicts.clear()  # a new identity: the old submissions are not ours to ask about
+        self.verdicts.forget()
         self._reregister.clear()
         self._delays = backoff_delays(self.config.backoff_initial_s, self.config.backoff_max_s)
         self.heartbeat_interval_s = reg.heartbeat_interval_s
@@ -140,10 +143,38 @@ class Worker:
         self.min_version = staleness.min_policy_version(reg.policy_version, reg.async_level)
         self.keeper.set_sources(reg.relay_urls, reg.manifest_public_key, reg.run_id, reg.origin_url)
         self.keeper.observe(reg.policy_version, reg.policy_model_hash)
+        self.stats.credit = reg.credit
         self.stats.event(f"registered as {reg.worker_id}")
-        log.info("registered as %s (policy version %d, async level %d)", reg.worker_id, reg.policy_version,
-            reg.async_level)
+        log.info("registered as %s (policy version %d, async level %d); credit of the join token so far: %s",
+            reg.worker_id, reg.policy_version, reg.async_level, credit_line(reg.credit))
         return True
+
+    def _ensure_base_model(self) -> bool:
+        """Without --model: the run's config and tokenizer, fetched once (base_model.py)."""
+        if self.starter.model or self._run_model_checked:
+            return True
+        try:
+            folder = fetch_base_model(self.client, self.work_dir)
+        except (c.OrchestratorUnavailable, c.OrchestratorError) as e:
+            self.stats.event(f"base model files: {e}")
+            log.warning("cannot fetch the run's base model files yet: %s", e)
+            self._backoff()
+            return False
+        self._run_model_checked = True
+        if folder is not None:
+            self.starter.use_run_model(folder)
+        return True
+
+    def _leave(self) -> None:
+        """The last heartbeat, `stopped`: the run revokes this identity's secret and counts it gone at once, so a
+        restart with the same join token registers without waiting for it to time out."""
+        if self.client.secret is None or self._reregister.is_set() or self.exit_code == EXIT_BANNED:
+            return
+        try:
+            loaded = self.engine.policy_version if self.engine is not None else None
+            self.client.heartbeat(Heartbeat(state=WorkerState.stopped, loaded_policy_version=loaded), retries=0)
+        except (c.OrchestratorUnavailable, c.OrchestratorError) as e:
+            log.info("could not tell the run that this worker left (%s): it counts as gone after a timeout", e)
 
     def _heartbeat_loop(self) -> None:
         while not self._done.wait(self.heartbeat_interval_s):
@@ -167,32 +198,7 @@ class Worker:
             self.stats.orchestrator_version = ack.policy_version
             self.min_version = max(self.min_version, ack.min_policy_version)
             self.keeper.observe(ack.policy_version, ack.policy_model_hash)
-            self._poll_verdicts(self.beat_client)
-
-    def _poll_verdicts(self, client: c.OrchestratorClient) -> None:
-        with self._lock:
-            pending = list(self._pending_verdicts)
-        for sid in pending:
-            try:
-                v = client.verdict(sid)
-            except c.NotFound:
-                v = None  # the orchestrator forgot it (restart)
-            except (c.OrchestratorUnavailable, c.OrchestratorError):
-                return
-            if v is not None and v.status is VerdictStatus.pending:
-                continue
-            with self._lock:
-                if sid in self._pending_verdicts:
-                    self._pending_verdicts.remove(sid)
-            if v is None:
-                continue
-            if v.status is VerdictStatus.accepted:
-                self.stats.accepted += 1
-            else:
-                self.stats.rejected += 1
-                reasons = "; ".join(f"{r.code.value}: {r.message}" for r in v.rejections[:3])
-                self.stats.event(f"submission {sid} rejected: {reasons}")
-                log.warning("submission %s rejected: %s", sid, reasons)
+            self.verdicts.poll(self.beat_client)
 
     # ----------------------------------------------------------------------------------------------
     # Weights
@@ -302,8 +308,7 @@ class Worker:
                 self._on_error(e, lease)
                 return
             self.stats.tasks_submitted += 1
-            with self._lock:
-                self._pending_verdicts.append(receipt.submission_id)
+            self.verdicts.submitted(receipt.submission_id)
             self.stats.event(f"submitted {lease.lease_id} ({sub.num_tokens} tokens)")
             return
 

@@ -47,11 +47,12 @@ class Registration:
                 retry_after_s=self.cfg.worker_dead_after_s,
             )
         self.rate.check(token.token_id)
+        credit = self.workers.credit(token.token_id)
         worker_id, secret = self.workers.register(reg.name, reg.device, reg.client_version, token.token_id)
         self.shares.note_demand(token.token_id, time.time())  # a new worker asks for its first lease next
         return WorkerRegistered(
             worker_id=worker_id, secret=secret, heartbeat_interval_s=self.cfg.heartbeat_interval_s,
             async_level=self.cfg.async_level, policy_version=self.versions.current, relay_urls=self.relay_urls,
             manifest_public_key=self.manifest_public_key, run_id=self.run_id, origin_url=self.origin_url,
-            policy_model_hash=self.versions.model_hash(self.versions.current) or None,
+            policy_model_hash=self.versions.model_hash(self.versions.current) or None, credit=credit,
         )

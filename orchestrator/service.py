@@ -6,6 +6,7 @@ its own state and SQL:
     db.py            the SQLite file, transactions, counters
     tokens.py        join tokens: identity caps, registration rate, token bans, lease debt
     open_join.py     join tokens claimed for a proof of work, where the run allows it
+    model_files.py   the base model's config and tokenizer, for workers with no model of their own
     workers.py       identities, secrets, heartbeats, strikes and bans
     registration.py  a new identity under a join token, and what the worker is told to start with
     leases.py        which prompts and seeds a worker gets, the async bound, expiry (room.py: its long poll)
@@ -26,6 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from orchestrator import admission, status
@@ -38,6 +40,7 @@ from orchestrator.errors import ApiError
 from orchestrator.evaluation import RunEvaluation, evaluated_prompts
 from orchestrator.lease_requests import LeaseRequests
 from orchestrator.leases import LeaseBook
+from orchestrator.model_files import BaseModelFiles
 from orchestrator.open_join import OpenJoin
 from orchestrator.operators import Operators
 from orchestrator.registration import Registration
@@ -68,7 +71,7 @@ class Orchestrator:
         task_name: str = "toy", task_params: dict[str, Any] | None = None, run_name: str = "run",
         relay_urls: list[str] | None = None, manifest_public_key: str = "", run_id: str = "", origin_url: str = "",
         make_job: Callable[..., Any] = default_make_job, verify_batch: int = 16, evaluation: EvalConfig | None = None,
-        eval_prompts: list[Prompt] | None = None,
+        eval_prompts: list[Prompt] | None = None, base_model_dir: Path | None = None,
     ):
         self.cfg, self.db, self.run_name = config, db, run_name
         self.prompts = prompts = evaluated_prompts(prompts, evaluation, eval_prompts)
@@ -79,6 +82,7 @@ class Orchestrator:
         self.workers = Workers(db, self.tokens, config.worker_dead_after_s, config.ban_scope,
                                config.strike_decay_accepted)
         self.open_join = OpenJoin(config.open_join, self.tokens)
+        self.model_files = BaseModelFiles(base_model_dir)
         self.buffer = RolloutBuffer(db, shape.max_staleness)
         self.batches = BatchBook(db, self.buffer)
         # Batches left taken or trained by a crash are settled by the trainer's checkpoint, not by us:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from orchestrator.db import Database
 from orchestrator.errors import ApiError
 from orchestrator.tokens import JoinTokens, is_open_join
-from protocol.models import ErrorCode, WorkerState
+from protocol.models import Credit, ErrorCode, WorkerState
 from protocol.operator_models import BanScope, WorkerRecord
 
 log = logging.getLogger(__name__)
@@ -111,9 +111,10 @@ class Workers:
         self._auth: dict[str, tuple[str, bool]] = {}  # worker id -> (secret hash, banned)
         self._dirty: dict[str, float] = {}  # last-seen times not yet flushed to SQLite
         # Every identity's join token and last request, in memory (fair shares and live counts read them per lease).
-        rows = db.all("SELECT worker_id, token_id, last_seen, banned FROM workers")
+        rows = db.all("SELECT worker_id, token_id, last_seen, banned, state FROM workers")
         self._token_of: dict[str, str | None] = {r[0]: r[1] for r in rows}
-        self._last_seen: dict[str, float] = {r[0]: float(r[2] or 0.0) for r in rows if not r[3]}
+        self._last_seen: dict[str, float] = {r[0]: float(r[2] or 0.0) for r in rows
+                                             if not r[3] and r[4] != WorkerState.stopped.value}
 
     # ---------------------------------------------------------------------------------------------
     # identity
@@ -137,6 +138,12 @@ class Workers:
         self._last_seen[worker_id] = self._dirty[worker_id] = now
         log.info("worker registered", extra={"worker_id": worker_id, "worker_name": name, "token_id": token_id})
         return worker_id, secret
+
+    def credit(self, token_id: str) -> Credit:
+        """A join token's record over the run: every worker that registered with it (workers_by_token)."""
+        row = self.db.one("SELECT COALESCE(SUM(accepted), 0), COALESCE(SUM(rejected), 0), "
+                          "COALESCE(SUM(verified_tokens), 0) FROM workers WHERE token_id=?", (token_id,))
+        return Credit(accepted=row[0], rejected=row[1], verified_tokens=row[2])
 
     def live_identities(self, token_id: str, now: float) -> int:
         """Identities of a token that are not banned and were seen within dead_after_s."""
@@ -199,11 +206,17 @@ class Workers:
         return [_row(r) for r in self.db.all("SELECT * FROM workers ORDER BY created_at")]
 
     def heartbeat(self, worker_id: str, state: WorkerState, loaded_version: int | None, tokens_per_s: float) -> None:
+        """A worker's report. `stopped` is a clean leave: its secret stops working and it stops counting as a live
+        identity of its token, so its restart registers at once (not after dead_after_s)."""
+        stopped = state is WorkerState.stopped
+        revoke = ", secret_hash=''" if stopped else ""  # no hash matches ''
         with self.db.tx() as db:
-            db.execute(
-                "UPDATE workers SET last_seen=?, state=?, loaded_version=?, tokens_per_s=? WHERE worker_id=?",
-                (time.time(), state.value, loaded_version, tokens_per_s, worker_id),
-            )
+            db.execute(f"UPDATE workers SET last_seen=?, state=?, loaded_version=?, tokens_per_s=?{revoke} "
+                       "WHERE worker_id=?", (time.time(), state.value, loaded_version, tokens_per_s, worker_id))
+        if stopped:
+            self._auth.pop(worker_id, None)
+            self._last_seen.pop(worker_id, None)
+            self._dirty.pop(worker_id, None)
 
     def flush_seen(self) -> None:
         """Persist the last-seen times kept in memory (batched, not one write per request)."""
@@ -306,7 +319,8 @@ class Workers:
         return max(w.last_seen or 0.0, self._last_seen.get(w.worker_id, 0.0)) or None
 
     def online(self, w: WorkerRow, now: float) -> bool:
-        return not w.banned and now - (self.last_seen(w) or 0.0) <= self.dead_after_s
+        return not w.banned and w.state != WorkerState.stopped.value and now - (self.last_seen(w) or 0.0) <= \
+            self.dead_after_s
 
     def count_online(self, now: float) -> int:
         return sum(self.online(w, now) for w in self.all())

@@ -80,6 +80,11 @@ SUBMIT = Endpoint("POST", "/v1/rollouts", m.RolloutSubmission, m.SubmissionRecei
     "Submit rollouts for a lease")
 VERDICT = Endpoint("GET", "/v1/rollouts/{submission_id}", None, verdicts.Verdict, Auth.worker,
     "Verdict of one of your submissions")
+# The base model's config and tokenizer (orchestrator/model_files.py): a worker with no --model builds its engine
+# from them; the weights come from shardcast.
+MODEL_FILES = Endpoint("GET", "/v1/model/files", None, m.ModelFiles, Auth.worker,
+    "The base model's files other than weights (config, tokenizer), with sizes and sha256")
+MODEL_FILE = Endpoint("GET", "/v1/model/files/{name}", None, None, Auth.worker, "One base model file, as bytes")
 
 STATUS = Endpoint("GET", "/v1/status", None, ops.RunStatus, Auth.admin, "Run status")
 WORKERS = Endpoint("GET", "/v1/workers", None, ops.WorkerList, Auth.admin, "All workers")
@@ -104,7 +109,7 @@ JOIN_CHALLENGE = Endpoint("POST", "/v1/join/challenge", m.JoinChallengeRequest, 
 JOIN_CLAIM = Endpoint("POST", "/v1/join/claim", m.JoinClaim, m.JoinTokenClaimed, Auth.none,
                       "Open join: a join token of one's own for a solved puzzle (on probation until work is accepted)")
 
-WORKER_ENDPOINTS = (REGISTER, HEARTBEAT, LEASE, RELEASE, SUBMIT, VERDICT)
+WORKER_ENDPOINTS = (REGISTER, HEARTBEAT, LEASE, RELEASE, SUBMIT, VERDICT, MODEL_FILES, MODEL_FILE)
 OPERATOR_ENDPOINTS = (STATUS, WORKERS, BAN, UNBAN, MINT_TOKEN, TOKENS, REVOKE_TOKEN, METRICS, STATUS_HISTORY)
 OPEN_JOIN_ENDPOINTS = (JOIN_CHALLENGE, JOIN_CLAIM)
 ALL_ENDPOINTS = WORKER_ENDPOINTS + OPERATOR_ENDPOINTS + OPEN_JOIN_ENDPOINTS + (HEALTH, READY)

@@ -99,6 +99,14 @@ class WorkerRegistration(WireModel):
     device: Annotated[str, BeforeValidator(_nfkc), Field(max_length=64, pattern=r"^[ -~]*$")] = "cpu"  # printable ASCII
 
 
+class Credit(WireModel):
+    """A join token's record over the run, all its workers (past registrations too): a volunteer's credit."""
+
+    accepted: Annotated[int, Field(ge=0)] = 0  # submissions
+    rejected: Annotated[int, Field(ge=0)] = 0
+    verified_tokens: Annotated[int, Field(ge=0)] = 0  # tokens of accepted submissions
+
+
 class WorkerRegistered(WireModel):
     worker_id: Id
     # Bearer secret for every later request. The orchestrator stores only its hash.
@@ -116,6 +124,20 @@ class WorkerRegistered(WireModel):
     # The model hash of policy_version (None before the first publish): the worker takes only that version's
     # manifest with this hash, so a relay replaying a re-published version's earlier (signed) manifest is refused.
     policy_model_hash: Sha256Hex | None = None
+    # The join token's credit before this registration: a restarted worker with the same token carries on from it.
+    credit: Credit = Credit()
+
+
+class ModelFile(WireModel):
+    """One of the run's base model files that are not weights (config, tokenizer), as the run serves it."""
+
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
+    size: Annotated[int, Field(ge=0, le=1 << 30)]
+    sha256: Sha256Hex
+
+
+class ModelFiles(WireModel):
+    files: Annotated[list[ModelFile], Field(max_length=32)]
 
 
 class WorkerState(str, Enum):
@@ -124,6 +146,7 @@ class WorkerState(str, Enum):
     generating = "generating"
     idle = "idle"
     draining = "draining"
+    stopped = "stopped"  # the last heartbeat of a worker that stops cleanly: its secret is revoked
 
 
 class Heartbeat(WireModel):

@@ -109,7 +109,7 @@ def orchestrator_args(
         config=cfg.orchestrator, db=Database(db_path(cfg)), prompts=prompts, verifier=verifier, shape=cfg.step_shape(),
         task_name=data.reward or data.task, task_params=data.reward_params if data.reward else data.task_params,
         run_name=cfg.name, relay_urls=relay_urls, manifest_public_key=manifest_public_key, run_id=cfg.shardcast.run_id,
-        evaluation=cfg.eval, eval_prompts=eval_prompts, **kwargs,
+        evaluation=cfg.eval, eval_prompts=eval_prompts, base_model_dir=model_dir(cfg), **kwargs,
     )
 
 

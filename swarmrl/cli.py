@@ -125,11 +125,13 @@ def status(
     admin_token: str = typer.Option(..., "--admin-token", envvar="SWARMRL_ADMIN_TOKEN", help="the run's admin token"),
     as_json: bool = typer.Option(False, "--json", help="print the raw status JSON"),
 ) -> None:
-    """Show a running run's status (step, version, throughput, acceptance, staleness, workers)."""
-    from swarmrl.status_view import fetch_status, render_status
+    """Show a running run's status (step, version, throughput, acceptance, staleness, workers) and each
+    identity's credit (accepted submissions and verified tokens by join token)."""
+    from swarmrl.status_view import fetch_status, fetch_workers, render_credit, render_status
 
     try:
         st = fetch_status(orchestrator_url, admin_token)
+        workers = None if as_json else fetch_workers(orchestrator_url, admin_token)
     except Exception as exc:  # connection refused, 401, ...: say it plainly
         console.print(f"[red]cannot get status from {orchestrator_url}:[/] {exc}")
         raise typer.Exit(1)
@@ -137,6 +139,7 @@ def status(
         sys.stdout.write(st.model_dump_json(indent=2) + "\n")
     else:
         render_status(st)
+        render_credit(workers)
 
 
 @app.command(context_settings=OVERRIDES)

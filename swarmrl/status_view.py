@@ -2,23 +2,87 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from protocol import api
-from protocol.operator_models import RunStatus
+from protocol.operator_models import RunStatus, WorkerList
+
+# Identities shown in the credit table; the rest are summed in one line.
+CREDIT_ROWS = 20
 
 
-def fetch_status(url: str, admin_token: str, timeout_s: float = 10.0) -> RunStatus:
-    r = httpx.get(api.STATUS.url(url), headers={api.AUTH_HEADER: f"Bearer {admin_token}"}, timeout=timeout_s)
+def _get(url: str, endpoint: api.Endpoint, admin_token: str, timeout_s: float) -> bytes:
+    r = httpx.get(endpoint.url(url), headers={api.AUTH_HEADER: f"Bearer {admin_token}"}, timeout=timeout_s)
     if r.status_code != 200:
         try:
             detail = r.json().get("detail", r.text)
         except ValueError:
             detail = r.text
-        raise RuntimeError(f"GET {api.STATUS.path}: HTTP {r.status_code}: {detail}")
-    return RunStatus.model_validate_json(r.content)
+        raise RuntimeError(f"GET {endpoint.path}: HTTP {r.status_code}: {detail}")
+    return r.content
+
+
+def fetch_status(url: str, admin_token: str, timeout_s: float = 10.0) -> RunStatus:
+    return RunStatus.model_validate_json(_get(url, api.STATUS, admin_token, timeout_s))
+
+
+def fetch_workers(url: str, admin_token: str, timeout_s: float = 10.0) -> WorkerList:
+    return WorkerList.model_validate_json(_get(url, api.WORKERS, admin_token, timeout_s))
+
+
+@dataclass
+class IdentityCredit:
+    """One join token's credit: what its workers (every registration, online or not) had accepted."""
+
+    token_id: str
+    names: set[str] = field(default_factory=set)
+    workers: int = 0
+    online: int = 0
+    banned: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    verified_tokens: int = 0
+
+
+def credit_by_identity(workers: WorkerList) -> list[IdentityCredit]:
+    """Workers summed by join token (an identity: a restarted worker registers again under the same token),
+    most verified tokens first."""
+    by_token: dict[str, IdentityCredit] = {}
+    for w in workers.workers:
+        key = w.token_id or "-"
+        c = by_token.setdefault(key, IdentityCredit(key))
+        c.names.add(w.name)
+        c.workers += 1
+        c.online += w.online
+        c.banned += w.banned
+        c.accepted += w.submissions_accepted
+        c.rejected += w.submissions_rejected
+        c.verified_tokens += w.verified_tokens
+    return sorted(by_token.values(), key=lambda c: (-c.verified_tokens, -c.accepted, c.token_id))
+
+
+def render_credit(workers: WorkerList, console: Any = None, rows: int = CREDIT_ROWS) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    credits = credit_by_identity(workers)
+    t = Table(title="credit by identity (join token)")
+    for col in ("join token", "names", "workers (online)", "accepted", "rejected", "verified tokens"):
+        t.add_column(col, justify="left" if col in ("join token", "names") else "right")
+    for c in credits[:rows]:
+        names = ", ".join(sorted(c.names)[:3]) + (f" +{len(c.names) - 3}" if len(c.names) > 3 else "")
+        banned = f", {c.banned} banned" if c.banned else ""
+        t.add_row(c.token_id, names, f"{c.workers} ({c.online}{banned})", f"{c.accepted:,}", f"{c.rejected:,}",
+                  f"{c.verified_tokens:,}")
+    rest = credits[rows:]
+    if rest:
+        t.add_row(f"{len(rest)} more", "", str(sum(c.workers for c in rest)), f"{sum(c.accepted for c in rest):,}",
+                  f"{sum(c.rejected for c in rest):,}", f"{sum(c.verified_tokens for c in rest):,}")
+    console.print(t)
 
 
 def render_status(st: RunStatus, console: Any = None) -> None:
@@ -69,7 +133,8 @@ def render_status(st: RunStatus, console: Any = None) -> None:
 
 
 def status(url: str, admin_token: str, console: Any = None) -> RunStatus:
-    """Fetch and print the run status (what `swarmrl status` shows)."""
+    """Fetch and print the run status and the credit by identity (what `swarmrl status` shows)."""
     st = fetch_status(url, admin_token)
     render_status(st, console)
+    render_credit(fetch_workers(url, admin_token), console)
     return st

@@ -17,6 +17,7 @@ from contract_server import JOIN_TOKEN, ContractServer, Knobs, free_port
 
 from inference_worker.config import WorkerConfig
 from inference_worker.loop import EXIT_BANNED, Worker
+from protocol.models import WorkerState
 
 RUN = "test-run"  # the run id signed into the test origin's manifests
 
@@ -112,6 +113,7 @@ def test_loop_submits_and_handles_refusals(knobs, origin, engine, tiny_model_dir
         assert sub.policy_version == 0 and sub.model_hash == origin["hashes"][0]
         assert all(len(c.proofs) == (c.token_ids.size + 31) // 32 for c in sub.completions)
     assert rec.heartbeats and rec.heartbeats[-1].loaded_policy_version == 0
+    assert rec.heartbeats[-1].state is WorkerState.stopped  # it told the run it left
     # Every lease was submitted, released or refused (nothing left dangling).
     handled = set(rec.submissions) | set(rec.released) | {lid for lid, _ in rec.refused}
     assert set(rec.leases) <= handled

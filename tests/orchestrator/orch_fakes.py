@@ -125,11 +125,11 @@ def make_prompts(config: RunConfig) -> PromptSet:
     return PromptSet.from_items(items, make_tokenizer(), config.seed, vocab_size=64)
 
 
-def make_orchestrator(config: RunConfig, verifier: Any = None) -> Orchestrator:
+def make_orchestrator(config: RunConfig, verifier: Any = None, base_model_dir: Path | None = None) -> Orchestrator:
     orch = Orchestrator(
         config.orchestrator, Database(config.orchestrator.db_path), make_prompts(config), verifier or FakeVerifier(),
         shape=config.step_shape(), task_name=config.data.task, run_name=config.name, make_job=make_job, verify_batch=8,
-        evaluation=config.eval,
+        evaluation=config.eval, base_model_dir=base_model_dir,
     )
     orch.versions.announce({0: HASH0})
     return orch
