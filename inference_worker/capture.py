@@ -220,6 +220,10 @@ class HiddenStateCapture:
 
         if weights is not None:
             self.reload_weights(weights_iterator=iter(weights))
+        elif self.vllm_config.load_config.load_format == "dummy":
+            # An engine started on dummy weights (a base model folder without weights, base_model.py): vLLM's
+            # dummy loader cannot read a path, so the tensors are read here.
+            self.reload_weights(weights_iterator=_safetensors_tensors(weights_path))
         else:
             self.reload_weights(weights_path=weights_path)
         model = self.model_runner.model
@@ -232,6 +236,17 @@ class HiddenStateCapture:
 
     def swarmrl_hidden_size(self) -> int:
         return int(self.model_runner.model.config.hidden_size)
+
+
+def _safetensors_tensors(folder: str | None):
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    for path in sorted(Path(folder or ".").glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
 
 
 def _record(runner, state: dict[str, Any], hidden_states: torch.Tensor) -> None:
