@@ -10,8 +10,10 @@ back to their anchors, and serves them.
 - A relay can start empty, or restart on its folder: it re-checks the signatures and run ids of what it
   has, keeps the verified files (re-hashed) and resumes the rest.
 - The run: given (`run_id`), or, if not, followed: the run of the manifest upstream signed last. A relay
-  that follows drops what it holds of an earlier run as soon as the key signs a new one. Workers check the
-  run id themselves (they learn it from the orchestrator), so this is hygiene, not their protection.
+  that follows drops what it holds of an earlier run as soon as the key signs a new one, and, restarted on its
+  folder, what its own run signed after the newest version upstream (the run resumed from an earlier
+  checkpoint). Workers check the run id themselves (they learn it from the orchestrator), so this is hygiene,
+  not their protection.
 """
 
 from __future__ import annotations
@@ -151,9 +153,17 @@ class Relay:
         if latest is None or latest.run_id == self.store.run_id:
             return
         held = [m for m in map(self.store.manifest, self.store.versions()) if m is not None]
-        if any(m.created_at >= latest.created_at for m in held):  # what we hold was signed later: stay
+        later = [m for m in held if m.created_at >= latest.created_at]
+        if later and not (self.store.run_id is None and all(m.run_id == latest.run_id for m in held)):
             log.warning("an upstream serves run %s, signed before what this relay holds: not followed", latest.run_id)
             return
+        # This relay restarted (it knows no run yet) on versions of the run upstream serves, some signed after that
+        # run's newest: the run resumed from an earlier checkpoint since, and will sign those numbers again.
+        for m in later:
+            if m.created_at > latest.created_at:
+                log.warning("dropping version %d: signed before its run resumed from version %d", m.version,
+                            latest.version, extra={"version": m.version})
+                self.store.drop(m.version)
         log.warning("relay now follows run %s", latest.run_id)
         self.store.run_id = pool.run_id = latest.run_id
         for v in self.store.versions():

@@ -325,3 +325,32 @@ def running_relays(tmp_path, pub):
     for relay, server in made:
         server.stop()
         relay.stop()
+
+
+def test_a_restarted_relay_follows_its_run_after_the_run_resumed_from_an_earlier_version(tmp_path, key, pub):
+    """A relay restarted on its folder holds versions its run signed before it stopped and resumed from an earlier
+    checkpoint (deploy/compose.yaml's down/up): it follows the run again, drops those, and mirrors what the resumed
+    run signs under the same numbers. (Before: `not followed`, and the stale version was served on.)"""
+    first = Origin(tmp_path / "origin", key, run_id=RUN, shard_bytes=1 << 20, deltas=False)
+    for v in (0, 1, 2):
+        first.publish(v, state_dict(seed=v, layers=2))
+    server = serve_origin(first)
+    relay = Relay([server.url], tmp_path / "relay", pub, run_id=None, policy=POLICY)
+    assert relay.sync_once() == [0, 1, 2]
+    server.stop()
+    # The run resumes from its checkpoint of version 1: its origin still has versions 0 and 1, not 2.
+    (tmp_path / "resumed").mkdir()
+    for v in (0, 1):
+        shutil.copytree(first.version_dir(v), tmp_path / "resumed" / first.version_dir(v).name)
+    resumed = Origin(tmp_path / "resumed", key, run_id=RUN, shard_bytes=1 << 20, deltas=False)
+    assert resumed.versions() == [0, 1]
+    server = serve_origin(resumed)
+    try:
+        restarted = Relay([server.url], tmp_path / "relay", pub, run_id=None, policy=POLICY)
+        assert restarted.sync_once() == [0, 1] and restarted.run_id == RUN
+        time.sleep(0.01)  # the resumed run's version 2 is signed later than the dropped one
+        resumed.publish(2, state_dict(seed=7, layers=2))
+        assert restarted.sync_once() == [0, 1, 2]
+        assert restarted.store.manifest(2).model_hash == resumed.manifest(2).model_hash != first.manifest(2).model_hash
+    finally:
+        server.stop()
