@@ -179,9 +179,7 @@ class Run:
             raise RunFailed(f"the origin serves at {info['origin_url']} with key {info['public_key']}, but the others "
                             f"were told {origin_url} with {public_key}")
         self.progress.version = info["version"]
-        self.progress.recorded_version = max((int(r.get("version", 0)) for r in rd.read_metrics()), default=0)
-        self.progress.recorded_eval_version = max((int(r.get("policy_version", -1)) for r in rd.read_evals()),
-            default=-1)
+        self.record.resume()
         self.supervisor.watch_actor("trainer", None, rd.logs / "trainer.log", info["pid"], info["started_at"])
         clock.done("trainer")
         try:

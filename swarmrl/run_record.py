@@ -36,6 +36,7 @@ class Progress:
     started: float = field(default_factory=time.time)
     events: list[str] = field(default_factory=list)
     restarts: dict[str, tuple[int, float]] = field(default_factory=dict)  # component -> (restarts, seconds lost)
+    session_first_step: int = 0  # the steps metrics.jsonl had when this session started (a resumed run)
     recorded_version: int = 0  # the newest version in metrics.jsonl: a restarted trainer may report a step again
     recorded_eval_version: int = -1  # the newest evaluated version in eval.jsonl
     last_eval: Any = None  # the newest protocol.operator_models.EvalResult
@@ -68,6 +69,14 @@ class RunRecord:
         self.progress = Progress()
         self.tracker: Trackers = Trackers([JsonlTracker(rd)])  # the configured backends join in Run.start
         self.clock = StartupClock(self.progress)
+
+    def resume(self) -> None:
+        """Carry on from the run folder's records: a resumed run's steps count on from the last one (trackers
+        want a step that only grows), and versions and evaluations already recorded are not recorded again."""
+        p, rows = self.progress, list(self.rd.read_metrics())
+        p.step = p.session_first_step = max((int(r.get("step", 0)) for r in rows), default=0)
+        p.recorded_version = max((int(r.get("version", 0)) for r in rows), default=0)
+        p.recorded_eval_version = max((int(r.get("policy_version", -1)) for r in self.rd.read_evals()), default=-1)
 
     def step(self, metrics: dict[str, Any], gaps: dict[int, int]) -> None:
         """A step the trainer made durable: one metrics.jsonl record (and the configured trackers)."""
@@ -154,7 +163,8 @@ class RunRecord:
         lines = [
             f"# Run `{self.cfg.name}`",
             "",
-            f"- optimizer steps this session: {p.step}; policy version: {p.version}",
+            f"- optimizer steps this session: {p.step - p.session_first_step} (run: {p.step}); policy version: "
+            f"{p.version}",
             f"- wall time: {(time.time() - p.started) / 60:.1f} min",
             f"- start-up, seconds per phase: {p.startup}; first trained step {p.first_step_s} s after launch",
             f"- mean reward: first step {first if first is None else round(first, 3)}, last {last}",

@@ -89,3 +89,21 @@ def test_wandb_offline_writes_its_run_folder(tmp_path, monkeypatch):
     while b"reward_mean" not in (raw := data.read_bytes()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert b"reward_mean" in raw and b"loss" in raw and b"staleness" not in raw
+
+
+def test_a_resumed_run_counts_its_steps_on_and_skips_what_it_recorded(tmp_path):
+    """A second session on the same run folder (compose down/up, a crash): `step` goes on from the last record, so
+    trackers get a step that only grows, and a version reported again by a restarted trainer is not recorded twice."""
+    from swarmrl.run_record import RunRecord
+
+    rd = RunDir(tmp_path / "run")
+    first = RunRecord(RunConfig(), rd)
+    for v in (1, 2, 3):
+        first.step({"version": v, "loss": 1.0}, {0: 4})
+    resumed = RunRecord(RunConfig(), RunDir(tmp_path / "run"))
+    resumed.resume()
+    for v in (3, 4, 5):  # version 3 is reported again (its step was trained before the stop)
+        resumed.step({"version": v, "loss": 0.5}, {0: 4})
+    rows = list(rd.read_metrics())
+    assert [(r["step"], r["version"]) for r in rows] == [(1, 1), (2, 2), (3, 3), (4, 4), (5, 5)]
+    assert resumed.progress.step - resumed.progress.session_first_step == 2
