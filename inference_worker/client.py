@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import time
@@ -28,6 +29,7 @@ from protocol.verdicts import Verdict
 log = logging.getLogger(__name__)
 T = TypeVar("T", bound=BaseModel)
 CLIENT_VERSION = "0.1.0"
+_UNKNOWN_WARNED: set[tuple[str, str]] = set()  # (model, fields) already warned about
 
 
 class OrchestratorError(Exception):
@@ -177,8 +179,28 @@ class OrchestratorClient:
 
     @staticmethod
     def _parse(resp: httpx.Response, model: type[T]) -> T:
+        """The answer as `model`. Fields this client does not know (a newer orchestrator's additions) are left out,
+        with a warning once, so a volunteer's worker keeps working across a protocol addition; anything else
+        invalid is refused. (The orchestrator stays strict about what workers send it.)"""
         try:
             return model.model_validate_json(resp.content)
+        except ValidationError as exc:
+            unknown = [e["loc"] for e in exc.errors() if e["type"] == "extra_forbidden"]
+            if not unknown or len(unknown) != exc.error_count():
+                raise OrchestratorUnavailable(f"orchestrator sent an invalid {model.__name__}: {exc}") from None
+        data = json.loads(resp.content)
+        for loc in unknown:
+            parent = data
+            for part in loc[:-1]:
+                parent = parent[part]
+            parent.pop(loc[-1], None)
+        names = ", ".join(".".join(map(str, loc)) for loc in unknown)
+        if (model.__name__, names) not in _UNKNOWN_WARNED:
+            _UNKNOWN_WARNED.add((model.__name__, names))
+            log.warning("the orchestrator sent %s fields this worker does not know (%s): it is newer; they are "
+                        "ignored, and upgrading the worker is advised", model.__name__, names)
+        try:
+            return model.model_validate_json(json.dumps(data))
         except ValidationError as exc:
             raise OrchestratorUnavailable(f"orchestrator sent an invalid {model.__name__}: {exc}") from None
 

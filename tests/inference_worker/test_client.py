@@ -128,3 +128,23 @@ def test_oversized_submission_is_refused_before_sending(monkeypatch):
         300))
     with pytest.raises(c.PayloadTooLarge):
         cl.submit(sub)
+
+
+def test_fields_a_newer_orchestrator_added_are_ignored_but_a_wrong_answer_is_not(caplog):
+    """A registration answer with fields this client does not know (a newer orchestrator) still registers, with
+    a warning; a known field with a wrong value is still refused."""
+    base = {"worker_id": "w-1", "secret": "w-1." + "s" * 40, "heartbeat_interval_s": 5.0, "async_level": 2,
+            "policy_version": 3, "relay_urls": ["http://relay"], "manifest_public_key": "k", "run_id": "run-1"}
+    answers = [dict(base, future_field=1, credit={"accepted": 2, "rejected": 0, "verified_tokens": 9, "stars": 5}),
+               dict(base, policy_version=-1, future_field=1)]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(201, json=answers.pop(0))
+
+    cl = c.OrchestratorClient("http://test", transport=httpx.MockTransport(handler), retries=0)
+    with caplog.at_level("WARNING"):
+        reg = cl.register("join-token", "w")
+    assert reg.policy_version == 3 and reg.credit.accepted == 2 and reg.credit.verified_tokens == 9
+    assert "future_field" in caplog.text and "credit.stars" in caplog.text
+    with pytest.raises(c.OrchestratorUnavailable, match="invalid WorkerRegistered"):
+        cl.register("join-token", "w")
