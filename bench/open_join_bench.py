@@ -126,14 +126,15 @@ def start_honest(url: str, run_dir: Path, out: Path) -> subprocess.Popen:
 class Sybil(threading.Thread):
     """One claimed identity hoarding leases: all it may hold, given back unsubmitted just before the deadline."""
 
-    def __init__(self, name: str, url: str, run_dir: Path, stop: threading.Event, token: str, poll_s: float):
+    def __init__(self, name: str, url: str, run_dir: Path, stop: threading.Event, token: str, poll_s: float,
+                 nice: int = 0):
         import httpx
 
         from protocol import api
         from protocol.models import WorkerRegistered
 
         super().__init__(name=name, daemon=True)
-        self.api, self.run_dir, self.stop, self.poll_s = api, run_dir, stop, poll_s
+        self.api, self.run_dir, self.stop, self.poll_s, self.nice = api, run_dir, stop, poll_s, nice
         self.http = httpx.Client(base_url=url, timeout=15)
         self.statuses: Counter[int] = Counter()
         self.held = 0
@@ -149,6 +150,7 @@ class Sybil(threading.Thread):
     def run(self) -> None:
         from protocol.models import LeaseResponse
 
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)  # this thread only (Linux)
         held = []
         while not self.stop.is_set():
             version = int(float(one_value(self.run_dir, "SELECT value FROM meta WHERE key='policy_version'") or 0))
@@ -180,6 +182,28 @@ def claim_identity(http) -> tuple[str, float]:
     r = http.post(api.JOIN_CLAIM.path, json={"challenge": puzzle.challenge, "solution": solution})
     r.raise_for_status()
     return JoinTokenClaimed.model_validate_json(r.content).token, cpu
+
+
+def cpu_seconds(run_dir: Path, honest_pid: int) -> dict[str, float]:
+    """CPU seconds so far of the run's processes (pids.json: driver, orchestrator, trainer, verifiers, relays) and
+    of this process (the sybils' threads: an attacker's clients, here on the same cores)."""
+    import resource
+
+    try:
+        pids = {k: v for k, v in json.loads((run_dir / "pids.json").read_text()).items() if isinstance(v, int)}
+    except (OSError, ValueError):
+        pids = {}
+    pids["honest worker"] = honest_pid
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for name, pid in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        except (OSError, IndexError, ValueError):
+            continue
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    out["attacker (this process)"] = me.ru_utime + me.ru_stime
+    return out
 
 
 def wait_for(what: str, cond, procs: list, out: Path, timeout_s: float = 900.0):
@@ -232,20 +256,29 @@ def one_run(mode: str, args: argparse.Namespace, port: int) -> dict:
         claim_cpu = []
         if mode == "sybils":
             tokens = []
-            for _ in range(args.sybils):
-                token, cpu = claim_identity(http)
-                tokens.append(token)
-                claim_cpu.append(cpu)
-            sybils = [Sybil(f"sybil-{i}", url, run_dir, stop, t, args.sybil_poll_s) for i, t in enumerate(tokens)]
+
+            def claim_all() -> None:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), args.attacker_nice)
+                for _ in range(args.sybils):
+                    token, cpu = claim_identity(http)
+                    tokens.append(token)
+                    claim_cpu.append(cpu)
+
+            claimer = threading.Thread(target=claim_all)
+            claimer.start()
+            claimer.join()
+            assert len(tokens) == args.sybils, "the claims failed (see above)"
+            sybils = [Sybil(f"sybil-{i}", url, run_dir, stop, t, args.sybil_poll_s, args.attacker_nice)
+                      for i, t in enumerate(tokens)]
             for s in sybils:
                 s.start()
         wait_for(f"{args.warmup_steps} trainer steps", lambda: steps() >= args.warmup_steps, [proc, honest], out)
         worker_id = one_value(run_dir, "SELECT worker_id FROM workers WHERE name='honest' ORDER BY created_at DESC")
-        t0, steps0, held_max = time.time(), steps(), 0
+        t0, steps0, held_max, cpu0 = time.time(), steps(), 0, cpu_seconds(run_dir, honest.pid)
         while time.time() < t0 + args.window_s:
             held_max = max(held_max, sum(s.held for s in sybils))
             time.sleep(1)
-        t1, steps1 = time.time(), steps()
+        t1, steps1, cpu1 = time.time(), steps(), cpu_seconds(run_dir, honest.pid)
         with db(run_dir) as con:
             accepted, tokens_out = con.execute(
                 "SELECT COUNT(*), COALESCE(SUM(num_tokens), 0) FROM submissions WHERE worker_id=? "
@@ -267,6 +300,8 @@ def one_run(mode: str, args: argparse.Namespace, port: int) -> dict:
             "sybil_prompts_held_max": held_max if sybils else None, "sybils_banned": banned if sybils else None,
             "sybil_5xx": sum(n for s in sybils for code, n in s.statuses.items() if code >= 500),
             "sybil_requests": sum(sum(s.statuses.values()) for s in sybils),
+            "cpu_s_in_window": {k: round(cpu1[k] - cpu0[k], 1) for k in cpu1 if k in cpu0},
+            "load_avg_1m_at_end": os.getloadavg()[0],
         }
     finally:
         stop.set()
@@ -301,6 +336,9 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=3)
     ap.add_argument("--sybils", type=int, default=50)
     ap.add_argument("--sybil-poll-s", type=float, default=1.0, help="each sybil asks for a lease this often")
+    ap.add_argument("--attacker-nice", type=int, default=0,
+                    help="run the attacker's threads (claims, sybil clients) at this nice level: 19 stands in for an "
+                    "attacker on machines of its own (here its clients share the run's 2 cores)")
     ap.add_argument("--keep", action="store_true", help="keep each run's folder (logs, SQLite) and print where")
     args = ap.parse_args()
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -336,10 +374,10 @@ def main() -> None:
         f"# Open join: an honest volunteer with no token, with and without {args.sybils} claimed attacker identities",
         "",
         f"Command: `python bench/open_join_bench.py --repeats {args.repeats} --window-s {args.window_s:g} "
-        f"--sybils {args.sybils}` ({when}). The demo loop with open join on and no local worker; the honest worker is "
-        "`swarmrl worker` with no join token (default difficulty). In sybil runs, after the honest worker's first "
-        f"accepted submission, this process claims {args.sybils} identities (claim limits raised: one address stands "
-        "in for many) and each hoards leases for the window.",
+        f"--sybils {args.sybils} --attacker-nice {args.attacker_nice}` ({when}). The demo loop with open join on and "
+        "no local worker; the honest worker is `swarmrl worker` with no join token (default difficulty). In sybil "
+        f"runs, after the honest worker's first accepted submission, this process claims {args.sybils} identities "
+        "(claim limits raised: one address stands in for many) and each hoards leases for the window.",
         "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols),
         *("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in runs), "",
         f"sybils / clean, per repeat: honest accepted submissions/min {ratio['honest_accepted_per_min']}; honest "

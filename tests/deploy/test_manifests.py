@@ -514,6 +514,10 @@ def _dockerfile_commands() -> list[tuple[str, list[str], dict[str, str]]]:
     return out
 
 
+# The images the guides run, by the Dockerfile that builds each.
+IMAGES = {"swarmrl-worker": "Dockerfile.worker", "swarmrl-cpu": "Dockerfile.worker-cpu"}
+
+
 def _doc_commands() -> list[tuple[str, list[str], dict[str, str]]]:
     """`swarmrl ...` lines in the fenced code blocks of the operator and volunteer guides."""
     out = []
@@ -524,12 +528,13 @@ def _doc_commands() -> list[tuple[str, list[str], dict[str, str]]]:
                 line = line.strip()
                 if line.startswith("swarmrl "):
                     out += [(doc, words[1:], {}) for words in _shell_statements(line.split(" #")[0])[:1]]
-                elif line.startswith("docker run") and "swarmrl-worker" in line:
-                    # `docker run [docker options] IMAGE [worker flags]`: the image's ENTRYPOINT + the flags.
+                elif line.startswith("docker run") and any(image in line for image in IMAGES):
+                    # `docker run [docker options] IMAGE [flags]`: the image's ENTRYPOINT + the flags.
                     words = _shell_statements(line)[0]
-                    flags = words[next(i for i, w in enumerate(words) if "swarmrl-worker" in w) + 1:]
-                    entry, _ = _dockerfile_argv(DEPLOY / "docker" / "Dockerfile.worker")
-                    out += [(doc + " (docker run)", a + flags, {}) for a in _swarmrl_argvs(entry)]
+                    at, image = next((i, image) for i, w in enumerate(words) for image in IMAGES if image in w)
+                    entry, _ = _dockerfile_argv(DEPLOY / "docker" / IMAGES[image])
+                    where = doc + " (docker run)" + ("" if image == "swarmrl-worker" else f" {image}")
+                    out += [(where, a + words[at + 1:], {}) for a in _swarmrl_argvs(entry)]
     return out
 
 
@@ -580,7 +585,7 @@ def test_every_swarmrl_command_in_manifests_compose_dockerfiles_and_docs_is_vali
     assert any("head" in w for w in where) and any("swarmrl-relay" in w for w in where)
     assert {"compose/orchestrator", "compose/relay", "compose/worker", "compose/keygen"} <= where
     assert {"Dockerfile.worker", "Dockerfile.worker (volunteer)", "VOLUNTEER.md", "VOLUNTEER.md (docker run)",
-        "OPERATOR.md"} <= where
+        "VOLUNTEER.md (docker run) swarmrl-cpu", "OPERATOR.md"} <= where
     dry_runs = 0
     for place, argv, env in commands:
         argv = _map_paths(argv, tmp_path, production)

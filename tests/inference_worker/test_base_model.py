@@ -1,7 +1,7 @@
 """A worker with no --model takes the run's config and tokenizer (inference_worker/base_model.py): the files are
 checked against the listing, kept across restarts, and a run that serves none leaves the old behaviour.
 The client is a stand-in here; the real path (server, vLLM on dummy weights, accepted work) is the volunteer
-tests' (tests/foundation/test_volunteer_install.py, tests/deploy/test_volunteer_docker.py)."""
+tests' (tests/deploy/test_volunteer_install.py, tests/deploy/test_volunteer_docker.py)."""
 
 from __future__ import annotations
 
