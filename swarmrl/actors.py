@@ -122,20 +122,23 @@ class ShardcastWeights:
     """`weights_for_version` for a verifier: pull (and check) version v from shardcast servers into a
     local folder once, then reuse it. Picklable, so it can travel to a Ray actor."""
 
-    def __init__(self, urls: list[str], public_key_b64: str, dest_root: str, run_id: str):
+    def __init__(self, urls: list[str], public_key_b64: str, dest_root: str, run_id: str,
+                 keep_versions: int | None = None):
         self.urls = list(urls)
         self.public_key_b64 = public_key_b64
         self.dest_root = dest_root
         self.run_id = run_id  # manifests of another run are refused
+        self.keep_versions = keep_versions  # older folders are deleted (None: all kept; VerifierConfig.keep_versions)
         self._client: Any = None
         self._paths: dict[int, Path] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         return {"urls": self.urls, "public_key_b64": self.public_key_b64, "dest_root": self.dest_root,
-            "run_id": self.run_id}
+            "run_id": self.run_id, "keep_versions": self.keep_versions}
 
     def __setstate__(self, d: dict[str, Any]) -> None:
-        self.__init__(d["urls"], d["public_key_b64"], d["dest_root"], d["run_id"])  # type: ignore[misc]
+        self.__init__(d["urls"], d["public_key_b64"], d["dest_root"], d["run_id"],  # type: ignore[misc]
+                      d.get("keep_versions"))
 
     def __call__(self, version: int) -> Path:
         path = self._paths.get(version)
@@ -143,7 +146,8 @@ class ShardcastWeights:
             if self._client is None:
                 from shardcast.client import ShardcastClient
 
-                self._client = ShardcastClient(self.urls, self.public_key_b64, Path(self.dest_root), run_id=self.run_id)
+                self._client = ShardcastClient(self.urls, self.public_key_b64, Path(self.dest_root), run_id=self.run_id,
+                                               keep_versions=self.keep_versions)
             path = self._paths[version] = Path(self._client.pull(version).path)
         return path
 

@@ -161,7 +161,8 @@ class Run:
             self.supervisor.watch_process(f"relay-{i}", lambda i=i: start_relay(advertised_origin, public_key, rd, i,
                 cfg, port=ports[f"relay-{i}"]))
         relay_urls = list(cfg.shardcast.advertise_relay_urls) + [r.url for r in self.supervisor.processes("relay-")]
-        weights = ShardcastWeights([advertised_origin], public_key, str(rd.verifier_weights), cfg.shardcast.run_id)
+        weights = ShardcastWeights([advertised_origin], public_key, str(rd.verifier_weights), cfg.shardcast.run_id,
+                                   cfg.verifier.keep_versions)
         res = cfg.resources
         self.pool = VerifierPool(
             cfg.verifier, weights, str(model_dir), num_cpus=res.verifier_cpus, num_gpus=res.verifier_gpus,

@@ -486,3 +486,26 @@ def test_a_whole_length_part_left_by_a_killed_download_is_refetched_and_blames_n
     want = {name: data for name, data in files_of(o.version_dir(0)).items() if name != MANIFEST_FILE}
     assert files_of(folder) == want  # every shard verified and in place, no `.part` left
     assert pool.stats[origin_server.url].banned is None and pool.stats[origin_server.url].failures == 0
+
+
+def test_the_verifiers_weight_cache_keeps_a_bounded_number_of_versions(tmp_path, key, pub):
+    """swarmrl.actors.ShardcastWeights (the verifiers' weights for a version): it kept every version it ever pulled,
+    1.7 GB after a 110-step demo run, and would fill a disk in tens of steps at 0.6B. Now the newest keep_versions
+    stay; an older one asked again is pulled again."""
+    import pickle
+
+    from swarmrl.actors import ShardcastWeights
+
+    o = Origin(tmp_path / "origin", key, run_id=RUN, keep_versions=10, shard_bytes=1 << 20)
+    server = serve_origin(o)
+    try:
+        for v in range(6):
+            o.publish(v, state_dict(seed=v, layers=2))
+        weights = pickle.loads(pickle.dumps(ShardcastWeights([server.url], pub, str(tmp_path / "vw"), RUN, 3)))
+        for v in range(6):
+            assert weights(v).is_dir()
+        held = sorted(p.name for p in (tmp_path / "vw").iterdir() if p.is_dir() and not p.name.startswith("."))
+        assert len(held) == 3, held
+        assert (weights(1) / "manifest.json").exists()  # pruned, then pulled again
+    finally:
+        server.stop()
