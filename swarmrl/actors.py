@@ -128,7 +128,7 @@ class ShardcastWeights:
         self.public_key_b64 = public_key_b64
         self.dest_root = dest_root
         self.run_id = run_id  # manifests of another run are refused
-        self.keep_versions = keep_versions  # older folders are deleted (None: all kept; VerifierConfig.keep_versions)
+        self.keep_versions = keep_versions  # older folders are deleted (None: all kept; verifier.versions_on_disk)
         self._client: Any = None
         self._paths: dict[int, Path] = {}
 

@@ -109,7 +109,7 @@ def orchestrator(
     # The verifier pool's actors pull each claimed version's weights from the shardcast servers.
     init_ray(cfg.ray_address)
     weights = ShardcastWeights(origin_url, public_key, str(RunDir(cfg.run_dir).verifier_weights), run_id,
-                               cfg.verifier.keep_versions)
+                               max(cfg.verifier.versions_on_disk, cfg.verifier.keep_versions))
     pool = RayVerifierPool.start(cfg.verifier, weights, str(Path(cfg.model.path) if cfg.model.path
         else RunDir(cfg.run_dir).model_dir))
     try:

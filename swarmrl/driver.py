@@ -162,7 +162,7 @@ class Run:
                 cfg, port=ports[f"relay-{i}"]))
         relay_urls = list(cfg.shardcast.advertise_relay_urls) + [r.url for r in self.supervisor.processes("relay-")]
         weights = ShardcastWeights([advertised_origin], public_key, str(rd.verifier_weights), cfg.shardcast.run_id,
-                                   cfg.verifier.keep_versions)
+                                   max(cfg.verifier.versions_on_disk, cfg.verifier.keep_versions))
         res = cfg.resources
         self.pool = VerifierPool(
             cfg.verifier, weights, str(model_dir), num_cpus=res.verifier_cpus, num_gpus=res.verifier_gpus,

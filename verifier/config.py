@@ -105,10 +105,10 @@ class VerifierConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     num_actors: int = Field(1, ge=1, description="the pool's size when min_actors/max_actors are unset")
-    keep_versions: int = Field(
-        6, ge=2, description="policy versions the verifiers keep on disk (the run folder's verifier-weights); older "
-        "ones are deleted and pulled again if a late submission needs one. Submissions are at most async_level + "
-        "max_staleness versions behind; at 0.6B in bf16 each version is 1.2 GB, so this bounds that folder at ~7 GB",
+    versions_on_disk: int = Field(
+        6, ge=2, description="policy versions the verifiers keep on disk (the run folder's verifier-weights), at least "
+        "keep_versions; older ones are deleted and pulled again if a late submission needs one. At 0.6B in bf16 a "
+        "version is 1.2 GB, so this bounds that folder at ~7 GB",
     )
     # A pool that follows the load (swarmrl/verifier_scaling.py): it grows while the queue of unverified
     # submissions grows faster than it drains, and shrinks when idle. Unset: a fixed pool of num_actors.
