@@ -11,16 +11,18 @@ identity (each solve's, and 2**bits over the measured hash rate, the mean the fe
 Otherwise each run is the demo loop (`swarmrl run`, configs/demo.toml: small model, real verifier and trainer) with
 open join on and no local worker. The honest worker is `swarmrl worker` with no join token: it claims a token at the
 default difficulty, then pulls weights, starts vLLM and leases like any worker. Runs alternate, per repeat:
-- clean: the honest worker alone;
-- sybils: once the honest worker has an accepted submission, this process claims --sybils identities (solving the
-  run's own puzzles: the CPU of each claim is measured), registers one worker per token, and each hoards for the
+- both: once the honest worker has an accepted submission, this process claims --sybils identities (solving the
+  run's own puzzles: the CPU of each claim is measured), so that both windows start at the same point of the run;
+- clean: the claimed tokens are never used: the honest worker alone;
+- sybils: this process registers one worker per claimed token, and each hoards for the
   whole window: it leases all it may and gives its leases back unsubmitted just before their deadlines, asking
   again every --sybil-poll-s. The claim limits are raised for these runs (one address stands in for an attacker
   with many: the limits per address are what such an attacker gets past).
 Measured per run: the honest worker's seconds from its start to its first accepted submission (received; and to
 its registration, and the puzzle's part, from its log), and over the window after --warmup-steps trainer steps:
-honest accepted submissions and tokens per minute, trainer steps per minute; for sybil runs the CPU seconds per
-claimed identity, the prompts they held at once and how many were banned. Goal: sybils / clean >= 0.8 of honest
+honest accepted submissions and tokens per minute, trainer steps per minute, the reward at the window's ends, CPU
+seconds per process in the window; the CPU seconds per claimed identity; for sybil runs the prompts they held at
+once and how many were banned. Goal: sybils / clean >= 0.8 of honest
 accepted submissions per minute. Results: bench/results/open_join_bench[_pow].{json,md}.
 """
 
@@ -184,6 +186,13 @@ def claim_identity(http) -> tuple[str, float]:
     return JoinTokenClaimed.model_validate_json(r.content).token, cpu
 
 
+def last_reward(run_dir: Path) -> float | None:
+    from swarmrl.run_dir import RunDir
+
+    rows = list(RunDir(run_dir, create=False).read_metrics())
+    return round(rows[-1]["reward_mean"], 3) if rows and rows[-1].get("reward_mean") is not None else None
+
+
 def cpu_seconds(run_dir: Path, honest_pid: int) -> dict[str, float]:
     """CPU seconds so far of the run's processes (pids.json: driver, orchestrator, trainer, verifiers, relays) and
     of this process (the sybils' threads: an attacker's clients, here on the same cores)."""
@@ -253,21 +262,23 @@ def one_run(mode: str, args: argparse.Namespace, port: int) -> dict:
                                   [proc, honest], out)
         registered = one_value(run_dir, "SELECT MIN(created_at) FROM workers WHERE name='honest'")
         claim = CLAIM_LOG.search((out / "honest-worker.log").read_text(errors="replace"))
-        claim_cpu = []
+        # Both modes claim the identities, so that their windows start at the same point of the run's learning (a
+        # demo run's reward saturates within minutes, and then most groups carry no signal and the trainer waits)
+        # after the same CPU; only sybil runs register them and hoard.
+        claim_cpu, tokens = [], []
+
+        def claim_all() -> None:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), args.attacker_nice)
+            for _ in range(args.sybils):
+                token, cpu = claim_identity(http)
+                tokens.append(token)
+                claim_cpu.append(cpu)
+
+        claimer = threading.Thread(target=claim_all)
+        claimer.start()
+        claimer.join()
+        assert len(tokens) == args.sybils, "the claims failed (see above)"
         if mode == "sybils":
-            tokens = []
-
-            def claim_all() -> None:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), args.attacker_nice)
-                for _ in range(args.sybils):
-                    token, cpu = claim_identity(http)
-                    tokens.append(token)
-                    claim_cpu.append(cpu)
-
-            claimer = threading.Thread(target=claim_all)
-            claimer.start()
-            claimer.join()
-            assert len(tokens) == args.sybils, "the claims failed (see above)"
             sybils = [Sybil(f"sybil-{i}", url, run_dir, stop, t, args.sybil_poll_s, args.attacker_nice)
                       for i, t in enumerate(tokens)]
             for s in sybils:
@@ -275,6 +286,7 @@ def one_run(mode: str, args: argparse.Namespace, port: int) -> dict:
         wait_for(f"{args.warmup_steps} trainer steps", lambda: steps() >= args.warmup_steps, [proc, honest], out)
         worker_id = one_value(run_dir, "SELECT worker_id FROM workers WHERE name='honest' ORDER BY created_at DESC")
         t0, steps0, held_max, cpu0 = time.time(), steps(), 0, cpu_seconds(run_dir, honest.pid)
+        reward0 = last_reward(run_dir)
         while time.time() < t0 + args.window_s:
             held_max = max(held_max, sum(s.held for s in sybils))
             time.sleep(1)
@@ -295,11 +307,12 @@ def one_run(mode: str, args: argparse.Namespace, port: int) -> dict:
             "honest_tokens_per_min": round(tokens_out / minutes),
             "trainer_steps_per_min": round((steps1 - steps0) / minutes, 2),
             "sybils": len(sybils),
-            "sybil_claim_cpu_s_median": round(statistics.median(claim_cpu), 3) if claim_cpu else None,
-            "sybil_claim_cpu_s_total": round(sum(claim_cpu), 1) if claim_cpu else None,
+            "claim_cpu_s_median": round(statistics.median(claim_cpu), 3) if claim_cpu else None,
+            "claim_cpu_s_total": round(sum(claim_cpu), 1) if claim_cpu else None,
             "sybil_prompts_held_max": held_max if sybils else None, "sybils_banned": banned if sybils else None,
             "sybil_5xx": sum(n for s in sybils for code, n in s.statuses.items() if code >= 500),
             "sybil_requests": sum(sum(s.statuses.values()) for s in sybils),
+            "reward_at_window_start": reward0, "reward_at_window_end": last_reward(run_dir),
             "cpu_s_in_window": {k: round(cpu1[k] - cpu0[k], 1) for k in cpu1 if k in cpu0},
             "load_avg_1m_at_end": os.getloadavg()[0],
         }
@@ -375,9 +388,9 @@ def main() -> None:
         "",
         f"Command: `python bench/open_join_bench.py --repeats {args.repeats} --window-s {args.window_s:g} "
         f"--sybils {args.sybils} --attacker-nice {args.attacker_nice}` ({when}). The demo loop with open join on and "
-        "no local worker; the honest worker is `swarmrl worker` with no join token (default difficulty). In sybil "
-        f"runs, after the honest worker's first accepted submission, this process claims {args.sybils} identities "
-        "(claim limits raised: one address stands in for many) and each hoards leases for the window.",
+        "no local worker; the honest worker is `swarmrl worker` with no join token (default difficulty). After the "
+        f"honest worker's first accepted submission, this process claims {args.sybils} identities in both modes "
+        "(claim limits raised: one address stands in for many); in sybil runs each hoards leases for the window.",
         "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols),
         *("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in runs), "",
         f"sybils / clean, per repeat: honest accepted submissions/min {ratio['honest_accepted_per_min']}; honest "
