@@ -243,7 +243,9 @@ def _safetensors_tensors(folder: str | None):
 
     from safetensors import safe_open
 
-    for path in sorted(Path(folder or ".").glob("*.safetensors")):
+    if not folder:
+        raise ValueError("an engine on dummy weights reloads from a version folder, and none was given")
+    for path in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)

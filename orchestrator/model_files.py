@@ -23,6 +23,9 @@ SERVED_NAMES = (
 )
 # The largest tokenizer among the families people train (Gemma's tokenizer.json) is ~33 MB.
 MAX_FILE_BYTES = 64 << 20
+# A worker fetches the files once per start (and keeps them): each identity may download this many times their
+# total, so that many identities asking for a 33 MB tokenizer at the request rate cannot flood the API's uplink.
+DOWNLOADS_PER_IDENTITY = 3
 
 
 class BaseModelFiles:
@@ -33,6 +36,7 @@ class BaseModelFiles:
         self._files: dict[str, bytes] | None = None
         self._listing = ModelFiles(files=[])
         self._lock = threading.Lock()
+        self._served: dict[str, int] = {}  # worker id -> bytes of model files sent to it
 
     def _load(self) -> dict[str, bytes]:
         with self._lock:
@@ -54,8 +58,15 @@ class BaseModelFiles:
         self._load()
         return self._listing
 
-    def read(self, name: str) -> bytes:
-        data = self._load().get(name)
+    def read(self, name: str, worker_id: str) -> bytes:
+        files = self._load()
+        data = files.get(name)
         if data is None:
             raise ApiError(ErrorCode.not_found, f"the run serves no model file {name!r}")
+        served = self._served.get(worker_id, 0) + len(data)
+        if served > DOWNLOADS_PER_IDENTITY * sum(map(len, files.values())):
+            raise ApiError(ErrorCode.rate_limited, f"this worker has downloaded the model files "
+                           f"{DOWNLOADS_PER_IDENTITY} times already; keep them in its work folder",
+                           retry_after_s=3600.0)
+        self._served[worker_id] = served
         return data

@@ -17,8 +17,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 TESTS = Path(__file__).resolve().parents[1]
 
-# (guide, the command's start) -> where it runs: a test file under tests/ (and the text in it that shows it runs
-# this command), or "not run: why".
+# (guide, the command's start) -> (RUN, the test file that runs it), or ("not run: why", the file that checks what
+# can be checked). A ledger: the test checks that every command has an entry and every named file exists.
 RUN = "run"
 WHERE: dict[tuple[str, str], tuple[str, str]] = {
     ("VOLUNTEER.md", "docker run --gpus all"): (

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import httpx
 
+from swarmrl.processes import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 GUIDE = REPO / "deploy" / "VOLUNTEER.md"
 GUIDE_URL, GUIDE_TOKEN = "https://api.swarmrl.example.org", "YOUR-TOKEN"
@@ -30,19 +32,11 @@ def guide_block(marker: str) -> list[str]:
     return [ln.strip() for ln in block.group(1).replace("\\\n", " ").splitlines() if ln.strip()]
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RunToJoin:
     """`swarmrl run` with no local workers, serving on loopback; stopped (SIGINT, then killed) on exit."""
 
     def __init__(self, out: Path, *, open_join: bool = False):
-        self.out, self.port = out, free_port()
+        self.out, self.port = out, free_port("127.0.0.1")
         self.url = f"http://127.0.0.1:{self.port}"
         self.admin, self.join = secrets.token_hex(16), secrets.token_hex(12)
         args = [sys.executable, "-m", "swarmrl", "run", "--config", str(REPO / "configs" / "demo.toml"),

@@ -143,6 +143,12 @@ def test_the_run_serves_its_base_models_config_and_tokenizer_but_no_weights(tmp_
         for name in ("model.safetensors", "secrets.env", "..%2Fbase%2Fconfig.json", ".config.json"):
             r = http.get(api.MODEL_FILE.url("", name=name), headers=auth)
             assert r.status_code == 404 and r.json()["error"] == "not_found", (name, r.text)
+        # A worker that fetches them over and over is stopped at DOWNLOADS_PER_IDENTITY times their total
+        # (it fetched them once above); another identity is not.
+        tokenizer = api.MODEL_FILE.url("", name="tokenizer.json")
+        codes = [http.get(tokenizer, headers=auth).status_code for _ in range(3 * len(listing.files) + 3)]
+        assert codes[0] == 200 and codes[-1] == 429, codes
+        assert http.get(tokenizer, headers=registered(http)).status_code == 200
 
 
 def test_a_run_without_a_base_model_folder_lists_nothing(tmp_path):
