@@ -262,7 +262,7 @@ def test_resume_partial_download(tmp_path, pub, origin):
     assert REQUESTS.labels("shard", "206")._value.get() - ranged_before == 2
     rest = sum(s.size for s in m.shards[3:])
     expected = (half.size - half.size // 2) + (garbage.size - garbage.size // 2) + garbage.size + rest
-    assert SHARD_BYTES_SERVED._value.get() - sent_before == expected
+    assert _served_since(sent_before, expected) == expected
     assert client.stats[origin_server.url].banned is None  # a bad resume is nobody's fault: start over
 
 
@@ -346,6 +346,16 @@ def test_cli_origin_relay_pull(tmp_path, tiny_model_dir):
         stop_proc(origin_proc)
 
 
+def _served_since(before: float, want: float, timeout_s: float = 10.0) -> float:
+    """Shard bytes the servers counted since `before`. The server thread counts after sendfile returns, which can
+    be after the client has read every byte: wait (briefly) for the count to reach `want` before comparing."""
+    deadline = time.monotonic() + timeout_s
+    while SHARD_BYTES_SERVED._value.get() - before < want and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)  # and a little longer, so that a count above `want` is seen too
+    return SHARD_BYTES_SERVED._value.get() - before
+
+
 def _flip_byte(path: Path) -> None:
     with open(path, "r+b") as f:
         f.seek(10)
@@ -368,7 +378,7 @@ def test_restarted_relay_rehashes_its_disk_before_serving(tmp_path, pub, origin)
         sent_before = SHARD_BYTES_SERVED._value.get()
         assert again.sync_once() == [0]
         # Only the damaged shard was fetched again from the origin.
-        assert SHARD_BYTES_SERVED._value.get() - sent_before == m.shards[1].size
+        assert _served_since(sent_before, m.shards[1].size) == m.shards[1].size
         for s in m.shards:
             r = c.get(api.SHARDCAST_SHARD.format(version=0, name=s.name))
             assert r.status_code == 200 and hashlib.sha256(r.content).hexdigest() == s.sha256
@@ -382,7 +392,7 @@ def test_client_rechecks_a_version_folder_from_an_earlier_process(tmp_path, pub,
     sent_before = SHARD_BYTES_SERVED._value.get()
     again = ShardcastClient([origin_server.url], pub, tmp_path / "client", run_id=RUN).pull()
     assert again.path == pulled.path and files_of(again.path) == files_of(o.version_dir(0))
-    assert SHARD_BYTES_SERVED._value.get() - sent_before == m.shards[2].size
+    assert _served_since(sent_before, m.shards[2].size) == m.shards[2].size
 
 
 def test_readers_never_see_a_half_published_version(tmp_path, key, pub):
