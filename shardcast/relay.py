@@ -12,8 +12,11 @@ back to their anchors, and serves them.
 - The run: given (`run_id`), or, if not, followed: the run of the manifest upstream signed last. A relay
   that follows drops what it holds of an earlier run as soon as the key signs a new one, and, restarted on its
   folder, what its own run signed after the newest version upstream (the run resumed from an earlier
-  checkpoint). Workers check the run id themselves (they learn it from the orchestrator), so this is hygiene,
-  not their protection.
+  checkpoint). Workers check the run id and model hash themselves (they learn both from the orchestrator), so
+  this is hygiene, not their protection.
+- A run that resumes from an earlier checkpoint signs some version numbers again. A relay that kept running
+  drops what it holds of the abandoned line once upstream's newest manifest is numbered at or below a version
+  it holds but signed later, and mirrors the new line (before, it served the old one until it aged out).
 """
 
 from __future__ import annotations
@@ -86,8 +89,11 @@ class Relay:
     def sync_once(self) -> list[int]:
         """Mirror the window of upstream versions, newest first; returns the versions now complete here."""
         listed = {u: set(vs) for u, vs in self.upstream.list_versions(fallback=True).items()}
-        if self.follow and listed:
-            self._follow(listed)
+        latest = self._newest_signed(listed)
+        if latest is not None:
+            if self.follow:
+                self._follow(latest)
+            self._drop_abandoned(latest)
         if self.run_id is None:
             return self.store.complete_versions()
         # Upstreams list what they like. A version no server can prove (a signed manifest of this run) costs
@@ -132,11 +138,11 @@ class Relay:
             log.warning("relay could not mirror version %d yet: %s", version, e, extra={"version": version})
             return False
 
-    def _follow(self, listed: dict[str, set[int]]) -> None:
-        """Adopt the run of the most recently signed manifest among each upstream's newest version (signature
-        checked); drop versions of another run. By signing time, not version number: with a key reused
-        across runs, an upstream replaying an earlier run's higher-numbered versions does not take the relay
-        over (nor hide the others' newest by listing versions it cannot prove)."""
+    def _newest_signed(self, listed: dict[str, set[int]]) -> PolicyManifest | None:
+        """The most recently signed manifest among each upstream's newest version (signature checked; of this
+        relay's run unless it follows). By signing time, not version number: with a key reused across runs, an
+        upstream replaying an earlier run's higher-numbered versions does not take the relay over (nor hide the
+        others' newest by listing versions it cannot prove)."""
         pool = self.upstream
         latest: PolicyManifest | None = None
         for url, newest in ((u, max(vs)) for u, vs in listed.items() if vs):
@@ -145,12 +151,18 @@ class Relay:
                     time.monotonic() + pool.policy.request_timeout_s)
                 manifest = PolicyManifest.model_validate_json(body)
                 verify_manifest(manifest, pool.public_key)
+                if not self.follow:
+                    check_run(manifest, self.store.run_id or "")
             except Exception as e:  # noqa: BLE001 - a bad upstream answer: ask the next one
                 log.info("cannot learn the run from %s: %s", url, e)
                 continue
             if latest is None or manifest.created_at > latest.created_at:
                 latest = manifest
-        if latest is None or latest.run_id == self.store.run_id:
+        return latest
+
+    def _follow(self, latest: PolicyManifest) -> None:
+        """Adopt `latest`'s run; drop versions of another run."""
+        if latest.run_id == self.store.run_id:
             return
         held = [m for m in map(self.store.manifest, self.store.versions()) if m is not None]
         later = [m for m in held if m.created_at >= latest.created_at]
@@ -165,10 +177,24 @@ class Relay:
                             latest.version, extra={"version": m.version})
                 self.store.drop(m.version)
         log.warning("relay now follows run %s", latest.run_id)
-        self.store.run_id = pool.run_id = latest.run_id
+        self.store.run_id = self.upstream.run_id = latest.run_id
         for v in self.store.versions():
             m = self.store.manifest(v)
             if m is not None and m.run_id != latest.run_id:
+                self.store.drop(v)
+
+    def _drop_abandoned(self, latest: PolicyManifest) -> None:
+        """A version numbered at or after `latest` but signed before it was abandoned: the run resumed from an
+        earlier checkpoint while this relay ran, and signed that number again (or will). Only a real resume can
+        make such a pair (signatures cannot be forged, and within one run's line versions are signed in order),
+        so an upstream replaying old manifests cannot make the relay drop a current version."""
+        if latest.run_id != self.store.run_id:
+            return
+        for v in self.store.versions():
+            m = self.store.manifest(v)
+            if m is not None and v >= latest.version and m.created_at < latest.created_at:
+                log.warning("dropping version %d: signed before version %d, which its run signed after resuming from "
+                            "an earlier checkpoint", v, latest.version, extra={"version": v})
                 self.store.drop(v)
 
     def _list(self, version: int, holders: list[str]) -> None:

@@ -354,3 +354,43 @@ def test_a_restarted_relay_follows_its_run_after_the_run_resumed_from_an_earlier
         assert restarted.store.manifest(2).model_hash == resumed.manifest(2).model_hash != first.manifest(2).model_hash
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("run_id", [RUN, None], ids=["run-given", "follows"])
+def test_a_running_relay_drops_the_line_its_run_abandoned_when_it_resumed(tmp_path, key, pub, run_id):
+    """The trusted cluster crashes and resumes from an earlier checkpoint; a relay run by someone else keeps
+    running through it. Once the resumed run signs a version number the relay holds, the relay drops what it
+    holds of the abandoned line and mirrors the new one (before: it served the old version 2 until it aged out,
+    and every worker pinned to the new version's hash had to go around it)."""
+    first = Origin(tmp_path / "origin", key, run_id=RUN, shard_bytes=1 << 20, deltas=False)
+    for v in (0, 1, 2, 3):
+        first.publish(v, state_dict(seed=v, layers=2))
+    server = serve_origin(first)
+    relay = Relay([server.url], tmp_path / "relay", pub, run_id=run_id, keep_versions=5, policy=POLICY)
+    assert relay.sync_once() == [0, 1, 2, 3]
+    server.stop()
+    (tmp_path / "resumed").mkdir()
+    for v in (0, 1):
+        shutil.copytree(first.version_dir(v), tmp_path / "resumed" / first.version_dir(v).name)
+    resumed = Origin(tmp_path / "resumed", key, run_id=RUN, shard_bytes=1 << 20, deltas=False)
+    server = serve_origin(resumed, port=server.port)  # the cluster came back at the same address
+    try:
+        assert relay.sync_once() == [0, 1, 2, 3]  # only the checkpoint's version is newer upstream: nothing to drop
+        time.sleep(0.01)
+        resumed.publish(2, state_dict(seed=7, layers=2))
+        assert relay.sync_once() == [0, 1, 2]  # 3 belongs to the abandoned line too
+        assert relay.store.manifest(2).model_hash == resumed.manifest(2).model_hash != first.manifest(2).model_hash
+        resumed.publish(3, state_dict(seed=8, layers=2))
+        assert relay.sync_once() == [0, 1, 2, 3]
+        assert relay.store.manifest(3).model_hash == resumed.manifest(3).model_hash
+        # An upstream replaying the abandoned line's manifests cannot take the relay back to it.
+        old = serve_origin(first)
+        try:
+            replaying = Relay([old.url, server.url], tmp_path / "relay", pub, run_id=run_id, keep_versions=5,
+                policy=POLICY)
+            assert replaying.sync_once() == [0, 1, 2, 3]
+            assert replaying.store.manifest(3).model_hash == resumed.manifest(3).model_hash
+        finally:
+            old.stop()
+    finally:
+        server.stop()
