@@ -180,6 +180,13 @@ class OrchestratorConfig(BaseModel):
     max_connections: int = Field(2048, ge=16, description="open connections (and requests) at once; beyond, 503")
     max_connections_per_address: int = Field(128, ge=1,
         description="open connections from one client address; beyond, closed at once")
+    trusted_proxies: list[str] = Field(
+        default_factory=list,
+        description="addresses or networks (CIDR) of the reverse proxies in front of the API (a Kubernetes ingress "
+        "controller's pods): for a connection from one, the client is the last address in X-Forwarded-For that is "
+        "not a trusted proxy, so every per-address budget is the volunteer's, not the proxy's, and the proxy's own "
+        "connections are not capped per address. Empty: the client is the connection's peer and the header is ignored",
+    )
     refusal_delay_s: float = Field(
         1.0, ge=0,
         description="a request refused for being over a budget is answered after this long (at most its retry-after): "
@@ -248,6 +255,16 @@ class OrchestratorConfig(BaseModel):
     )
     admin_token: SecretStr = SecretStr(DEMO_ADMIN_TOKEN)
     db_path: str = Field("", description="SQLite file; default <run dir>/orchestrator.sqlite")
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, v: list[str]) -> list[str]:
+        for entry in v:
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(f"trusted_proxies: {entry!r} is not an IP address or network (e.g. 10.0.0.0/8)")
+        return v
 
     @model_validator(mode="after")
     def _environment_fits(self) -> "OrchestratorConfig":

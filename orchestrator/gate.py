@@ -2,7 +2,9 @@
 
 - The connection: its request line and headers must arrive within `header_timeout_s` (a slow-loris
   holds nothing); one client address may hold `max_connections_per_address` connections, and uvicorn caps
-  all open connections at `max_connections` (`GuardedHttpToolsProtocol`, `uvicorn_config`).
+  all open connections at `max_connections` (`GuardedHttpToolsProtocol`, `uvicorn_config`). The client address
+  is the connection's peer, or, behind a reverse proxy the operator named (`trusted_proxies`), what the proxy
+  says in X-Forwarded-For; the proxy's own connections are not capped per address.
 - Credentials first: the endpoint's credential (protocol.api's table) is checked from the headers before
   one byte of the body is read, so an unauthenticated flood costs a dictionary lookup, not a buffer.
   Refused credentials are counted per client address; an address over `failed_auth_per_min` gets 429
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
 import re
 import time
@@ -221,6 +224,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     header_timeout_s = 10.0
     max_per_address = 128
     per_address: dict[str, int] = {}
+    trusted_proxies: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
 
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -229,12 +233,19 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_refused = False
         self._address = (self.client or ("?",))[0]
         count = self.per_address[self._address] = self.per_address.get(self._address, 0) + 1
-        if count > self.max_per_address:
+        if count > self.max_per_address and not self._from_trusted_proxy():
             log.info("closing a connection over its address's cap", extra={"client": self._address,
                 "cap": self.max_per_address})
             self.transport.close()
             return
         self._arm_head_timer()
+
+    def _from_trusted_proxy(self) -> bool:
+        try:
+            address = ipaddress.ip_address(self._address)
+        except ValueError:
+            return False
+        return any(address in net for net in self.trusted_proxies)
 
     def _arm_head_timer(self) -> None:
         if self._head_timer is None:
@@ -301,10 +312,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
 
-def uvicorn_protocol(header_timeout_s: float, max_per_address: int) -> type[GuardedHttpToolsProtocol]:
-    """The protocol class of one server: its own connection counts."""
+def uvicorn_protocol(header_timeout_s: float, max_per_address: int,
+                     trusted_proxies: list[str] = ()) -> type[GuardedHttpToolsProtocol]:
+    """The protocol class of one server: its own connection counts. Connections from `trusted_proxies` carry
+    many clients each (their addresses come in X-Forwarded-For): they are not capped per address."""
+    nets = tuple(ipaddress.ip_network(p, strict=False) for p in trusted_proxies)
     return type("GuardedHttp", (GuardedHttpToolsProtocol,), {"header_timeout_s": header_timeout_s,
-        "max_per_address": max_per_address, "per_address": {}})
+        "max_per_address": max_per_address, "per_address": {}, "trusted_proxies": nets})
 
 
 def _now() -> float:

@@ -29,7 +29,12 @@ def uvicorn_config(app: Any, host: str, port: int, cfg: OrchestratorConfig) -> u
         host=host,
         port=port,
         # head deadline, per-address cap (gate.py)
-        http=uvicorn_protocol(cfg.header_timeout_s, cfg.max_connections_per_address),
+        http=uvicorn_protocol(cfg.header_timeout_s, cfg.max_connections_per_address, cfg.trusted_proxies),
+        # A client's address is its connection's peer unless that peer is a proxy the operator named: uvicorn's
+        # default takes X-Forwarded-For from any loopback peer (the default host, behind any local proxy or tunnel
+        # that passes the header on), and every per-address budget would then be the client's to name.
+        proxy_headers=bool(cfg.trusted_proxies),
+        forwarded_allow_ips=list(cfg.trusted_proxies),
         limit_concurrency=cfg.max_connections,  # beyond: 503, so a flood of connections cannot exhaust the host
         log_level="warning",
         access_log=False,

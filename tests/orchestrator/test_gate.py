@@ -150,6 +150,40 @@ def test_one_address_holds_at_most_its_cap_of_connections(tmp_path):
         srv.stop()
 
 
+
+def test_a_trusted_proxy_carries_many_clients_not_one(tmp_path):
+    """Behind a reverse proxy the operator named (a Kubernetes ingress), the proxy's connections are not capped per
+    address, and refused credentials are counted against the address it names in X-Forwarded-For: one client
+    sending forged secrets does not lock every other volunteer behind the same proxy out."""
+    srv = serve(tmp_path, max_connections_per_address=2, failed_auth_per_min=3, trusted_proxies=["127.0.0.0/8"])
+    try:
+        held = [raw(srv) for _ in range(4)]
+        for s in held:
+            s.sendall(f"GET {api.HEALTH.path} HTTP/1.1\r\nHost: x\r\nX-Forwarded-For: 203.0.113.9\r\n\r\n".encode())
+            assert s.recv(4096).startswith(b"HTTP/1.1 200")
+        for s in held:
+            s.close()
+        with httpx.Client(base_url=srv.url, timeout=10) as c:
+            forged = {"Authorization": "Bearer w-forged.secret", "X-Forwarded-For": "198.51.100.7"}
+            codes = [c.get(api.STATUS.path, headers=forged).status_code for _ in range(6)]
+            assert codes[-1] == 429, codes  # the forger is refused outright ...
+            other = {"Authorization": "Bearer w-unknown.secret", "X-Forwarded-For": "198.51.100.8"}
+            assert c.get(api.STATUS.path, headers=other).status_code == 401  # ... another client is not
+    finally:
+        srv.stop()
+
+
+def test_forwarded_for_is_ignored_from_a_peer_that_is_not_a_trusted_proxy(tmp_path):
+    srv = serve(tmp_path, failed_auth_per_min=3)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=10) as c:
+            codes = [c.get(api.STATUS.path, headers={"Authorization": "Bearer w-forged.secret",
+                                                     "X-Forwarded-For": f"198.51.100.{i}"}).status_code
+                     for i in range(6)]
+            assert codes[-1] == 429, codes  # a new forwarded address per request is the same client
+    finally:
+        srv.stop()
+
 def test_body_bytes_are_a_budget_per_worker(tmp_path):
     srv = serve(tmp_path, bytes_per_s_per_worker=1000.0)  # bursts of 4000 bytes
     try:

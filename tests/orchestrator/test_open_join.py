@@ -177,6 +177,27 @@ def test_claims_are_rate_limited_in_total(tmp_path):
         assert e.value.code is ErrorCode.rate_limited and e.value.retry_after_s > 0
 
 
+def test_a_forwarded_for_header_does_not_make_another_address(tmp_path):
+    """The address is the connection's: uvicorn would take X-Forwarded-For from a loopback peer (the default host,
+    and whatever proxy or tunnel forwards to it), and a client could then name a new address per request."""
+    with serving(tmp_path, OPEN | {"claims_per_hour_per_address": 1}) as (_, http):
+        codes = [http.post(api.JOIN_CLAIM.path, json=solved(http), headers={"X-Forwarded-For": f"10.9.0.{i}"})
+                 .status_code for i in range(3)]
+        assert codes == [200, 429, 429], codes
+
+
+
+def test_behind_a_trusted_proxy_claims_are_limited_per_forwarded_address(tmp_path):
+    with serving(tmp_path, OPEN | {"claims_per_hour_per_address": 1}, trusted_proxies=["127.0.0.1"]) as (_, http):
+        codes = [http.post(api.JOIN_CLAIM.path, json=solved(http), headers={"X-Forwarded-For": f"10.9.0.{i}"})
+                 .status_code for i in (1, 2, 1)]
+        assert codes == [200, 200, 429], codes
+
+
+def test_trusted_proxies_must_be_addresses_or_networks(tmp_path):
+    with pytest.raises(ValueError, match="not an IP address or network"):
+        run_config(tmp_path, trusted_proxies=["ingress-nginx"])
+
 def test_open_join_requests_are_rate_limited_per_address(tmp_path):
     with serving(tmp_path, OPEN | {"requests_per_min_per_address": 3}) as (_, http):
         codes = [http.post(api.JOIN_CHALLENGE.path).status_code for _ in range(5)]
