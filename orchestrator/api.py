@@ -126,6 +126,13 @@ def handlers(orch: Orchestrator) -> dict[api.Endpoint, Handler]:
             }
         )
 
+    def model_file(request: Request, worker: Any, _: Any) -> Response:
+        token_id = orch.workers.token_of(worker)
+        token = orch.tokens.get(token_id) if token_id else None
+        data = orch.model_files.read(request.path_params["name"], worker, token_id,
+                                     token.max_identities if token else 1)
+        return Response(data, media_type="application/octet-stream")
+
     def ready(*_: Any) -> Response:
         if orch.ready:
             return json_response(HealthStatus(ok=True))
@@ -140,8 +147,7 @@ def handlers(orch: Orchestrator) -> dict[api.Endpoint, Handler]:
         api.SUBMIT: submit,
         api.VERDICT: lambda r, worker, body: orch.verification.verdict(worker, r.path_params["submission_id"]),
         api.MODEL_FILES: lambda *_: orch.model_files.listing(),
-        api.MODEL_FILE: lambda r, worker, _: Response(orch.model_files.read(r.path_params["name"], worker),
-                                                      media_type="application/octet-stream"),
+        api.MODEL_FILE: model_file,
         api.STATUS: lambda *_: orch.status(),
         api.WORKERS: lambda *_: orch.operators.worker_list(),
         api.BAN: lambda r, _, body: orch.operators.set_ban(r.path_params["worker_id"], True, body.reason, body.scope),

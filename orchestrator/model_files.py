@@ -12,6 +12,7 @@ import hashlib
 import threading
 from pathlib import Path
 
+from orchestrator.admission import RateLimiter
 from orchestrator.errors import ApiError
 from protocol.models import ErrorCode, ModelFile, ModelFiles
 
@@ -26,6 +27,10 @@ MAX_FILE_BYTES = 64 << 20
 # A worker fetches the files once per start (and keeps them): each identity may download this many times their
 # total, so that many identities asking for a 33 MB tokenizer at the request rate cannot flood the API's uplink.
 DOWNLOADS_PER_IDENTITY = 3
+# A new identity is a new allowance, and a token's worker may leave and register again at the token's registration
+# rate: the identities of a join token together also draw on the token's, DOWNLOADS_PER_IDENTITY totals per
+# identity it may hold, refilled at that many per hour.
+TOKEN_REFILL_S = 3600.0
 
 
 class BaseModelFiles:
@@ -37,6 +42,8 @@ class BaseModelFiles:
         self._listing = ModelFiles(files=[])
         self._lock = threading.Lock()
         self._served: dict[str, int] = {}  # worker id -> bytes of model files sent to it
+        # join token -> totals downloaded by its identities, per identity it may hold (a token bucket)
+        self._per_token = RateLimiter(DOWNLOADS_PER_IDENTITY / TOKEN_REFILL_S, burst=DOWNLOADS_PER_IDENTITY)
 
     def _load(self) -> dict[str, bytes]:
         with self._lock:
@@ -58,15 +65,24 @@ class BaseModelFiles:
         self._load()
         return self._listing
 
-    def read(self, name: str, worker_id: str) -> bytes:
+    def read(self, name: str, worker_id: str, token_id: str | None = None, token_identities: int = 1) -> bytes:
+        """One file for `worker_id`, an identity of `token_id` (which may hold `token_identities` live ones)."""
         files = self._load()
         data = files.get(name)
         if data is None:
             raise ApiError(ErrorCode.not_found, f"the run serves no model file {name!r}")
+        total = sum(map(len, files.values()))
         served = self._served.get(worker_id, 0) + len(data)
-        if served > DOWNLOADS_PER_IDENTITY * sum(map(len, files.values())):
+        if served > DOWNLOADS_PER_IDENTITY * total:
             raise ApiError(ErrorCode.rate_limited, f"this worker has downloaded the model files "
                            f"{DOWNLOADS_PER_IDENTITY} times already; keep them in its work folder",
                            retry_after_s=3600.0)
+        if token_id is not None and data:
+            try:
+                self._per_token.check(token_id, cost=len(data) / total / max(1, token_identities))
+            except ApiError as exc:
+                raise ApiError(ErrorCode.rate_limited, f"the workers of join token {token_id} have downloaded the "
+                               "model files too often; keep them in the work folder",
+                               retry_after_s=exc.retry_after_s) from None
         self._served[worker_id] = served
         return data

@@ -108,8 +108,8 @@ def test_status_credit_table_sums_identities_and_folds_the_rest():
 
 
 @contextlib.contextmanager
-def serving(tmp_path, base_model_dir):
-    cfg = run_config(tmp_path, admin_token=ADMIN, join_tokens=[ALICE], refusal_delay_s=0.0)
+def serving(tmp_path, base_model_dir, **orch):
+    cfg = run_config(tmp_path, admin_token=ADMIN, join_tokens=[ALICE], refusal_delay_s=0.0, **orch)
     srv = OrchestratorServer(make_orchestrator(cfg, base_model_dir=base_model_dir), port=0).start()
     try:
         with httpx.Client(base_url=srv.url, timeout=10) as http:
@@ -149,6 +149,27 @@ def test_the_run_serves_its_base_models_config_and_tokenizer_but_no_weights(tmp_
         codes = [http.get(tokenizer, headers=auth).status_code for _ in range(3 * len(listing.files) + 3)]
         assert codes[0] == 200 and codes[-1] == 429, codes
         assert http.get(tokenizer, headers=registered(http)).status_code == 200
+
+
+def test_a_token_that_registers_again_and_again_gets_no_fresh_download_allowance(tmp_path):
+    """Each new identity has its own allowance; a worker that leaves and registers again, over and over, draws on
+    its join token's (DOWNLOADS_PER_IDENTITY per identity the token may hold), not a fresh one each time."""
+    model = init_model(tmp_path / "base")
+    with serving(tmp_path, model, max_identities_per_token=2, registrations_per_min_per_token=1e9) as http:
+        tokenizer = api.MODEL_FILE.url("", name="tokenizer.json")
+        fetched, last = [], None
+        for _ in range(6):
+            auth = registered(http)
+            n = 0
+            while (last := http.get(tokenizer, headers=auth)).status_code == 200:
+                n += 1
+            assert last.status_code == 429 and last.json()["error"] == "rate_limited", last.text
+            fetched.append(n)
+            worker_id = auth["Authorization"].removeprefix("Bearer ").partition(".")[0]
+            r = http.post(api.HEARTBEAT.url("", worker_id=worker_id), json={"state": "stopped"}, headers=auth)
+            assert r.status_code == 200, r.text  # it leaves: its slot is free for the next registration
+        assert fetched[0] >= 3 and sum(fetched) <= 2 * fetched[0] + 2, fetched
+        assert "join token" in last.json()["detail"]
 
 
 def test_a_run_without_a_base_model_folder_lists_nothing(tmp_path):
