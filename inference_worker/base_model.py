@@ -1,9 +1,10 @@
 """A worker with no `--model` takes the base model's config and tokenizer from the run (GET /v1/model/files).
 
 The files go to `<work_dir>/base-model`, each checked against the size and sha256 the run listed, written whole
-and renamed; a file already there with the listed digest is kept (a restarted worker fetches nothing). The
-folder holds no weights: the engine starts from it with vLLM's dummy weights, and the first policy version,
-pulled from shardcast and checked against its signed hash, replaces every one of them before any lease is served.
+and renamed; a file already there with the listed digest is kept (a restarted worker fetches nothing), and one the
+run does not list is removed. The folder holds no weights: the engine starts from it with vLLM's dummy weights, and
+the first policy version, pulled from shardcast and checked against its signed hash, replaces every one of them
+before any lease is served.
 """
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ def fetch_base_model(client: c.OrchestratorClient, work_dir: Path) -> Path | Non
         tmp.write_bytes(data)
         os.replace(tmp, path)
         fetched += 1
+    # Nothing else is left for the engine: a folder that served another run keeps that model's files otherwise
+    # (a stale generation_config.json or added_tokens.json would be read as this run's), or a write cut short.
+    listed = {f.name for f in listing.files}
+    for stale in dest.iterdir():
+        if stale.name not in listed and (stale.is_symlink() or stale.is_file()):
+            stale.unlink()
     log.info("base model config and tokenizer from the run: %d files in %s (%d fetched)", len(listing.files), dest,
              fetched)
     return dest

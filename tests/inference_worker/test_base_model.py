@@ -46,6 +46,16 @@ def test_fetches_checks_and_keeps_the_runs_files(tmp_path):
     assert (folder / "tokenizer.json").read_bytes() == FILES["tokenizer.json"]
 
 
+def test_files_the_run_does_not_list_are_not_left_for_the_engine(tmp_path):
+    """A work folder that served another run (another base model) keeps none of that model's files: the engine
+    would read a stale generation_config.json (its eos ids stop generation) or added_tokens.json as this run's."""
+    fetch_base_model(RunFiles(FILES | {"generation_config.json": b'{"eos_token_id": [7]}',
+                                       "added_tokens.json": b'{"<x>": 9}'}), tmp_path)
+    (tmp_path / "base-model" / ".tokenizer.json.tmp").write_bytes(b"half")  # a write cut short
+    folder = fetch_base_model(RunFiles(FILES), tmp_path)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(FILES)
+
+
 def test_a_file_unlike_its_listing_is_refused_and_not_written(tmp_path):
     with pytest.raises(c.OrchestratorUnavailable, match="tokenizer.json does not match"):
         fetch_base_model(RunFiles(FILES, tamper="tokenizer.json"), tmp_path)
