@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from environments.curriculum import CurriculumConfig
 from protocol.models import SamplingParams
 from protocol.operator_models import BanScope
+from protocol.proxies import proxy_networks
 
 DEMO_JOIN_TOKEN = "demo-join-token"
 DEMO_ADMIN_TOKEN = "demo-admin-token"
@@ -259,11 +260,7 @@ class OrchestratorConfig(BaseModel):
     @field_validator("trusted_proxies")
     @classmethod
     def _networks(cls, v: list[str]) -> list[str]:
-        for entry in v:
-            try:
-                ipaddress.ip_network(entry, strict=False)
-            except ValueError:
-                raise ValueError(f"trusted_proxies: {entry!r} is not an IP address or network (e.g. 10.0.0.0/8)")
+        proxy_networks(v)
         return v
 
     @model_validator(mode="after")

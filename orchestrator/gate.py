@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import logging
 import re
 import time
@@ -38,6 +37,7 @@ from orchestrator.fast_path import error_response
 from orchestrator.service import Orchestrator
 from protocol import api, limits
 from protocol.models import ErrorCode
+from protocol.proxies import Network, is_proxy, proxy_networks
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     header_timeout_s = 10.0
     max_per_address = 128
     per_address: dict[str, int] = {}
-    trusted_proxies: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+    trusted_proxies: tuple[Network, ...] = ()
 
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -233,19 +233,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_refused = False
         self._address = (self.client or ("?",))[0]
         count = self.per_address[self._address] = self.per_address.get(self._address, 0) + 1
-        if count > self.max_per_address and not self._from_trusted_proxy():
+        if count > self.max_per_address and not is_proxy(self._address, self.trusted_proxies):
             log.info("closing a connection over its address's cap", extra={"client": self._address,
                 "cap": self.max_per_address})
             self.transport.close()
             return
         self._arm_head_timer()
-
-    def _from_trusted_proxy(self) -> bool:
-        try:
-            address = ipaddress.ip_address(self._address)
-        except ValueError:
-            return False
-        return any(address in net for net in self.trusted_proxies)
 
     def _arm_head_timer(self) -> None:
         if self._head_timer is None:
@@ -316,9 +309,8 @@ def uvicorn_protocol(header_timeout_s: float, max_per_address: int,
                      trusted_proxies: list[str] = ()) -> type[GuardedHttpToolsProtocol]:
     """The protocol class of one server: its own connection counts. Connections from `trusted_proxies` carry
     many clients each (their addresses come in X-Forwarded-For): they are not capped per address."""
-    nets = tuple(ipaddress.ip_network(p, strict=False) for p in trusted_proxies)
     return type("GuardedHttp", (GuardedHttpToolsProtocol,), {"header_timeout_s": header_timeout_s,
-        "max_per_address": max_per_address, "per_address": {}, "trusted_proxies": nets})
+        "max_per_address": max_per_address, "per_address": {}, "trusted_proxies": proxy_networks(trusted_proxies)})
 
 
 def _now() -> float:

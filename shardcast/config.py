@@ -3,7 +3,9 @@ the origin, relays, client and their commands take their keyword defaults from i
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from protocol.proxies import proxy_networks
 
 
 class ShardcastConfig(BaseModel):
@@ -70,6 +72,11 @@ class ShardcastConfig(BaseModel):
     client_pull_deadline_s: float = Field(1800.0, gt=0,
         description="one pull, planning to verified weights, must finish within this long")
 
+    trusted_proxies: list[str] = Field(
+        default_factory=list,
+        description="addresses or networks (CIDR) of reverse proxies in front of the origin and relays (a Kubernetes "
+        "ingress controller's pods): their connections carry many volunteers and are not capped per address",
+    )
     advertise_origin_url: str = Field("",
         description="the origin's URL as others reach it (e.g. a Kubernetes Service); default: where it binds")
     public_origin_url: str = Field(
@@ -82,6 +89,12 @@ class ShardcastConfig(BaseModel):
         "from",
     )
     signing_key_path: str | None = Field(None, description="ed25519 private key (PEM); a new one per run if unset")
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, v: list[str]) -> list[str]:
+        proxy_networks(v)
+        return v
 
     @model_validator(mode="after")
     def _relay_answers_before_clients_give_up(self) -> "ShardcastConfig":

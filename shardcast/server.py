@@ -15,12 +15,14 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
 from protocol.manifests import VersionList
+from protocol.proxies import Network, is_proxy, proxy_networks
 from shardcast.config import DEFAULTS
 from shardcast.store import ShardUnavailable, VersionStore
 
@@ -46,11 +48,12 @@ class _HTTPServer(ThreadingHTTPServer):
     request_queue_size = 1024
 
     def __init__(self, address, store: VersionStore, shard_wait_s: float, max_connections: int, max_per_address: int,
-        head_timeout_s: float):
+        head_timeout_s: float, trusted_proxies: tuple[Network, ...] = ()):
         self.store = store
         self.shard_wait_s = shard_wait_s
         self.max_connections = max_connections
         self.max_per_address = max_per_address
+        self.trusted_proxies = trusted_proxies
         self.head_timeout_s = head_timeout_s
         self.open_connections: dict[socket.socket, str] = {}  # -> client address
         self.per_address: dict[str, int] = {}
@@ -70,7 +73,7 @@ class _HTTPServer(ThreadingHTTPServer):
         # cannot exhaust the host, and one client cannot take every slot from the others.
         with self._conn_lock:
             over = len(self.open_connections) > self.max_connections or self.per_address.get(client_address[0],
-                0) > self.max_per_address
+                0) > self.max_per_address and not is_proxy(client_address[0], self.trusted_proxies)
         if over:
             REQUESTS.labels("refused", "503").inc()
             try:
@@ -295,8 +298,12 @@ class ShardServer:
     """A running shard server on its own thread. `url` is its base URL; `stop()` shuts it and its connections."""
 
     def __init__(self, store: VersionStore, host: str = "127.0.0.1", port: int = 0, shard_wait_s: float = 0.0,
-                 max_connections: int = 512, max_per_address: int = 64, head_timeout_s: float = 10.0):
-        self._httpd = _HTTPServer((host, port), store, shard_wait_s, max_connections, max_per_address, head_timeout_s)
+                 max_connections: int = 512, max_per_address: int = 64, head_timeout_s: float = 10.0,
+                 trusted_proxies: Iterable[str] = ()):
+        """`trusted_proxies`: addresses or networks of reverse proxies in front (protocol.proxies), whose
+        connections carry many clients and are not capped per address."""
+        self._httpd = _HTTPServer((host, port), store, shard_wait_s, max_connections, max_per_address, head_timeout_s,
+            proxy_networks(trusted_proxies))
         self.host, self.port = self._httpd.server_address[:2]
         self.url = f"http://{self.host}:{self.port}"
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1},
@@ -316,11 +323,12 @@ class ShardServer:
         self.stop()
 
 
-def serve_origin(origin: "Origin", host: str = DEFAULTS.host, port: int = 0) -> ShardServer:
-    return ShardServer(origin, host, port)
+def serve_origin(origin: "Origin", host: str = DEFAULTS.host, port: int = 0,
+    trusted_proxies: Iterable[str] = ()) -> ShardServer:
+    return ShardServer(origin, host, port, trusted_proxies=trusted_proxies)
 
 
 def serve_relay(relay: "Relay", host: str = DEFAULTS.host, port: int = 0,
-    shard_wait_s: float = DEFAULTS.relay_shard_wait_s) -> ShardServer:
+    shard_wait_s: float = DEFAULTS.relay_shard_wait_s, trusted_proxies: Iterable[str] = ()) -> ShardServer:
     """A relay's server waits up to `shard_wait_s` for a listed shard still being mirrored, then 503s."""
-    return ShardServer(relay.store, host, port, shard_wait_s)
+    return ShardServer(relay.store, host, port, shard_wait_s, trusted_proxies=trusted_proxies)

@@ -173,14 +173,12 @@ def _child_setup(cfg: RunConfig, component: str):
     return setup
 
 
-def start_relay(origin_url: str, public_key: str, rd: RunDir, index: int, cfg: RunConfig, port: int = 0) -> Proc:
-    rd.logs.mkdir(parents=True, exist_ok=True)
-    log_path = rd.logs / f"relay-{index}.log"
+def relay_command(origin_url: str, public_key: str, root: Path, cfg: RunConfig, port: int = 0) -> list[str]:
     sc = cfg.shardcast
-    cmd = swarmrl_command() + [
+    return swarmrl_command() + [
         "shardcast", "relay",
         "--upstream", origin_url,
-        "--root", str(rd.relay_dir(index)),
+        "--root", str(root),
         "--public-key", public_key,
         "--run-id", sc.run_id,
         "--host", sc.host,
@@ -190,7 +188,14 @@ def start_relay(origin_url: str, public_key: str, rd: RunDir, index: int, cfg: R
         "--parallelism", str(sc.relay_parallelism),
         "--shard-wait-s", str(sc.relay_shard_wait_s),
         "--grace-s", str(sc.delete_grace_s),
-    ]
+    ] + [arg for proxy in sc.trusted_proxies for arg in ("--trusted-proxy", proxy)]
+
+
+def start_relay(origin_url: str, public_key: str, rd: RunDir, index: int, cfg: RunConfig, port: int = 0) -> Proc:
+    rd.logs.mkdir(parents=True, exist_ok=True)
+    log_path = rd.logs / f"relay-{index}.log"
+    sc = cfg.shardcast
+    cmd = relay_command(origin_url, public_key, rd.relay_dir(index), cfg, port)
     if port:
         wait_until_free(sc.host, port)
     popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_path.open("ab"), env=child_env(1), text=True,

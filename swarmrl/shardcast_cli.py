@@ -57,6 +57,16 @@ RUN_ID_HELP = "the run id signed into (and required of) every manifest"
 RELAY_LOCK_WAIT_S = 60.0
 
 
+def _networks(entries: list[str]) -> list[str]:
+    from protocol.proxies import proxy_networks
+
+    try:
+        proxy_networks(entries)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--trusted-proxy") from None
+    return entries
+
+
 @app.command()
 def origin(
     root: Path = typer.Option(..., help="folder holding the published versions"),
@@ -71,6 +81,8 @@ def origin(
     version: int = typer.Option(0, min=0, help="version number for --publish"),
     grace_s: float = typer.Option(DEFAULTS.delete_grace_s, min=0,
     help="keep a superseded version until nobody touched it this long"),
+    trusted_proxy: list[str] = typer.Option([], callback=_networks, help="address or network (CIDR) of a reverse "
+    "proxy in front of this server, whose connections are not capped per address; repeat for several"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     """Serve the origin (and optionally publish a model folder first)."""
@@ -85,7 +97,7 @@ def origin(
         from shardcast.weights import load_version_dir
 
         store.publish(version, load_version_dir(publish))
-    server = serve_origin(store, host, port)
+    server = serve_origin(store, host, port, trusted_proxies=trusted_proxy)
     _announce(url=server.url, public_key=store.public_key_b64, versions=store.versions())
     _serve_until_signal(server.stop)
 
@@ -107,6 +119,8 @@ def relay(
     help="hold a request for a listed shard still on its way this long, then 503"),
     grace_s: float = typer.Option(DEFAULTS.delete_grace_s, min=0,
     help="keep a superseded version until nobody touched it this long"),
+    trusted_proxy: list[str] = typer.Option([], callback=_networks, help="address or network (CIDR) of a reverse "
+    "proxy in front of this server, whose connections are not capped per address; repeat for several"),
     log_level: str = typer.Option("INFO"),
 ) -> None:
     """Mirror upstream versions (verifying every manifest and shard) and serve them."""
@@ -124,7 +138,7 @@ def relay(
             poll_interval_s=poll_interval_s, parallelism=parallelism, grace_s=grace_s)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--public-key") from None
-    server = serve_relay(r, host, port, shard_wait_s=shard_wait_s)
+    server = serve_relay(r, host, port, shard_wait_s=shard_wait_s, trusted_proxies=trusted_proxy)
     r.start()
     _announce(url=server.url, public_key=public_key)
 

@@ -127,7 +127,8 @@ class TrainerActor:
             "deltas": False}) if config.trainer.lora.enabled else config.shardcast
         self.origin = Origin.from_config(rd.origin_dir, load_or_generate_signing_key(Path(self.key_path)),
             shardcast_config)
-        self.server = serve_origin(self.origin, config.shardcast.host, config.shardcast.origin_port)
+        self.server = serve_origin(self.origin, config.shardcast.host, config.shardcast.origin_port,
+            trusted_proxies=config.shardcast.trusted_proxies)
         self.trainer = Trainer(config.trainer, Path(self.model_dir), rd.root, publish=self._publish, defer_io=True,
                                sampling_temperature=config.orchestrator.sampling.temperature)
         ranks.lead(self.trainer)

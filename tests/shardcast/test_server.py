@@ -220,3 +220,48 @@ def test_one_address_cannot_take_every_connection_nor_hold_one_with_a_trickled_h
                 break
             time.sleep(0.1)
         assert r.status_code == 200 and r.json() == {"versions": [0]}
+
+
+def test_a_trusted_proxy_is_not_capped_per_address_but_the_total_cap_holds(tmp_path, key):
+    """Behind a Kubernetes ingress every volunteer's download arrives from the ingress pod: capped per address, the
+    ingress would carry four downloads at once for the whole swarm. A proxy the operator named is not; the cap on
+    all connections still is."""
+    origin = Origin(tmp_path / "origin", key, run_id=RUN, shard_bytes=1 << 20)
+    origin.publish(0, state_dict(layers=1))
+    with ShardServer(origin, max_connections=8, max_per_address=4, trusted_proxies=["127.0.0.0/30"]) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        held = [socket.create_connection((host, int(port)), timeout=10) for _ in range(8)]
+        try:
+            for s in held:
+                s.sendall(f"GET {api.SHARDCAST_VERSIONS} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+                assert s.recv(4096).startswith(b"HTTP/1.1 200")
+            with socket.create_connection((host, int(port)), timeout=10) as extra:
+                assert extra.recv(4096).startswith(b"HTTP/1.1 503")  # over the total
+        finally:
+            for s in held:
+                s.close()
+    with pytest.raises(ValueError, match="not an IP address or network"):
+        ShardServer(origin, trusted_proxies=["ingress"])
+
+
+def test_trusted_proxies_reach_the_relays_swarmrl_run_starts(tmp_path):
+    from swarmrl.config import RunConfig
+    from swarmrl.processes import relay_command
+
+    cfg = RunConfig.model_validate({"shardcast": {"trusted_proxies": ["10.0.0.0/8", "fd00::/8"]}})
+    cmd = relay_command("http://origin:9000", "pub", tmp_path / "relay", cfg, port=9200)
+    assert cmd[cmd.index("--trusted-proxy") :][:4] == ["--trusted-proxy", "10.0.0.0/8", "--trusted-proxy", "fd00::/8"]
+    with pytest.raises(ValueError, match="not an IP address or network"):
+        RunConfig.model_validate({"shardcast": {"trusted_proxies": ["10.0.0.0/33"]}})
+
+
+def test_the_relay_command_refuses_a_trusted_proxy_that_is_not_an_address(tmp_path):
+    from typer.testing import CliRunner
+
+    from swarmrl.shardcast_cli import app
+
+    args = ["relay", "--upstream", "http://127.0.0.1:9", "--root", str(tmp_path / "relay"), "--public-key", "A" * 43 + "=",
+            "--trusted-proxy", "ingress-nginx"]
+    r = CliRunner(env={"COLUMNS": "300"}).invoke(app, args)
+    assert r.exit_code == 2 and "not an IP address or network" in r.output, r.output
+    assert not (tmp_path / "relay").exists()
