@@ -260,8 +260,8 @@ def test_the_relay_command_refuses_a_trusted_proxy_that_is_not_an_address(tmp_pa
 
     from swarmrl.shardcast_cli import app
 
-    args = ["relay", "--upstream", "http://127.0.0.1:9", "--root", str(tmp_path / "relay"), "--public-key", "A" * 43 + "=",
-            "--trusted-proxy", "ingress-nginx"]
+    args = ["relay", "--upstream", "http://127.0.0.1:9", "--root", str(tmp_path / "relay"),
+            "--public-key", "A" * 43 + "=", "--trusted-proxy", "ingress-nginx"]
     r = CliRunner(env={"COLUMNS": "300"}).invoke(app, args)
     assert r.exit_code == 2 and "not an IP address or network" in r.output, r.output
     assert not (tmp_path / "relay").exists()
