@@ -16,7 +16,8 @@ back to their anchors, and serves them.
   this is hygiene, not their protection.
 - A run that resumes from an earlier checkpoint signs some version numbers again. A relay that kept running
   drops what it holds of the abandoned line once upstream's newest manifest is numbered at or below a version
-  it holds but signed later, and mirrors the new line (before, it served the old one until it aged out).
+  it holds but signed later, and mirrors the new line (before, it served the old one until it aged out); it does
+  not mirror that old line from an upstream that still serves it.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class Relay:
         self.poll_interval_s = poll_interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._latest: PolicyManifest | None = None  # upstream's most recently signed newest version, this sync
 
     @property
     def run_id(self) -> str | None:
@@ -89,7 +91,7 @@ class Relay:
     def sync_once(self) -> list[int]:
         """Mirror the window of upstream versions, newest first; returns the versions now complete here."""
         listed = {u: set(vs) for u, vs in self.upstream.list_versions(fallback=True).items()}
-        latest = self._newest_signed(listed)
+        self._latest = latest = self._newest_signed(listed)
         if latest is not None:
             if self.follow:
                 self._follow(latest)
@@ -192,15 +194,22 @@ class Relay:
             return
         for v in self.store.versions():
             m = self.store.manifest(v)
-            if m is not None and v >= latest.version and m.created_at < latest.created_at:
+            if m is not None and self._abandoned(m):
                 log.warning("dropping version %d: signed before version %d, which its run signed after resuming from "
                             "an earlier checkpoint", v, latest.version, extra={"version": v})
                 self.store.drop(v)
+
+    def _abandoned(self, m: PolicyManifest) -> bool:
+        latest = self._latest
+        return (latest is not None and m.run_id == latest.run_id and m.version >= latest.version
+                and m.created_at < latest.created_at)
 
     def _list(self, version: int, holders: list[str]) -> None:
         if self.store.manifest(version) is None:
             manifest = self.upstream.fetch_manifest(version, prefer=holders)
             check_run(manifest, self.store.run_id or "")
+            if self._abandoned(manifest):  # served by an upstream that missed the resume (or replays it)
+                raise ManifestError(f"version {version} belongs to the line its run abandoned when it resumed")
             self.store.begin_partial(version, manifest, manifest.model_dump_json().encode())
             log.info("relay listed version %d (manifest verified)", version, extra={"version": version})
 

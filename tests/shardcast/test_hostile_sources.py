@@ -18,6 +18,7 @@ from shardcast.relay import Relay
 from shardcast.server import ShardServer, serve_origin, serve_relay
 from shardcast.sources import TransferPolicy
 from shardcast.store import VersionStore
+from shardcast.transfer import ServerPool
 from tools.hostile_relay import HostileRelay
 
 # Tight enough that a test of a bad source takes seconds; the pull deadline is the bound every test keeps.
@@ -380,17 +381,20 @@ def test_a_running_relay_drops_the_line_its_run_abandoned_when_it_resumed(tmp_pa
         resumed.publish(2, state_dict(seed=7, layers=2))
         assert relay.sync_once() == [0, 1, 2]  # 3 belongs to the abandoned line too
         assert relay.store.manifest(2).model_hash == resumed.manifest(2).model_hash != first.manifest(2).model_hash
+        # An upstream still serving the abandoned line (a relay that never saw the resume, or a replayer) lists
+        # version 3 of it, genuinely signed: a relay beside it does not mirror it, nor does this one re-mirror it.
+        old = serve_origin(first)
+        try:
+            for r in (relay, Relay([old.url, server.url], tmp_path / "other", pub, run_id=run_id, keep_versions=5,
+                                   policy=POLICY)):
+                r.upstream = ServerPool([old.url, server.url], pub, run_id=r.run_id or "", policy=POLICY)
+                assert r.sync_once() == [0, 1, 2] and r.sync_once() == [0, 1, 2]
+                assert r.store.manifest(2).model_hash == resumed.manifest(2).model_hash
+                assert 3 not in r.store.versions()
+        finally:
+            old.stop()
         resumed.publish(3, state_dict(seed=8, layers=2))
         assert relay.sync_once() == [0, 1, 2, 3]
         assert relay.store.manifest(3).model_hash == resumed.manifest(3).model_hash
-        # An upstream replaying the abandoned line's manifests cannot take the relay back to it.
-        old = serve_origin(first)
-        try:
-            replaying = Relay([old.url, server.url], tmp_path / "relay", pub, run_id=run_id, keep_versions=5,
-                policy=POLICY)
-            assert replaying.sync_once() == [0, 1, 2, 3]
-            assert replaying.store.manifest(3).model_hash == resumed.manifest(3).model_hash
-        finally:
-            old.stop()
     finally:
         server.stop()
