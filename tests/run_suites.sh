@@ -4,21 +4,16 @@
 # share a process with another package's. Prints every suite's summary with its 5 slowest tests, the wall time
 # and CPU time of each folder and a combined closing line.
 #
-# Folders run in three lanes at once (SWARMRL_TEST_LANES=2 or 1 for fewer). Most folders use well under one
+# Folders run in two lanes at once (SWARMRL_TEST_LANES=1: one after another). Most folders use well under one
 # core on average: they wait on servers, engines, Ray actors and subprocesses (the CPU column below: on a fresh
-# clone with two lanes the whole suite used 1,372 CPU s in 1,028 s of wall time, orchestrator 104 in 243,
-# shardcast 32 in 79), so a third lane fills the idle part of the two cores (bench/results/suite_time.md). The
-# first lane takes the whole-system runs, the second the other long single runs; each folder's output is
-# printed whole when it ends.
+# clone the whole suite used 1,127 CPU s in 923 s of wall time, shardcast 22 in 58, orchestrator 77 in 189).
+# The first lane takes the whole-system runs and the folders that balance it; each folder's output is printed
+# whole when it ends.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-LANES=${SWARMRL_TEST_LANES:-3}
-if [ "$LANES" -ge 3 ]; then
-  FIRST_LANE=" e2e environments protocol " SECOND_LANE=" deploy trainer bench verifier "
-else
-  FIRST_LANE=" e2e trainer bench verifier " SECOND_LANE=""
-fi
+LANES=${SWARMRL_TEST_LANES:-2}
+FIRST_LANE=" e2e trainer bench verifier "
 ARGS=("$@")
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
@@ -56,16 +51,12 @@ done
 
 suite_start=$(date +%s)
 if [ "$LANES" -ge 2 ]; then
-  first=() second=() third=()
+  first=() second=()
   for dir in "${folders[@]}"; do
-    name=" $(basename "$dir") "
-    case "$FIRST_LANE" in *"$name"*) first+=("$dir"); continue ;; esac
-    case "$SECOND_LANE" in *"$name"*) second+=("$dir"); continue ;; esac
-    if [ "$LANES" -ge 3 ]; then third+=("$dir"); else second+=("$dir"); fi
+    case "$FIRST_LANE" in *" $(basename "$dir") "*) first+=("$dir") ;; *) second+=("$dir") ;; esac
   done
   lane "${first[@]}" &
   lane "${second[@]}" &
-  [ ${#third[@]} -gt 0 ] && lane "${third[@]}" &
   wait
 else
   lane "${folders[@]}"
