@@ -125,8 +125,16 @@ def _install(cmd: str, *, env, cwd) -> None:
     _run(cmd, env=env, cwd=cwd, timeout=1200, what="install")
 
 
+@pytest.fixture
+def run(scratch):
+    """The run the volunteer joins, started before the install: its start-up (Ray, the base model, the trainer,
+    ~40 s) overlaps pip's ~100 s, which use one core."""
+    with RunToJoin(scratch / "run") as run:
+        yield run
+
+
 @pytest.mark.timeout(2400)
-def test_cpu_volunteer_install_joins_a_run_and_leaves_cleanly(scratch):
+def test_cpu_volunteer_install_joins_a_run_and_leaves_cleanly(scratch, run):
     started = time.perf_counter()
     # 1. Our wheel, built from a clean copy of the tree (with the build backend pyproject.toml names).
     src, dist, venv = scratch / "src", scratch / "dist", scratch / "venv"
@@ -184,32 +192,31 @@ def test_cpu_volunteer_install_joins_a_run_and_leaves_cleanly(scratch):
     # 6. Join a running run with the guide's command, as a stranger: no model of its own (the run serves its
     #    config and tokenizer), real vLLM, every submission verified by the run's verifier; then SIGTERM.
     (line,) = guide_block("run:worker-cpu")
-    with RunToJoin(scratch / "run") as run:
-        run.wait_ready()
-        cmd = run.guide_line(line, run.join).replace("~/swarmrl-work", str(scratch / "work"))
-        log_path = scratch / "worker.log"
-        started_worker = time.perf_counter()
-        worker = subprocess.Popen(["bash", "-c", f"exec {cmd}"], env=env, cwd=scratch, stdout=log_path.open("wb"),
-                                  stderr=subprocess.STDOUT)
-        try:
-            rows = run.wait_accepted("my-cpu", 2, [worker], [log_path])
-            joined_s = time.perf_counter() - started_worker
-            worker.send_signal(signal.SIGTERM)
-            code = worker.wait(180)
-        finally:
-            if worker.poll() is None:
-                worker.kill()
-        log = log_path.read_text(errors="replace")
-        assert code == 0, log[-4000:]
-        assert "base model config and tokenizer from the run" in log, log[-4000:]
-        (row,) = run.workers("my-cpu")
-        # Nothing submitted was lost: every task it submitted has its verdict, and it says so in its log.
-        submitted = int(re.search(r"worker stopped: (\d+) tasks submitted", log).group(1))
-        assert row["submissions_accepted"] + row["submissions_rejected"] == submitted >= 2, (row, log[-3000:])
-        assert log_credit(log)[-1] == (row["submissions_accepted"], row["submissions_rejected"],
-                                       row["verified_tokens"]), log[-3000:]
-        assert row["state"] == "stopped" and not row["online"], row
-        cells = credit_row(run.status_text(), row["token_id"])
-        assert f"{row['submissions_accepted']:,}" in cells and f"{row['verified_tokens']:,}" in cells, cells
+    run.wait_ready()
+    cmd = run.guide_line(line, run.join).replace("~/swarmrl-work", str(scratch / "work"))
+    log_path = scratch / "worker.log"
+    started_worker = time.perf_counter()
+    worker = subprocess.Popen(["bash", "-c", f"exec {cmd}"], env=env, cwd=scratch, stdout=log_path.open("wb"),
+                              stderr=subprocess.STDOUT)
+    try:
+        rows = run.wait_accepted("my-cpu", 2, [worker], [log_path])
+        joined_s = time.perf_counter() - started_worker
+        worker.send_signal(signal.SIGTERM)
+        code = worker.wait(180)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    log = log_path.read_text(errors="replace")
+    assert code == 0, log[-4000:]
+    assert "base model config and tokenizer from the run" in log, log[-4000:]
+    (row,) = run.workers("my-cpu")
+    # Nothing submitted was lost: every task it submitted has its verdict, and it says so in its log.
+    submitted = int(re.search(r"worker stopped: (\d+) tasks submitted", log).group(1))
+    assert row["submissions_accepted"] + row["submissions_rejected"] == submitted >= 2, (row, log[-3000:])
+    assert log_credit(log)[-1] == (row["submissions_accepted"], row["submissions_rejected"],
+                                   row["verified_tokens"]), log[-3000:]
+    assert row["state"] == "stopped" and not row["online"], row
+    cells = credit_row(run.status_text(), row["token_id"])
+    assert f"{row['submissions_accepted']:,}" in cells and f"{row['verified_tokens']:,}" in cells, cells
     print(f"joined: {len(rows)} registration, first 2 accepted submissions {joined_s:.0f} s after the start")
     print(f"volunteer install test: {time.perf_counter() - started:.0f} s in all")
